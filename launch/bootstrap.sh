@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up rollmesh in a virtual environment on this host (idempotent).
+#   bash launch/bootstrap.sh            # runtime
+#   bash launch/bootstrap.sh --test     # runtime + test tools
+#   bash launch/bootstrap.sh --sglang   # runtime + SGLang (GPU inference hosts)
+# On a host without an NVIDIA GPU it installs the CPU build of torch, never the CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${ROLLMESH_VENV:-.venv}
+extras=""
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="${extras:+$extras,}test" ;;
+    --sglang) extras="${extras:+$extras,}sglang" ;;
+    *) echo "bootstrap.sh: unknown option $arg (expected --test or --sglang)" >&2; exit 2 ;;
+  esac
+done
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip() { "$venv/bin/python" -m pip "$@"; }
+torch_version=2.13.0
+if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install "torch==$torch_version"
+  else
+    # A local CPU wheel if the host has one, else PyTorch's CPU index.
+    pip install "torch==$torch_version+cpu" \
+      || pip install --index-url https://download.pytorch.org/whl/cpu "torch==$torch_version"
+  fi
+fi
+pip install -e ".${extras:+[$extras]}"
+echo "rollmesh installed in $venv"

@@ -1,0 +1,3 @@
+from rollmesh.cli import main
+
+raise SystemExit(main())

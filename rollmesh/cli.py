@@ -1,0 +1,64 @@
+"""The `rollmesh` command: one entry point, one sub-command per way of using rollmesh."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Sub-commands that own their own argument parsing: name -> "module:function(argv) -> int".
+_DELEGATED = {
+    "engine": ("rollmesh.engine.server:main", "serve a model over the SGLang HTTP contract"),
+    "role": ("rollmesh.runtime:role_main", "run one role process (used by the launcher)"),
+}
+
+
+def _call(target: str, argv: list[str]) -> int:
+    module, func = target.split(":")
+    return int(getattr(importlib.import_module(module), func)(argv) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollmesh", description=__doc__)
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in _DELEGATED.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    c = sub.add_parser("config", help="validate an experiment config and print it resolved")
+    c.add_argument("path")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    launch = sub.add_parser("launch", help="start every role of a cluster file")
+    launch.add_argument("cluster")
+    launch.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        return _call(_DELEGATED[argv[0]][0], argv[1:])
+    args = _parser().parse_args(argv)
+    if args.version:
+        from rollmesh import __version__
+
+        print(__version__)
+        return 0
+    if args.command == "config":
+        return _config(args)
+    if args.command == "launch":
+        return _call("rollmesh.launcher:main", argv[1:])
+    _parser().print_help()
+    return 2
+
+
+def _config(args: argparse.Namespace) -> int:
+    from rollmesh.config import ConfigError, load_experiment, to_toml
+
+    try:
+        cfg = load_experiment(args.path, overrides=args.overrides)
+    except ConfigError as e:
+        print(f"rollmesh: {e}", file=sys.stderr)
+        return 2
+    print(to_toml(cfg))
+    return 0

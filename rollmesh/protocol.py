@@ -1,0 +1,538 @@
+"""The wire: every message record rollmesh processes exchange, and their strict codec.
+
+A message is a list of ZeroMQ frames:
+
+    [type name (ascii), msgpack body, buffer 0, buffer 1, ...]
+
+The body is a msgpack map of the record's fields. Numeric arrays (token ids, log-probs,
+versions, masks) never go inside it: each array is replaced by a small msgpack extension
+(frame index, dtype name, shape) and its raw little-endian bytes travel as one extra frame, so
+both ends touch the bytes once (zero-copy on decode: the array is a read-only view of the
+received frame). Dtypes numpy lacks (bfloat16, float8) are carried by name through ml_dtypes.
+
+Decoding is strict and never trusts a declared size: an unknown type, a missing or extra field,
+a wrong type, a frame count or array size that does not match the header each raise
+`ProtocolError` with the reason. Nothing here can make a process run code (no pickle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Callable, Literal, Sequence, Union
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+_ARRAY_EXT = 1
+MAX_FRAMES = 4096  # buffers in one message: far above any record, small enough to stay cheap
+MAX_NDIM = 32
+MAX_BODY_BYTES = 16 << 20  # the msgpack body holds no bulk data; arrays travel as frames
+
+# Every dtype that may cross the wire, by name; decoded arrays get exactly these dtypes.
+WIRE_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<") if np.dtype(name).itemsize > 1 else np.dtype(name)
+    for name in (
+        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64",
+    )
+}
+WIRE_DTYPES.update(
+    bfloat16=np.dtype(ml_dtypes.bfloat16),
+    float8_e4m3fn=np.dtype(ml_dtypes.float8_e4m3fn),
+    float8_e5m2=np.dtype(ml_dtypes.float8_e5m2),
+)
+
+
+class ProtocolError(ValueError):
+    """A message that does not match the protocol. Carries the reason; never fatal to a role."""
+
+
+Frame = Union[bytes, memoryview, Any]  # anything with the buffer protocol (zmq.Frame included)
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------
+
+RECORDS: dict[str, type] = {}
+
+
+def record(cls: type) -> type:
+    """Declare a wire record: a dataclass whose field types are checked on decode."""
+    cls = dataclasses.dataclass(slots=True)(cls)
+    name = cls.__name__
+    if name in RECORDS:
+        raise TypeError(f"duplicate wire record {name}")
+    RECORDS[name] = cls
+    cls._wire_name = name.encode()  # type: ignore[attr-defined]
+    return cls
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+# -- lifecycle and control (role process <-> its parent / launcher) --------------------------
+
+
+@record
+class Hello:
+    """First message of a role process to its parent; the parent checks the protocol version."""
+
+    role: str
+    host: str
+    pid: int
+    instance: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@record
+class Ready:
+    """The role has bound its sockets and can serve; `endpoints` says where."""
+
+    role: str
+    host: str
+    pid: int
+    instance: int = 0
+    endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@record
+class Heartbeat:
+    """Liveness, both ways: sender identity and a sequence number."""
+
+    sender: str
+    seq: int
+    time: float = dataclasses.field(default_factory=_now)
+
+
+@record
+class Shutdown:
+    """Ask a process to stop gracefully."""
+
+    reason: str = ""
+
+
+@record
+class Fatal:
+    """Sent by a role just before it exits on an unrecoverable error."""
+
+    role: str
+    host: str
+    pid: int
+    error: str
+    instance: int = 0
+    traceback: str = ""
+
+
+@record
+class Ok:
+    """Generic success reply."""
+
+    message: str = ""
+
+
+@record
+class ErrorReply:
+    """Generic failure reply: `code` is machine-readable (protocol, unexpected, handler...)."""
+
+    code: str
+    message: str
+
+
+@record
+class Metrics:
+    """Status published to the launcher's hub: counters and gauges of one role process."""
+
+    role: str
+    host: str
+    values: dict[str, Any]
+    time: float = dataclasses.field(default_factory=_now)
+
+
+# -- data plane --------------------------------------------------------------------------------
+
+
+@record
+class Trajectory:
+    """One sample: prompt plus everything generated and observed so far, one row per token.
+
+    `versions` is the weight version that produced each token (-1 for prompt, tool and
+    environment tokens); `loss_mask` is 1 exactly for generated tokens; `logprobs` holds the
+    behaviour log-prob of generated tokens (0 elsewhere). `loop_state` is the agent loop's own
+    resumable state: plain data, so any worker can continue the trajectory.
+    """
+
+    sample_id: str
+    group_id: str
+    token_ids: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n]
+    versions: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # uint8 [n]
+    prompt_len: int
+    agent_loop: str = "single_turn"
+    status: str = "running"  # running | interrupted | finished | failed
+    finish_reason: str | None = None
+    num_turns: int = 0
+    reward: float | None = None
+    reward_status: str | None = None  # ok | error | timeout
+    label: Any = None
+    loop_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@record
+class Group:
+    """The n samples of one prompt, which move through the MessageQueue together."""
+
+    group_id: str
+    trajectories: list[Trajectory]
+    version_admitted: int = 0
+
+
+@record
+class WeightVersion:
+    """A new policy weight version is live on the engines."""
+
+    version: int
+
+
+# --------------------------------------------------------------------------------------------
+# Schemas: a checker per field, compiled once from the type hints
+# --------------------------------------------------------------------------------------------
+
+Checker = Callable[[Any, str], Any]
+
+
+def _fail(path: str, expected: str, got: Any) -> ProtocolError:
+    kind = type(got).__name__
+    if isinstance(got, np.ndarray):
+        kind = f"array of {got.dtype.name}"
+    return ProtocolError(f"{path}: expected {expected}, got {kind}")
+
+
+def _check_int(v: Any, path: str) -> int:
+    if type(v) is not int:
+        raise _fail(path, "int", v)
+    return v
+
+
+def _check_float(v: Any, path: str) -> float:
+    if type(v) is float:
+        return v
+    if type(v) is int:
+        return float(v)
+    raise _fail(path, "float", v)
+
+
+def _check_str(v: Any, path: str) -> str:
+    if type(v) is not str:
+        raise _fail(path, "str", v)
+    return v
+
+
+def _check_bool(v: Any, path: str) -> bool:
+    if type(v) is not bool:
+        raise _fail(path, "bool", v)
+    return v
+
+
+def _check_bytes(v: Any, path: str) -> bytes:
+    if type(v) is not bytes:
+        raise _fail(path, "bytes", v)
+    return v
+
+
+def _check_array(v: Any, path: str) -> np.ndarray:
+    if not isinstance(v, np.ndarray):
+        raise _fail(path, "array", v)
+    return v
+
+
+def _check_plain(v: Any, path: str) -> Any:
+    """Plain msgpack data (`Any` fields): no arrays, string map keys."""
+    if v is None or type(v) in (bool, int, float, str, bytes):
+        return v
+    if type(v) is list:
+        return [_check_plain(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    if type(v) is dict:
+        for k, x in v.items():
+            if type(k) is not str:
+                raise ProtocolError(f"{path}: map keys must be str, got {type(k).__name__}")
+            _check_plain(x, f"{path}.{k}")
+        return v
+    raise _fail(path, "plain data", v)
+
+
+_SCALARS: dict[Any, Checker] = {
+    int: _check_int, float: _check_float, str: _check_str, bool: _check_bool,
+    bytes: _check_bytes, np.ndarray: _check_array, Any: _check_plain,
+}
+
+
+def _checker(tp: Any) -> Checker:
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        inner = _checker(options[0]) if len(options) == 1 else None
+        if inner is None:
+            raise TypeError(f"unsupported union {tp}")
+
+        def check_optional(v: Any, path: str) -> Any:
+            return None if v is None else inner(v, path)
+
+        return check_optional
+    if origin is list:
+        item = _checker(args[0])
+
+        def check_list(v: Any, path: str) -> list:
+            if type(v) is not list:
+                raise _fail(path, "list", v)
+            return [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
+
+        return check_list
+    if origin is dict:
+        if args[0] is not str:
+            raise TypeError(f"map keys must be str in {tp}")
+        value = _checker(args[1])
+
+        def check_dict(v: Any, path: str) -> dict:
+            if type(v) is not dict:
+                raise _fail(path, "map", v)
+            out = {}
+            for k, x in v.items():
+                if type(k) is not str:
+                    raise ProtocolError(f"{path}: map keys must be str, got {type(k).__name__}")
+                out[k] = value(x, f"{path}.{k}")
+            return out
+
+        return check_dict
+    if origin is Literal:
+        choices = args
+
+        def check_literal(v: Any, path: str) -> Any:
+            if v not in choices or type(v) not in {type(c) for c in choices}:
+                raise ProtocolError(f"{path}: expected one of {list(choices)}, got {v!r}")
+            return v
+
+        return check_literal
+    if isinstance(tp, type) and tp.__name__ in RECORDS and RECORDS[tp.__name__] is tp:
+        return lambda v, path: _build(tp, v, path)
+    raise TypeError(f"unsupported wire field type {tp!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schema:
+    fields: tuple[tuple[str, Checker], ...]
+    required: frozenset[str]
+    names: frozenset[str]
+
+
+_SCHEMAS: dict[type, _Schema] = {}
+
+
+def _schema(cls: type) -> _Schema:
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls)
+        fields = dataclasses.fields(cls)
+        schema = _Schema(
+            fields=tuple((f.name, _checker(hints[f.name])) for f in fields),
+            required=frozenset(
+                f.name for f in fields
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            ),
+            names=frozenset(f.name for f in fields),
+        )
+        _SCHEMAS[cls] = schema
+    return schema
+
+
+def _build(cls: type, body: Any, path: str) -> Any:
+    if type(body) is not dict:
+        raise _fail(path, f"a map for {cls.__name__}", body)
+    schema = _schema(cls)
+    extra = body.keys() - schema.names
+    if extra:
+        raise ProtocolError(f"{path}: unknown field(s) {sorted(map(str, extra))} for {cls.__name__}")
+    missing = schema.required - body.keys()
+    if missing:
+        raise ProtocolError(f"{path}: missing field(s) {sorted(missing)} for {cls.__name__}")
+    kwargs = {}
+    for name, check in schema.fields:
+        if name in body:
+            kwargs[name] = check(body[name], f"{path}.{name}")
+    return cls(**kwargs)
+
+
+def check_schemas() -> None:
+    """Compile every record's schema; raises TypeError for an unsupported field type."""
+    for cls in RECORDS.values():
+        _schema(cls)
+
+
+# --------------------------------------------------------------------------------------------
+# Encode
+# --------------------------------------------------------------------------------------------
+
+
+def _as_numpy(obj: Any) -> np.ndarray | None:
+    """numpy arrays as they are; torch tensors (any dtype, bf16 included) as numpy views."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    if type(obj).__module__ == "torch" and type(obj).__name__ in ("Tensor", "Parameter"):
+        import torch
+
+        t = obj.detach().cpu().contiguous()
+        special = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+                   torch.float8_e5m2: ml_dtypes.float8_e5m2}
+        if t.dtype in special:
+            bits = torch.int16 if t.dtype == torch.bfloat16 else torch.uint8
+            return t.view(bits).numpy().view(special[t.dtype])
+        return t.numpy()
+    return None
+
+
+def encode(rec: Any) -> list[Frame]:
+    """Record -> frames. Arrays are referenced, not copied, where they are contiguous."""
+    name = getattr(type(rec), "_wire_name", None)
+    if name is None or RECORDS.get(type(rec).__name__) is not type(rec):
+        raise ProtocolError(f"not a wire record: {type(rec).__name__}")
+    buffers: list[Any] = []
+
+    def default(obj: Any) -> Any:
+        arr = _as_numpy(obj)
+        if arr is not None:
+            dtype_name = arr.dtype.name
+            if dtype_name not in WIRE_DTYPES:
+                raise ProtocolError(f"dtype {dtype_name} cannot travel on the wire")
+            if arr.dtype.byteorder == ">":
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            shape = list(arr.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
+            buffers.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+            meta = msgpack.packb([len(buffers) - 1, dtype_name, shape])
+            return msgpack.ExtType(_ARRAY_EXT, meta)
+        if dataclasses.is_dataclass(obj) and type(obj).__name__ in RECORDS:
+            return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        if isinstance(obj, tuple):
+            return list(obj)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        raise ProtocolError(f"cannot encode {type(obj).__name__}")
+
+    body = msgpack.packb(
+        {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)},
+        default=default, use_bin_type=True,
+    )
+    return [name, body, *buffers]
+
+
+# --------------------------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------------------------
+
+
+def _buffer(frame: Frame) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
+    return memoryview(buf if buf is not None else frame).cast("B")
+
+
+def decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None = None) -> Any:
+    """Frames -> record, or ProtocolError naming what is wrong. Never allocates by a header."""
+    try:
+        return _decode(frames, expect)
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack's own errors, malformed buffers: all are protocol errors
+        raise ProtocolError(f"malformed message: {type(e).__name__}: {e}") from None
+
+
+def _decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None) -> Any:
+    if len(frames) < 2:
+        raise ProtocolError(f"expected at least 2 frames (type, body), got {len(frames)}")
+    if len(frames) - 2 > MAX_FRAMES:
+        raise ProtocolError(f"too many frames: {len(frames)} (at most {MAX_FRAMES + 2})")
+    type_bytes = bytes(_buffer(frames[0])[:64])
+    try:
+        type_name = type_bytes.decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError(f"message type is not ascii: {type_bytes[:32]!r}") from None
+    cls = RECORDS.get(type_name)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_name[:40]!r}")
+    if expect is not None and not issubclass(cls, expect):
+        names = [c.__name__ for c in (expect if isinstance(expect, tuple) else (expect,))]
+        raise ProtocolError(f"unexpected message {type_name}, expected {' or '.join(names)}")
+    body = _buffer(frames[1])
+    if body.nbytes > MAX_BODY_BYTES:
+        raise ProtocolError(f"body of {body.nbytes} bytes exceeds {MAX_BODY_BYTES}")
+
+    buffers = frames[2:]
+    used = [False] * len(buffers)
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code != _ARRAY_EXT:
+            raise ProtocolError(f"unknown msgpack extension {code}")
+        meta = msgpack.unpackb(data, use_list=True)
+        if not (type(meta) is list and len(meta) == 3):
+            raise ProtocolError("array header must be [frame, dtype, shape]")
+        index, dtype_name, shape = meta
+        if type(index) is not int or not 0 <= index < len(buffers):
+            raise ProtocolError(f"array refers to frame {index!r}, message has {len(buffers)}")
+        if used[index]:
+            raise ProtocolError(f"array frame {index} referenced twice")
+        used[index] = True
+        dtype = WIRE_DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
+            raise ProtocolError(f"array dtype {dtype_name!r} is not allowed on the wire")
+        if (type(shape) is not list or len(shape) > MAX_NDIM
+                or any(type(d) is not int or d < 0 for d in shape)):
+            raise ProtocolError(f"bad array shape {shape!r}")
+        buf = _buffer(buffers[index])
+        expected = math.prod(shape) * dtype.itemsize
+        if expected != buf.nbytes:
+            raise ProtocolError(
+                f"array frame {index} has {buf.nbytes} bytes, header says {shape} {dtype_name} "
+                f"= {expected}"
+            )
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    obj = msgpack.unpackb(
+        body, ext_hook=ext_hook, raw=False, strict_map_key=True, use_list=True,
+    )
+    if not all(used):
+        raise ProtocolError(f"{used.count(False)} array frame(s) not referenced by the body")
+    return _build(cls, obj, cls.__name__)
+
+
+def to_torch(arr: np.ndarray) -> Any:
+    """A decoded array as a torch tensor (bf16/float8 included).
+
+    Shares memory with a writable array; a read-only one (a view of a received frame) is
+    copied first, since torch tensors assume they may be written.
+    """
+    import torch
+
+    if not arr.flags.writeable:
+        arr = arr.copy()
+
+    special = {"bfloat16": (np.int16, torch.bfloat16), "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn),
+               "float8_e5m2": (np.uint8, torch.float8_e5m2)}
+    if arr.dtype.name in special:
+        bits, tdtype = special[arr.dtype.name]
+        return torch.from_numpy(arr.view(bits)).view(tdtype)
+    return torch.from_numpy(arr)
+
+
+check_schemas()

@@ -1,0 +1,369 @@
+"""Role processes: the one way any role starts, and the parent's side of their lifecycle.
+
+Child (`rollmesh role --spec FILE_OR_JSON`, entry `role_main`):
+    logging with role and host -> control socket to the parent -> Hello (protocol version
+    checked) -> the role's `async def main(ctx)`, which calls `await ctx.ready(...)` once it
+    serves -> Ready. Heartbeats both ways. SIGTERM/SIGINT set `ctx.stopping` and the role
+    returns (or is cancelled after `grace_s`). A parent that dies (PDEATHSIG, or silent for
+    `liveness` heartbeats) stops the role. An exception is logged and sent as Fatal, exit 1.
+
+Parent (`Supervisor`): binds the control socket, spawns role processes, waits for Ready,
+    hears Fatal, and stops every child on one shared deadline (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from rollmesh.log import configure_logging, get_logger
+from rollmesh.protocol import PROTOCOL_VERSION, Fatal, Heartbeat, Hello, Ok, Ready
+from rollmesh.transport import (
+    CurveKeys, Heartbeater, Liveness, PeerTimeout, RemoteError, RpcClient, RpcServer, Transport,
+)
+
+EXIT_FATAL = 1
+EXIT_PARENT_LOST = 3
+
+log = get_logger("rollmesh.runtime")
+
+
+@dataclasses.dataclass
+class RoleSpec:
+    """Everything a role process is handed by its parent (JSON on the command line or a file)."""
+
+    role: str
+    entry: str  # "package.module:function": async def function(ctx: RoleContext) -> None
+    control: str  # the parent's control endpoint
+    instance: int = 0
+    host: str = ""
+    run_id: str = ""
+    parent_pid: int = 0  # 0: the parent is remote (SSH), only heartbeats tell if it is alive
+    keys_dir: str | None = None
+    heartbeat_s: float = 1.0
+    liveness: int = 3
+    grace_s: float = 10.0
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}/{self.instance}"
+
+    @classmethod
+    def from_json(cls, text: str) -> RoleSpec:
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"role spec: unknown key(s) {sorted(unknown)}")
+        return cls(**data)
+
+
+class RoleContext:
+    """What a role's main function gets: its spec, logger, sockets and the stop signal."""
+
+    def __init__(self, spec: RoleSpec, transport: Transport, control: RpcClient, log: Any):
+        self.spec = spec
+        self.transport = transport
+        self.control = control
+        self.log = log
+        self.stopping = asyncio.Event()
+        self.is_ready = False
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.spec.config
+
+    async def ready(self, **endpoints: str) -> None:
+        """Tell the parent this role serves, and where."""
+        await self.control.request(Ready(role=self.spec.role, host=self.spec.host,
+                                         pid=os.getpid(), instance=self.spec.instance,
+                                         endpoints=endpoints))
+        self.is_ready = True
+        self.log.info("ready", **endpoints)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGTERM when the parent exits, and stop now if it already has."""
+    if not parent_pid or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        raise SystemExit(EXIT_PARENT_LOST)
+
+
+def _load_entry(entry: str) -> Callable[[RoleContext], Awaitable[None]]:
+    module, _, func = entry.partition(":")
+    if not func:
+        raise ValueError(f"role entry {entry!r}: expected 'module:function'")
+    return getattr(importlib.import_module(module), func)
+
+
+async def run_role(spec: RoleSpec) -> int:
+    """Run one role to completion; returns the process exit code."""
+    logger = get_logger("rollmesh.role", instance=spec.instance)
+    keys = CurveKeys.load(spec.keys_dir) if spec.keys_dir else None
+    transport = Transport(keys)
+    control = RpcClient(transport, spec.control, timeout_s=spec.heartbeat_s * spec.liveness,
+                        retries=1, name="parent")
+    ctx = RoleContext(spec, transport, control, logger)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctx.stopping.set)
+    parent_lost = False
+
+    def on_parent_dead() -> None:
+        nonlocal parent_lost
+        parent_lost = True
+        ctx.stopping.set()
+
+    tasks: list[asyncio.Task] = []
+    try:
+        await control.request(Hello(role=spec.role, host=spec.host, pid=os.getpid(),
+                                    instance=spec.instance))
+        main = _load_entry(spec.entry)
+        heartbeater = Heartbeater(control, spec.name, Liveness(spec.heartbeat_s, spec.liveness),
+                                  on_parent_dead)
+        tasks.append(asyncio.create_task(heartbeater.run(), name="heartbeat"))
+        main_task = asyncio.create_task(main(ctx), name=spec.role)
+        stop_task = asyncio.create_task(ctx.stopping.wait())
+        tasks.append(stop_task)
+        await asyncio.wait({main_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not main_task.done():
+            logger.info("stopping", parent_lost=parent_lost)
+            done, _ = await asyncio.wait({main_task}, timeout=spec.grace_s)
+            if not done:
+                logger.warning("grace_expired", grace_s=spec.grace_s)
+                main_task.cancel()
+                await asyncio.gather(main_task, return_exceptions=True)
+                return EXIT_PARENT_LOST if parent_lost else 0
+        main_task.result()  # re-raises the role's exception, if any
+        logger.info("exit", parent_lost=parent_lost)
+        return EXIT_PARENT_LOST if parent_lost else 0
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        return 0
+    except Exception as e:
+        logger.exception("fatal", error=f"{type(e).__name__}: {e}")
+        if not parent_lost:
+            try:
+                await control.request(
+                    Fatal(role=spec.role, host=spec.host, pid=os.getpid(), instance=spec.instance,
+                          error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()),
+                    timeout_s=2.0, retries=0)
+            except (PeerTimeout, RemoteError):
+                pass
+        return EXIT_FATAL
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        control.close()
+        transport.close()
+
+
+def role_main(argv: list[str]) -> int:
+    """`rollmesh role --spec FILE_OR_JSON`: run one role process."""
+    parser = argparse.ArgumentParser(prog="rollmesh role")
+    parser.add_argument("--spec", required=True, help="the role spec: a JSON file or JSON text")
+    args = parser.parse_args(argv)
+    text = args.spec if args.spec.lstrip().startswith("{") else Path(args.spec).read_text()
+    spec = RoleSpec.from_json(text)
+    spec.host = spec.host or socket.gethostname()
+    configure_logging(spec.role, spec.host, instance=spec.instance,
+                      **({"run": spec.run_id} if spec.run_id else {}))
+    _die_with_parent(spec.parent_pid)
+    return asyncio.run(run_role(spec))
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------------------------
+
+
+class RoleFailed(RuntimeError):
+    """A role process exited or reported a fatal error when it should be serving."""
+
+
+@dataclasses.dataclass
+class Child:
+    spec: RoleSpec
+    process: subprocess.Popen
+    log_path: Path | None
+    state: str = "spawned"  # spawned | hello | ready | silent | fatal | exited
+    endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
+    fatal: Fatal | None = None
+    ready_event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def failure(self) -> str | None:
+        code = self.process.poll()
+        where = f" (log: {self.log_path})" if self.log_path else ""
+        if self.fatal is not None:
+            return f"{self.name} failed: {self.fatal.error}{where}"
+        if code is not None:
+            return f"{self.name} exited with code {code}{where}"
+        return None
+
+
+class Supervisor:
+    """The parent of role processes on this host: control socket, spawn, ready, stop."""
+
+    def __init__(self, transport: Transport, *, control: str = "tcp://127.0.0.1:0",
+                 heartbeat_s: float = 1.0, liveness: int = 3, run_id: str = "",
+                 keys_dir: str | None = None, log_dir: Path | None = None):
+        self.transport = transport
+        self.heartbeat_s = heartbeat_s
+        self.liveness = Liveness(heartbeat_s, liveness)
+        self.run_id = run_id
+        self.keys_dir = keys_dir
+        self.log_dir = log_dir
+        self.children: dict[str, Child] = {}
+        self.server = RpcServer(transport, control, {
+            Hello: self._on_hello, Ready: self._on_ready, Heartbeat: self._on_heartbeat,
+            Fatal: self._on_fatal,
+        }, name="supervisor")
+        self._serve = asyncio.create_task(self.server.serve(), name="supervisor")
+        self._watch = asyncio.create_task(self.liveness.watch(self._on_silent), name="liveness")
+        self.on_silent: Callable[[Child], Awaitable[None] | None] | None = None
+
+    @property
+    def control(self) -> str:
+        return self.server.address
+
+    async def _on_hello(self, msg: Hello, peer: bytes) -> Any:
+        child = self.children.get(f"{msg.role}/{msg.instance}")
+        if msg.protocol_version != PROTOCOL_VERSION:
+            raise ValueError(f"protocol version {msg.protocol_version}, parent speaks "
+                             f"{PROTOCOL_VERSION}")
+        if child is not None:
+            child.state = "hello"
+        self.liveness.beat(f"{msg.role}/{msg.instance}")
+        return Ok()
+
+    async def _on_ready(self, msg: Ready, peer: bytes) -> Any:
+        child = self.children.get(f"{msg.role}/{msg.instance}")
+        if child is not None:
+            child.state, child.endpoints = "ready", dict(msg.endpoints)
+            child.ready_event.set()
+        return Ok()
+
+    async def _on_heartbeat(self, msg: Heartbeat, peer: bytes) -> Any:
+        self.liveness.beat(msg.sender)
+        child = self.children.get(msg.sender)
+        if child is not None and child.state == "silent":
+            child.state = "ready" if child.ready_event.is_set() else "hello"
+        return Heartbeat(sender="supervisor", seq=msg.seq)
+
+    async def _on_silent(self, name: str) -> None:
+        child = self.children.get(name)
+        if child is None or child.state in ("fatal", "exited"):
+            return
+        if child.process.poll() is not None:
+            child.state = "exited"
+            log.error("role_exited", child=name, code=child.process.returncode)
+            return
+        log.error("role_silent", child=name, silent_s=self.liveness.deadline_s)
+        child.state = "silent"
+        if self.on_silent is not None:
+            result = self.on_silent(child)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def _on_fatal(self, msg: Fatal, peer: bytes) -> Any:
+        child = self.children.get(f"{msg.role}/{msg.instance}")
+        log.error("role_fatal", child=child.name if child else msg.role, error=msg.error)
+        self.liveness.forget(f"{msg.role}/{msg.instance}")
+        if child is not None:
+            child.state, child.fatal = "fatal", msg
+            child.ready_event.set()
+        return Ok()
+
+    def spawn(self, role: str, entry: str, *, instance: int = 0,
+              config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+              grace_s: float = 10.0, cwd: str | None = None) -> Child:
+        """Start `rollmesh role` for one role instance on this host."""
+        spec = RoleSpec(role=role, entry=entry, control=self.control, instance=instance,
+                        run_id=self.run_id, parent_pid=os.getpid(), keys_dir=self.keys_dir,
+                        heartbeat_s=self.heartbeat_s, liveness=self.liveness.liveness,
+                        grace_s=grace_s, config=config or {})
+        log_path = None
+        out: Any = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"{role}-{instance}.log"
+            out = open(log_path, "ab")
+        cmd = [sys.executable, "-m", "rollmesh", "role", "--spec",
+               json.dumps(dataclasses.asdict(spec))]
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                   env={**os.environ, **(env or {})}, cwd=cwd,
+                                   start_new_session=True)  # a Ctrl-C reaches us, we stop them
+        if out is not None:
+            out.close()
+        child = Child(spec, process, log_path)
+        self.children[spec.name] = child
+        log.info("spawned", child=spec.name, pid=process.pid, entry=entry)
+        return child
+
+    async def wait_ready(self, child: Child, timeout_s: float = 60.0) -> dict[str, str]:
+        """Wait for Ready; RoleFailed if it exits, reports Fatal, or the time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while not child.ready_event.is_set():
+            failure = child.failure()
+            if failure:
+                raise RoleFailed(failure)
+            if time.monotonic() > deadline:
+                raise RoleFailed(f"{child.name} not ready after {timeout_s:g}s")
+            try:
+                await asyncio.wait_for(child.ready_event.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+        if child.fatal is not None:
+            raise RoleFailed(child.failure() or child.name)
+        return child.endpoints
+
+    async def stop_all(self, grace_s: float = 10.0) -> dict[str, int]:
+        """SIGTERM every child, SIGKILL whatever is left at one shared deadline."""
+        alive = [c for c in self.children.values() if c.process.poll() is None]
+        for child in alive:
+            child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(c.process.poll() is None for c in alive) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for child in alive:
+            if child.process.poll() is None:
+                log.warning("killed", child=child.name, grace_s=grace_s)
+                child.process.kill()
+        codes = {}
+        for child in self.children.values():
+            codes[child.name] = child.process.wait()
+            self.liveness.forget(child.name)
+            if child.state != "fatal":
+                child.state = "exited"
+        return codes
+
+    async def close(self, grace_s: float = 10.0) -> dict[str, int]:
+        codes = await self.stop_all(grace_s)
+        for task in (self._serve, self._watch):
+            task.cancel()
+        await asyncio.gather(self._serve, self._watch, return_exceptions=True)
+        self.server.close()
+        return codes

@@ -1,0 +1,649 @@
+"""Sockets: one factory and the few patterns every role uses, over ZeroMQ with asyncio.
+
+- `Transport` owns a process's ZeroMQ context, its CURVE keys and authenticator, and makes
+  every socket with bounded high-water marks, a maximum message size and a linger. CURVE is on
+  by default for any non-loopback address; a non-loopback socket without keys is refused.
+- `RpcServer` (ROUTER) / `RpcClient` (DEALER): request-reply with correlation ids, timeouts
+  and retries (the "lazy pirate": on a timeout the socket is rebuilt and pending requests are
+  sent again), a dispatcher from record type to handler, protocol errors answered and counted.
+- `Pusher` / `Puller`: PUSH/PULL streams; a full high-water mark blocks the sender
+  (back-pressure is visible, never an unbounded queue).
+- `StatusProxy` (XSUB/XPUB in a thread), `Publisher`, `Subscriber`: status and metrics.
+- `Liveness`, `Heartbeater`: heartbeats both ways; a peer silent for `liveness` intervals is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable
+
+import zmq
+import zmq.asyncio
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from rollmesh import protocol
+from rollmesh.log import get_logger
+from rollmesh.protocol import ErrorReply, Heartbeat, ProtocolError
+
+log = get_logger("rollmesh.transport")
+
+DEFAULT_HWM = 1000
+DEFAULT_MAX_MSG_BYTES = 256 << 20
+DEFAULT_LINGER_MS = 1000
+
+
+class TransportError(RuntimeError):
+    """A socket could not be set up as asked (e.g. a non-loopback address without keys)."""
+
+
+class PeerTimeout(TimeoutError):
+    """A peer did not answer in time, after all retries."""
+
+
+class RemoteError(RuntimeError):
+    """The peer answered with an ErrorReply."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# --------------------------------------------------------------------------------------------
+# Addresses and keys
+# --------------------------------------------------------------------------------------------
+
+
+def is_loopback(address: str) -> bool:
+    """ipc://, inproc:// and tcp:// on 127.0.0.0/8, ::1 or localhost are loopback."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    if not address.startswith("tcp://"):
+        raise TransportError(f"unsupported address {address!r} (expected tcp://, ipc:// or inproc://)")
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or interface: treat as reachable from outside
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A run's keys: one server key pair (every bound socket) and one client key pair.
+
+    Every process of a run gets both, so any role can bind and connect; a process without
+    them cannot connect to a CURVE socket of the run. Files are written mode 0600.
+    """
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+    directory: Path
+
+    @classmethod
+    def generate(cls, directory: str | Path) -> CurveKeys:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+        for name in ("server", "client"):
+            zmq.auth.create_certificates(str(directory), name)
+        for path in directory.iterdir():
+            os.chmod(path, 0o600)
+        return cls.load(directory)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> CurveKeys:
+        directory = Path(directory)
+        try:
+            spub, ssec = zmq.auth.load_certificate(str(directory / "server.key_secret"))
+            cpub, csec = zmq.auth.load_certificate(str(directory / "client.key_secret"))
+        except (OSError, ValueError) as e:
+            raise TransportError(f"cannot load CURVE keys from {directory}: {e}") from None
+        if ssec is None or csec is None:
+            raise TransportError(f"{directory}: secret keys missing")
+        return cls(spub, ssec, cpub, csec, directory)
+
+
+# --------------------------------------------------------------------------------------------
+# The socket factory
+# --------------------------------------------------------------------------------------------
+
+
+class Transport:
+    """A process's sockets. One per process; `close()` (or the context manager) at exit."""
+
+    def __init__(
+        self,
+        keys: CurveKeys | None = None,
+        *,
+        hwm: int = DEFAULT_HWM,
+        max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
+        linger_ms: int = DEFAULT_LINGER_MS,
+    ):
+        self.keys = keys
+        self.hwm = hwm
+        self.max_msg_bytes = max_msg_bytes
+        self.linger_ms = linger_ms
+        self.sync_ctx = zmq.Context()
+        # Async sockets share the sync context, so one ZAP authenticator serves both.
+        self.ctx = zmq.asyncio.Context.shadow(self.sync_ctx.underlying)
+        self._auth: ThreadAuthenticator | None = None
+        if keys is not None:
+            self._auth = ThreadAuthenticator(self.sync_ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(keys.directory))
+            self._auth.allow_any = False
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.sync_ctx.destroy(linger=0)
+
+    def socket(
+        self,
+        kind: int,
+        *,
+        bind: str | None = None,
+        connect: str | None = None,
+        secure: bool | None = None,
+        hwm: int | None = None,
+        sync: bool = False,
+        linger_ms: int | None = None,
+        identity: bytes | None = None,
+    ) -> zmq.Socket:
+        """Make a socket and bind or connect it. `secure=None`: CURVE iff not loopback."""
+        address = bind or connect
+        if address is None or (bind and connect):
+            raise TransportError("give exactly one of bind= or connect=")
+        if secure is None:
+            secure = not is_loopback(address)
+        if secure and self.keys is None:
+            raise TransportError(
+                f"{address}: CURVE keys are required for a non-loopback address "
+                "(pass the run's keys, or bind to 127.0.0.1 for a single-host run)"
+            )
+        sock = (self.sync_ctx if sync else self.ctx).socket(kind)
+        hwm = self.hwm if hwm is None else hwm
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
+        sock.setsockopt(zmq.LINGER, self.linger_ms if linger_ms is None else linger_ms)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone peer errors, not vanishes
+        if secure:
+            assert self.keys is not None
+            if bind:
+                sock.curve_server = True
+                sock.curve_secretkey = self.keys.server_secret
+                sock.curve_publickey = self.keys.server_public
+            else:
+                sock.curve_serverkey = self.keys.server_public
+                sock.curve_publickey = self.keys.client_public
+                sock.curve_secretkey = self.keys.client_secret
+        try:
+            if bind:
+                sock.bind(bind)
+            else:
+                sock.connect(connect)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise TransportError(f"cannot {'bind' if bind else 'connect'} {address}: {e}") from None
+        return sock
+
+
+# --------------------------------------------------------------------------------------------
+# Request-reply
+# --------------------------------------------------------------------------------------------
+
+Handler = Callable[[Any, bytes], Awaitable[Any]]
+
+
+@dataclass
+class ServerStats:
+    requests: int = 0
+    replies: int = 0
+    protocol_errors: int = 0
+    handler_errors: int = 0
+    last_error: str = ""
+
+
+class RpcServer:
+    """ROUTER: [peer, corr id, type, body, *buffers] -> handler(record, peer) -> reply record.
+
+    A malformed message is answered with ErrorReply(code="protocol") when its envelope is
+    readable, and counted either way; the server keeps serving. Handlers run as tasks, so a
+    slow one (a long poll) does not hold up the others.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        address: str,
+        handlers: dict[type, Handler],
+        *,
+        secure: bool | None = None,
+        name: str = "rpc",
+        max_concurrent: int = 1024,
+    ):
+        self.sock = transport.socket(zmq.ROUTER, bind=address, secure=secure)
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.handlers = dict(handlers)
+        self.name = name
+        self.stats = ServerStats()
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                frames = await self.sock.recv_multipart(copy=False)
+                await self._slots.acquire()
+                task = asyncio.create_task(self._handle(frames))
+                self._tasks.add(task)
+                task.add_done_callback(self._done)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+
+    async def _handle(self, frames: list[Any]) -> None:
+        self.stats.requests += 1
+        if len(frames) < 2:
+            self._protocol_error(f"no envelope ({len(frames)} frames)")
+            return
+        peer, corr = frames[0].bytes, frames[1].bytes
+        if len(corr) > 16:
+            self._protocol_error(f"correlation id of {len(corr)} bytes")
+            return
+        try:
+            request = protocol.decode(frames[2:])
+            handler = self.handlers.get(type(request))
+            if handler is None:
+                raise ProtocolError(f"{self.name} does not handle {type(request).__name__}")
+        except ProtocolError as e:
+            self._protocol_error(str(e))
+            await self._reply(peer, corr, ErrorReply(code="protocol", message=str(e)))
+            return
+        try:
+            reply = await handler(request, peer)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.stats.handler_errors += 1
+            log.exception("handler_failed", server=self.name, request=type(request).__name__)
+            reply = ErrorReply(code="handler", message=f"{type(e).__name__}: {e}")
+        if reply is not None:
+            await self._reply(peer, corr, reply)
+
+    def _protocol_error(self, reason: str) -> None:
+        self.stats.protocol_errors += 1
+        self.stats.last_error = reason
+        # One line per bad message would let a hostile peer flood the log: log the 1st, 10th...
+        n = self.stats.protocol_errors
+        if n & (n - 1) == 0 or n % 1000 == 0:
+            log.warning("protocol_error", server=self.name, reason=reason, count=n)
+
+    async def _reply(self, peer: bytes, corr: bytes, reply: Any) -> None:
+        try:
+            await self.sock.send_multipart([peer, corr, *protocol.encode(reply)], copy=False)
+            self.stats.replies += 1
+        except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or HWM: the client will retry
+            log.warning("reply_dropped", server=self.name, error=str(e))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class RpcClient:
+    """DEALER with correlation ids: many requests in flight, each with its own timeout.
+
+    On a timeout the socket is rebuilt (dropping whatever ZeroMQ still queued for a dead peer)
+    and every pending request is sent again, up to `retries` times; then `PeerTimeout`.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        address: str,
+        *,
+        timeout_s: float = 5.0,
+        retries: int = 2,
+        secure: bool | None = None,
+        name: str = "rpc",
+    ):
+        self.transport = transport
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.secure = secure
+        self.name = name
+        self._ids = itertools.count(1)
+        self._pending: dict[bytes, tuple[asyncio.Future, list[Any]]] = {}
+        self._sock: zmq.Socket | None = None
+        self._reader: asyncio.Task | None = None
+
+    def _connect(self) -> None:
+        self._sock = self.transport.socket(
+            zmq.DEALER, connect=self.address, secure=self.secure, linger_ms=0
+        )
+        self._reader = asyncio.create_task(self._read(self._sock))
+
+    def _disconnect(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    async def _read(self, sock: zmq.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            if not frames:
+                continue
+            entry = self._pending.get(frames[0].bytes)
+            if entry is None or entry[0].done():
+                continue  # a late reply to a request already answered or abandoned
+            try:
+                entry[0].set_result(protocol.decode(frames[1:]))
+            except ProtocolError as e:
+                entry[0].set_exception(e)
+
+    async def request(self, rec: Any, *, timeout_s: float | None = None,
+                      retries: int | None = None) -> Any:
+        """Send a record, return the reply record. ErrorReply -> RemoteError."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        retries = self.retries if retries is None else retries
+        if self._sock is None:
+            self._connect()
+        corr = next(self._ids).to_bytes(8, "big")
+        frames = protocol.encode(rec)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[corr] = (future, frames)
+        try:
+            for attempt in range(retries + 1):
+                if attempt:
+                    log.info("rpc_retry", peer=self.address, request=type(rec).__name__,
+                             attempt=attempt)
+                    self._rebuild()
+                else:
+                    await self._send(corr, frames)
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+                    break
+                except asyncio.TimeoutError:
+                    continue
+            else:
+                raise PeerTimeout(
+                    f"no reply from {self.address} to {type(rec).__name__} after "
+                    f"{retries + 1} attempt(s) of {timeout_s:g}s: is the {self.name} peer alive?"
+                )
+        finally:
+            self._pending.pop(corr, None)
+            if not future.done():
+                future.cancel()
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(reply.code, reply.message)
+        return reply
+
+    async def _send(self, corr: bytes, frames: list[Any]) -> None:
+        assert self._sock is not None
+        await self._sock.send_multipart([corr, *frames], copy=False)
+
+    def _rebuild(self) -> None:
+        self._disconnect()
+        self._connect()
+        assert self._sock is not None
+        for corr, (future, frames) in self._pending.items():
+            if not future.done():
+                # The fresh socket has no peer yet: queue without blocking (HWM bounds it).
+                try:
+                    self._sock.send_multipart([corr, *frames], copy=False, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+
+    def close(self) -> None:
+        self._disconnect()
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.cancel()
+        self._pending.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Streams
+# --------------------------------------------------------------------------------------------
+
+
+class Pusher:
+    """PUSH end of a stream. `send` waits while the high-water mark is reached."""
+
+    def __init__(self, transport: Transport, *, bind: str | None = None,
+                 connect: str | None = None, secure: bool | None = None, hwm: int | None = None):
+        self.sock = transport.socket(zmq.PUSH, bind=bind, connect=connect, secure=secure, hwm=hwm)
+
+    async def send(self, rec: Any, timeout_s: float | None = None) -> None:
+        coro = self.sock.send_multipart(protocol.encode(rec), copy=False)
+        if timeout_s is None:
+            await coro
+        else:
+            await asyncio.wait_for(coro, timeout_s)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Puller:
+    """PULL end of a stream. Malformed messages are counted and skipped."""
+
+    def __init__(self, transport: Transport, *, bind: str | None = None,
+                 connect: str | None = None, secure: bool | None = None, hwm: int | None = None):
+        self.sock = transport.socket(zmq.PULL, bind=bind, connect=connect, secure=secure, hwm=hwm)
+        self.protocol_errors = 0
+
+    async def recv(self) -> Any:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                return protocol.decode(frames)
+            except ProtocolError as e:
+                self.protocol_errors += 1
+                log.warning("protocol_error", stream="pull", reason=str(e),
+                            count=self.protocol_errors)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Status: XSUB/XPUB proxy, publishers, subscribers
+# --------------------------------------------------------------------------------------------
+
+
+class StatusProxy:
+    """The status hub: publishers connect to `frontend` (XSUB), subscribers to `backend` (XPUB).
+
+    Runs zmq's proxy in a thread; `close()` stops it through the steerable proxy's control
+    socket, so no thread or socket is left behind.
+    """
+
+    def __init__(self, transport: Transport, frontend: str, backend: str,
+                 secure: bool | None = None):
+        self._xsub = transport.socket(zmq.XSUB, bind=frontend, secure=secure, sync=True)
+        self._xpub = transport.socket(zmq.XPUB, bind=backend, secure=secure, sync=True)
+        self.frontend = self._xsub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.backend = self._xpub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        control = f"inproc://status-proxy-{id(self)}"
+        self._control_server = transport.sync_ctx.socket(zmq.PAIR)
+        self._control_server.bind(control)
+        self._control = transport.sync_ctx.socket(zmq.PAIR)
+        self._control.connect(control)
+        self._thread = threading.Thread(target=self._run, name="status-proxy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            zmq.proxy_steerable(self._xsub, self._xpub, None, self._control_server)
+        except zmq.ZMQError:
+            pass
+        finally:
+            for s in (self._xsub, self._xpub, self._control_server):
+                s.close(0)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._control.send(b"TERMINATE")
+            self._thread.join(5)
+        self._control.close(0)
+
+
+class Publisher:
+    """Publishes records under a topic to the status hub."""
+
+    def __init__(self, transport: Transport, hub: str, secure: bool | None = None):
+        # A small HWM: status is droppable, a slow hub must never stall a role.
+        self.sock = transport.socket(zmq.PUB, connect=hub, secure=secure, hwm=100)
+
+    async def publish(self, topic: str, rec: Any) -> None:
+        await self.sock.send_multipart([topic.encode(), *protocol.encode(rec)], copy=False)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class Subscriber:
+    """Receives (topic, record) from the status hub for the given topic prefixes."""
+
+    def __init__(self, transport: Transport, hub: str, topics: Iterable[str] = ("",),
+                 secure: bool | None = None):
+        self.sock = transport.socket(zmq.SUB, connect=hub, secure=secure)
+        for topic in topics:
+            self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.protocol_errors = 0
+
+    async def recv(self) -> tuple[str, Any]:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                topic = frames[0].bytes.decode("utf-8", "replace")
+                return topic, protocol.decode(frames[1:])
+            except (ProtocolError, IndexError) as e:
+                self.protocol_errors += 1
+                log.warning("protocol_error", stream="sub", reason=str(e))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Heartbeats
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Liveness:
+    """Last-seen times of peers; a peer silent for `liveness` intervals is dead."""
+
+    interval_s: float = 1.0
+    liveness: int = 3
+    last_seen: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def deadline_s(self) -> float:
+        return self.interval_s * self.liveness
+
+    def beat(self, peer: str, now: float | None = None) -> None:
+        self.last_seen[peer] = time.monotonic() if now is None else now
+
+    def forget(self, peer: str) -> None:
+        self.last_seen.pop(peer, None)
+
+    def is_alive(self, peer: str, now: float | None = None) -> bool:
+        seen = self.last_seen.get(peer)
+        now = time.monotonic() if now is None else now
+        return seen is not None and now - seen <= self.deadline_s
+
+    def dead(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [p for p, seen in self.last_seen.items() if now - seen > self.deadline_s]
+
+    async def watch(self, on_dead: Callable[[str], Awaitable[None] | None]) -> None:
+        """Call `on_dead(peer)` once for each peer that falls silent; runs until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval_s / 4)
+            for peer in self.dead():
+                self.forget(peer)
+                result = on_dead(peer)
+                if asyncio.iscoroutine(result):
+                    await result
+
+
+class Heartbeater:
+    """Sends a Heartbeat to a peer every interval and counts the peer's answers.
+
+    The peer answers each heartbeat with one of its own, so each side knows the other is
+    alive. After `liveness` intervals without an answer, `on_dead` is called once.
+    """
+
+    def __init__(self, client: RpcClient, sender: str, liveness: Liveness,
+                 on_dead: Callable[[], Awaitable[None] | None]):
+        self.client = client
+        self.sender = sender
+        self.liveness = liveness
+        self.on_dead = on_dead
+
+    async def run(self) -> None:
+        seq = 0
+        self.liveness.beat(self.client.address)
+        while True:
+            seq += 1
+            started = time.monotonic()
+            try:
+                await self.client.request(
+                    Heartbeat(sender=self.sender, seq=seq),
+                    timeout_s=self.liveness.interval_s, retries=0,
+                )
+                self.liveness.beat(self.client.address)
+            except PeerTimeout:
+                pass
+            except RemoteError as e:
+                log.warning("heartbeat_refused", peer=self.client.address, error=str(e))
+            if not self.liveness.is_alive(self.client.address):
+                log.error("peer_dead", peer=self.client.address,
+                          silent_s=round(self.liveness.deadline_s, 2))
+                result = self.on_dead()
+                if asyncio.iscoroutine(result):
+                    await result
+                return
+            await asyncio.sleep(max(0.0, self.liveness.interval_s - (time.monotonic() - started)))
