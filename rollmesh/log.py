@@ -78,5 +78,7 @@ def configure_logging(
     return structlog.get_logger("rollmesh")
 
 
-def get_logger(name: str = "rollmesh", **context: Any) -> structlog.stdlib.BoundLogger:
-    return structlog.get_logger(name).bind(**context)
+def get_logger(name: str = "rollmesh", **context: Any) -> Any:
+    """A logger that picks up the configuration when it first logs, not when it is made:
+    modules create theirs at import, before `configure_logging` runs."""
+    return structlog.get_logger(name, **context)

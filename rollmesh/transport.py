@@ -20,6 +20,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
@@ -146,6 +147,9 @@ class Transport:
         self.sync_ctx = zmq.Context()
         # Async sockets share the sync context, so one ZAP authenticator serves both.
         self.ctx = zmq.asyncio.Context.shadow(self.sync_ctx.underlying)
+        # Sockets of the shadow context are invisible to sync_ctx.destroy(): track them all, so
+        # close() never blocks in term() on a socket somebody forgot.
+        self._sockets: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()
         self._auth: ThreadAuthenticator | None = None
         if keys is not None:
             self._auth = ThreadAuthenticator(self.sync_ctx)
@@ -163,6 +167,9 @@ class Transport:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        for sock in list(self._sockets):
+            if not sock.closed:
+                sock.close(linger=0)
         self.sync_ctx.destroy(linger=0)
 
     def socket(
@@ -189,6 +196,7 @@ class Transport:
                 "(pass the run's keys, or bind to 127.0.0.1 for a single-host run)"
             )
         sock = (self.sync_ctx if sync else self.ctx).socket(kind)
+        self._sockets.add(sock)
         hwm = self.hwm if hwm is None else hwm
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
@@ -613,7 +621,9 @@ class Heartbeater:
     """Sends a Heartbeat to a peer every interval and counts the peer's answers.
 
     The peer answers each heartbeat with one of its own, so each side knows the other is
-    alive. After `liveness` intervals without an answer, `on_dead` is called once.
+    alive. After `liveness` consecutive unanswered heartbeats, `on_dead` is called once.
+    Misses are counted rather than clock time measured, so a process that was itself stalled
+    (swapped out, stopped) does not mistake its own silence for its peer's.
     """
 
     def __init__(self, client: RpcClient, sender: str, liveness: Liveness,
@@ -624,26 +634,23 @@ class Heartbeater:
         self.on_dead = on_dead
 
     async def run(self) -> None:
-        seq = 0
-        self.liveness.beat(self.client.address)
-        while True:
+        seq = misses = 0
+        interval = self.liveness.interval_s
+        while misses < self.liveness.liveness:
             seq += 1
             started = time.monotonic()
             try:
-                await self.client.request(
-                    Heartbeat(sender=self.sender, seq=seq),
-                    timeout_s=self.liveness.interval_s, retries=0,
-                )
+                await self.client.request(Heartbeat(sender=self.sender, seq=seq),
+                                          timeout_s=interval, retries=0)
+                misses = 0
                 self.liveness.beat(self.client.address)
             except PeerTimeout:
-                pass
+                misses += 1
             except RemoteError as e:
                 log.warning("heartbeat_refused", peer=self.client.address, error=str(e))
-            if not self.liveness.is_alive(self.client.address):
-                log.error("peer_dead", peer=self.client.address,
-                          silent_s=round(self.liveness.deadline_s, 2))
-                result = self.on_dead()
-                if asyncio.iscoroutine(result):
-                    await result
-                return
-            await asyncio.sleep(max(0.0, self.liveness.interval_s - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        log.error("peer_dead", peer=self.client.address, missed=misses,
+                  silent_s=round(self.liveness.deadline_s, 2))
+        result = self.on_dead()
+        if asyncio.iscoroutine(result):
+            await result
