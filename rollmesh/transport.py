@@ -407,11 +407,11 @@ class RpcClient:
                     self._rebuild()
                 else:
                     await self._send(corr, frames)
-                try:
-                    reply = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+                # asyncio.wait leaves the future pending on a timeout (no shield, no extra task)
+                await asyncio.wait((future,), timeout=timeout_s)
+                if future.done():
+                    reply = future.result()
                     break
-                except asyncio.TimeoutError:
-                    continue
             else:
                 raise PeerTimeout(
                     f"no reply from {self.address} to {type(rec).__name__} after "

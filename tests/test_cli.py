@@ -1,0 +1,48 @@
+"""The `rollmesh` command as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rollmesh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollmesh", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_version():
+    out = rollmesh("--version")
+    assert out.returncode == 0 and out.stdout.strip() == "0.1.0"
+
+
+def test_config_prints_the_resolved_config_with_overrides():
+    out = rollmesh("config", "configs/tiny_cpu.toml", "--set", "staleness.max_staleness=0")
+    assert out.returncode == 0, out.stderr
+    assert "[staleness]\nmax_staleness = 0" in out.stdout
+
+
+def test_config_error_names_file_key_and_expectation(tmp_path):
+    bad = tmp_path / "x.toml"
+    bad.write_text((ROOT / "configs/tiny_cpu.toml").read_text()
+                   .replace("max_staleness = 1", "max_staleness = -1"))
+    out = rollmesh("config", str(bad))
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"rollmesh: {bad}: staleness.max_staleness: expected int >= 0, got -1"
+
+
+def test_launch_dry_run_prints_the_plan_and_launch_says_it_is_not_built():
+    out = rollmesh("launch", "launch/local.toml", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    for role in ("engine[0]", "rollouter[0]", "agent_worker[1]", "message_queue[0]", "trainer[0]"):
+        assert role in out.stdout
+    out = rollmesh("launch", "launch/local.toml")
+    assert out.returncode == 2 and "not built yet" in out.stderr
+
+
+def test_role_command_rejects_a_bad_spec():
+    out = rollmesh("role", "--spec", '{"role": "x", "entry": "a:b", "control": "tcp://127.0.0.1:1", "bogus": 1}')
+    assert out.returncode != 0 and "unknown key(s) ['bogus']" in out.stderr
