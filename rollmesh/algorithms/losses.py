@@ -1,0 +1,298 @@
+"""Loss aggregation, the policy losses (PPO, decoupled PPO, TIS) and the clipped value loss.
+
+Per-token tensors are [B, T] with `mask` [B, T] (1 = generated token that counts). Each loss
+returns (loss, metrics): loss a float32 scalar with gradient, metrics a dict of detached 0-dim
+float32 tensors (no host sync here; the caller calls .item() when it logs), averaged over the
+masked tokens of the tensors passed in.
+
+Log-probs: `logprobs` are the current policy's (with gradient), `old_logprobs` /
+`proximal_logprobs` the trainer's recomputation before this step's updates, and
+`behaviour_logprobs` the engine's, per token, from the (possibly stale) weights that sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollmesh.algorithms.advantages import kl_estimate
+
+__all__ = [
+    "AGG_MODES",
+    "POLICY_LOSSES",
+    "aggregate",
+    "decoupled_ppo_loss",
+    "policy_loss",
+    "ppo_loss",
+    "tis_loss",
+    "value_loss",
+]
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+POLICY_LOSSES = ("ppo", "decoupled_ppo", "tis")
+
+# Bounds exp(log-ratio) so one diverged token cannot make the loss inf (e^20 ~ 5e8).
+_MAX_LOG_RATIO = 20.0
+
+Normaliser = float | int | Tensor | None
+
+
+def aggregate(
+    values: Tensor, mask: Tensor, mode: str = "token-mean", *,
+    global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+) -> Tensor:
+    """Reduce per-token `values` [B, T] to a scalar over the masked tokens (float32).
+
+        token-mean:          sum_{b,t} m*v / N_tokens
+        seq-mean-token-sum:  sum_b (sum_t m*v) / N_seqs
+        seq-mean-token-mean: sum_b (sum_t m*v / n_b) / N_seqs,   n_b = sum_t m[b]
+
+    By default N_tokens = sum(m) and N_seqs = the number of sequences with at least one masked
+    token (a sequence with none adds 0 and is not counted; an empty batch gives 0, not NaN).
+
+    Gradient accumulation: pass the counts of the whole optimiser batch as `global_tokens` /
+    `global_seqs` (summed over every micro-batch and every rank). Each micro-batch's loss is
+    then its share of one big-batch loss, and summing the micro-batch losses (accumulating their
+    gradients) gives exactly the big batch's loss and gradient. DDP averages gradients over W
+    ranks, so multiply the loss by W (or pass global_tokens / W) to keep the sum.
+    Values at unmasked positions are ignored, even NaN or inf.
+    """
+    m = mask.float()
+    v = torch.where(m > 0, values.float(), 0.0)
+    if mode == "token-mean":
+        denom = m.sum().clamp(min=1) if global_tokens is None else global_tokens
+        return v.sum() / denom
+    if mode == "seq-mean-token-sum":
+        per_seq = v.sum(dim=1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = v.sum(dim=1) / m.sum(dim=1).clamp(min=1)
+    else:
+        raise ValueError(f"loss aggregation: expected one of {AGG_MODES}, got {mode!r}")
+    denom = (m.sum(dim=1) > 0).sum().clamp(min=1) if global_seqs is None else global_seqs
+    return per_seq.sum() / denom
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask.float()
+    return (torch.where(m > 0, x.float(), 0.0).sum() / m.sum().clamp(min=1)).detach()
+
+
+def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask > 0  # no boolean indexing: it would sync with the device
+    top = torch.where(m, x.detach().float(), -torch.inf).max()
+    return torch.where(m.any(), top, 0.0)
+
+
+def _clipped_surrogate(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+    clip_low: float, clip_high: float, dual_clip: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-token PPO-clip loss; returns (loss, ratio, clip_active, dual_clip_active)."""
+    log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach().float()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    clip_active = clipped > unclipped  # strict: at a tie the gradient goes through the ratio
+    loss = torch.where(clip_active, clipped, unclipped)
+    dual_active = torch.zeros_like(clip_active)
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip: expected > 1, got {dual_clip}")
+        bound = -adv * dual_clip
+        dual_active = (adv < 0) & (loss > bound)
+        loss = torch.where(dual_active, bound, loss)
+    return loss, ratio, clip_active, dual_active
+
+
+def _ratio_metrics(
+    logprobs: Tensor, old_logprobs: Tensor, ratio: Tensor, clip_active: Tensor,
+    dual_active: Tensor, mask: Tensor,
+) -> dict[str, Tensor]:
+    # approx_kl = k3 estimate of KL(old || new) from tokens drawn from old: r - 1 - log r >= 0.
+    approx_kl = kl_estimate(old_logprobs.detach(), logprobs.detach(), "k3")
+    return {
+        "clip_frac": _masked_mean(clip_active, mask),
+        "dual_clip_frac": _masked_mean(dual_active, mask),
+        "approx_kl": _masked_mean(approx_kl, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "ratio_max": _masked_max(ratio, mask),
+    }
+
+
+def ppo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+    agg: str = "token-mean", *, global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-clip with an asymmetric range (DAPO clip-higher) and optional dual clip.
+
+        ratio_t = exp(logp_t - old_t)
+        l_t     = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))
+        dual clip (Ye et al. 2020, verl clip_ratio_c), for A_t < 0 only:
+        l_t     = min(l_t, -A_t * dual_clip)        i.e. the loss is at most dual_clip * |A_t|
+        loss    = aggregate(l, mask, agg)
+
+    Metrics: clip_frac = share of masked tokens where the clipped term is strictly the larger
+    (its gradient is 0); dual_clip_frac = share where the dual bound is active; approx_kl = mean
+    k3 estimate of KL(old || new) = mean(ratio - 1 - log ratio); ratio_mean, ratio_max.
+    """
+    loss_t, ratio, clip_active, dual_active = _clipped_surrogate(
+        logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip
+    )
+    loss = aggregate(loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    return loss, _ratio_metrics(logprobs, old_logprobs, ratio, clip_active, dual_active, mask)
+
+
+def _behaviour_weight(
+    old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float | None, cap_mode: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(w, raw w, capped): raw w = exp(old - behaviour), detached; w is raw w capped by
+    truncation (min(w, cap)) or masking (0 above the cap)."""
+    log_w = old_logprobs.detach().float() - behaviour_logprobs.detach().float()
+    raw = torch.exp(log_w.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    if cap is None:
+        return raw, raw, torch.zeros_like(raw, dtype=torch.bool)
+    capped = raw > cap
+    if cap_mode == "truncate":
+        return raw.clamp(max=cap), raw, capped
+    if cap_mode == "mask":
+        return torch.where(capped, 0.0, raw), raw, capped
+    raise ValueError(f"behaviour cap mode: expected 'truncate' or 'mask', got {cap_mode!r}")
+
+
+def _weight_metrics(raw_w: Tensor, capped: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    return {
+        "behaviour_weight_mean": _masked_mean(raw_w, mask),
+        "behaviour_weight_max": _masked_max(raw_w, mask),
+        "behaviour_capped_frac": _masked_mean(capped, mask),
+    }
+
+
+def decoupled_ppo_loss(
+    logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor,
+    mask: Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+    behaviour_cap: float | None = None, agg: str = "token-mean", *,
+    behaviour_cap_mode: str = "truncate", dual_clip: float | None = None,
+    global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """AReaL's decoupled PPO: the trust region is around the proximal policy, the off-policy
+    gap between proximal and behaviour policy is corrected by a detached importance weight.
+
+        ratio_t = exp(logp_t - prox_t)
+        w_t     = exp(prox_t - behav_t)                   (detached)
+        w_t     = min(w_t, behaviour_cap)                 (cap_mode "truncate", the default)
+                  0 if w_t > behaviour_cap else w_t       (cap_mode "mask", as AReaL)
+        l_t     = w_t * max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))
+        loss    = aggregate(l, mask, agg)
+
+    A masked token stays in the aggregation's normaliser (the normaliser must not depend on
+    weights, or micro-batches would disagree with global_tokens). With prox == behav this is
+    ppo_loss. Metrics: ppo_loss's (clip_frac etc. of ratio_t) plus behaviour_weight_mean/max
+    (before the cap) and behaviour_capped_frac.
+    """
+    loss_t, ratio, clip_active, dual_active = _clipped_surrogate(
+        logprobs, proximal_logprobs, advantages, clip_low, clip_high, dual_clip
+    )
+    w, raw_w, capped = _behaviour_weight(
+        proximal_logprobs, behaviour_logprobs, behaviour_cap, behaviour_cap_mode
+    )
+    loss = aggregate(w * loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    metrics = _ratio_metrics(logprobs, proximal_logprobs, ratio, clip_active, dual_active, mask)
+    return loss, metrics | _weight_metrics(raw_w, capped, mask)
+
+
+def tis_loss(
+    logprobs: Tensor, old_logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor,
+    mask: Tensor, tis_cap: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.2,
+    dual_clip: float | None = None, agg: str = "token-mean", *, surrogate: str = "ppo",
+    global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling for the trainer/engine mismatch (Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training"; verl's TIS).
+
+        w_t = min(exp(old_t - behav_t), tis_cap)           (detached; old = trainer's recompute)
+        surrogate "ppo": l_t = w_t * max(-A_t * r_t, -A_t * clip(r_t, 1 - lo, 1 + hi)),
+                         r_t = exp(logp_t - old_t), lo/hi = clip_low/clip_high
+        surrogate "pg":  l_t = -w_t * A_t * logp_t          (vanilla policy gradient)
+        loss = aggregate(l, mask, agg)
+
+    The "ppo" form is decoupled_ppo_loss with behaviour_cap = tis_cap, truncated. Metrics as
+    decoupled_ppo_loss (clip metrics are 0 for "pg").
+    """
+    if surrogate == "ppo":
+        return decoupled_ppo_loss(
+            logprobs, old_logprobs, behaviour_logprobs, advantages, mask, clip_low, clip_high,
+            tis_cap, agg, dual_clip=dual_clip, global_tokens=global_tokens, global_seqs=global_seqs,
+        )
+    if surrogate != "pg":
+        raise ValueError(f"tis surrogate: expected 'ppo' or 'pg', got {surrogate!r}")
+    w, raw_w, capped = _behaviour_weight(old_logprobs, behaviour_logprobs, tis_cap, "truncate")
+    loss_t = -w * advantages.detach().float() * logprobs.float()
+    loss = aggregate(loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    log_ratio = logprobs.detach().float() - old_logprobs.float()
+    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    no_clip = torch.zeros_like(capped)
+    metrics = _ratio_metrics(logprobs, old_logprobs, ratio, no_clip, no_clip, mask)
+    return loss, metrics | _weight_metrics(raw_w, capped, mask)
+
+
+def policy_loss(
+    kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+    behaviour_logprobs: Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
+    dual_clip: float | None = None, behaviour_cap: float | None = None, tis_cap: float = 2.0,
+    agg: str = "token-mean", global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dispatch on `kind` (AlgorithmConfig.loss): "ppo", "decoupled_ppo" or "tis".
+
+    old_logprobs is the trainer's recomputation (the proximal policy for decoupled_ppo);
+    behaviour_logprobs (the engine's) is required by decoupled_ppo and tis.
+    """
+    norm = {"global_tokens": global_tokens, "global_seqs": global_seqs}
+    if kind == "ppo":
+        return ppo_loss(
+            logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, agg, **norm
+        )
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"policy loss: expected one of {POLICY_LOSSES}, got {kind!r}")
+    if behaviour_logprobs is None:
+        raise ValueError(f"policy loss {kind!r}: expected behaviour_logprobs")
+    if kind == "decoupled_ppo":
+        return decoupled_ppo_loss(
+            logprobs, old_logprobs, behaviour_logprobs, advantages, mask, clip_low, clip_high,
+            behaviour_cap, agg, dual_clip=dual_clip, **norm,
+        )
+    return tis_loss(
+        logprobs, old_logprobs, behaviour_logprobs, advantages, mask, tis_cap, clip_low,
+        clip_high, dual_clip, agg, **norm,
+    )
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = 0.2,
+    agg: str = "token-mean", *, global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss for the GAE critic (PPO2 / verl form).
+
+        V_clip = old_V + clip(V - old_V, -clip, clip)
+        l_t    = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)      (clip=None: 0.5 * (V_t - R_t)^2)
+        loss   = aggregate(l, mask, agg)
+
+    Metrics: clip_frac (share of masked tokens where the clipped error is strictly larger),
+    value_mean, value_error (mean |V - R|).
+    """
+    v = values.float()
+    target = returns.detach().float()
+    loss_t = (v - target).square()
+    clip_active = torch.zeros_like(loss_t, dtype=torch.bool)
+    if clip is not None:
+        old = old_values.detach().float()
+        clipped_t = (old + (v - old).clamp(-clip, clip) - target).square()
+        clip_active = clipped_t > loss_t
+        loss_t = torch.where(clip_active, clipped_t, loss_t)
+    loss = aggregate(0.5 * loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    return loss, {
+        "clip_frac": _masked_mean(clip_active, mask),
+        "value_mean": _masked_mean(v.detach(), mask),
+        "value_error": _masked_mean((v.detach() - target).abs(), mask),
+    }
