@@ -146,8 +146,10 @@ class RolloutConfig:
         1.0,
         ge=1.0,
     )
-    group_filter: Literal["none", "dapo"] = _field(
-        "`dapo` drops groups whose rewards are all equal (no learning signal)", "none"
+    group_filter: str = _field(
+        "`none`, `dapo` (drop groups whose rewards are all equal: no learning signal), or a "
+        "filter registered under the entry-point group `rollmesh.group_filters`",
+        "none",
     )
     reward: str = _field("reward function (entry point in `rollmesh.rewards`)", "exact_match")
     reward_timeout_s: float = _field("time limit for scoring one trajectory (seconds)", 30.0, gt=0)

@@ -178,14 +178,17 @@ class Trajectory:
     versions: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # uint8 [n]
     prompt_len: int
+    index: int = 0  # position in its group
     agent_loop: str = "single_turn"
     status: str = "running"  # running | interrupted | finished | failed
     finish_reason: str | None = None
     num_turns: int = 0
     reward: float | None = None
-    reward_status: str | None = None  # ok | error | timeout
+    reward_status: str | None = None  # ok | error | timeout (never a silent 0)
+    error: str = ""  # why generation or scoring failed
     label: Any = None
     loop_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -203,6 +206,110 @@ class WeightVersion:
     """A new policy weight version is live on the engines."""
 
     version: int
+
+
+# -- rollout plane: rollouter <-> agent-loop and reward workers (a Channel each way) -------------
+
+
+@record
+class WorkerHello:
+    """A worker joins the rollouter's channel with `credits` trajectories it can run at once."""
+
+    worker: str
+    kind: Literal["agent", "reward"]
+    credits: int
+
+
+@record
+class Assign:
+    """Rollouter -> agent worker: run (or resume) this trajectory."""
+
+    trajectory: Trajectory
+
+
+@record
+class Cancel:
+    """Rollouter -> agent workers: abort generation, return every trajectory as it stands."""
+
+    reason: str = ""
+
+
+@record
+class Returned:
+    """Agent worker -> rollouter: a trajectory finished, interrupted or failed."""
+
+    trajectory: Trajectory
+
+
+@record
+class Score:
+    """Rollouter -> reward worker: score this finished trajectory."""
+
+    trajectory: Trajectory
+
+
+@record
+class Scored:
+    """Reward worker -> rollouter: the trajectory with reward (or a recorded failure)."""
+
+    trajectory: Trajectory
+
+
+# -- weight sync: synchronizer -> rollouter (request-reply) ------------------------------------
+
+
+@record
+class Pause:
+    """Stop dispatching and interrupt everything in flight; answered by Paused once drained."""
+
+    mode: str = "abort"
+
+
+@record
+class Paused:
+    in_flight: int
+    cancel_queue: int
+
+
+@record
+class Resume:
+    """Weights of `version` are live: resume, cancel queue first."""
+
+    version: int
+
+
+# -- MessageQueue (request-reply) ----------------------------------------------------------------
+
+
+@record
+class PutGroup:
+    group: Group
+
+
+@record
+class PutReply:
+    accepted: bool  # False: the queue is full, keep the group and try again (back-pressure)
+    depth: int
+
+
+@record
+class GetBatch:
+    """Trainer at `version` asks for `groups` groups, waiting up to `timeout_s`."""
+
+    groups: int
+    version: int
+    timeout_s: float = 10.0
+
+
+@record
+class Batch:
+    groups: list[Group]
+    version: int
+
+
+@record
+class StatsRequest:
+    """Ask a role for its counters; answered with Metrics."""
 
 
 # --------------------------------------------------------------------------------------------

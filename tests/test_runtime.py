@@ -17,9 +17,9 @@ import pytest
 import torch
 import zmq
 
-from rollmesh.protocol import Group, Metrics, Ok, Shutdown, Trajectory, to_torch
+from rollmesh.protocol import PROTOCOL_VERSION, Group, Hello, Metrics, Ok, Shutdown, Trajectory, to_torch
 from rollmesh.runtime import EXIT_FATAL, RoleFailed, Supervisor
-from rollmesh.transport import RpcClient, Transport
+from rollmesh.transport import RemoteError, RpcClient, Transport
 from tests.wire_strategies import assert_same
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,3 +236,18 @@ def test_role_exits_when_its_parent_dies_or_goes_silent(how, tmp_path):
             os.kill(child_pid, signal.SIGKILL)
         except (ProcessLookupError, UnboundLocalError):
             pass
+
+
+def test_hello_with_another_protocol_version_is_refused():
+    async def body(t, sup):
+        client = RpcClient(t, sup.control, timeout_s=5)
+        with pytest.raises(RemoteError) as err:
+            await client.request(Hello(role="old", host="h", pid=1, protocol_version=PROTOCOL_VERSION + 1))
+        ok = await client.request(Hello(role="new", host="h", pid=1))
+        client.close()
+        return err.value, ok
+
+    err, ok = with_supervisor(body)
+    assert err.code == "handler"
+    assert f"protocol version {PROTOCOL_VERSION + 1}, parent speaks {PROTOCOL_VERSION}" in err.message
+    assert isinstance(ok, Ok)

@@ -1,0 +1,380 @@
+"""Running reward functions in child processes, under a time limit.
+
+`RewardSandbox` keeps a small pool of children, each `python -m rollmesh.rewards serve`, and
+talks to them over their stdin/stdout pipes: frames of a 4-byte big-endian length and a msgpack
+body (no pickle: the child runs only the functions it is named). A function that raises, returns
+a non-number, hangs, or kills its process (os._exit, a segfault, the OOM killer) becomes an
+explicit `RewardResult` ("error" or "timeout", reward None); a child that timed out or died is
+killed and replaced by a fresh one for the next call. The caller never goes down with it.
+
+Protocol, one request at a time per child:
+  child -> parent at start: {"op": "ready", "pid"}
+  parent -> child: {"op": "load", "fn"}  -> {"ok": true} | {"ok": false, "error"}
+                   (imports the function and runs its optional `warmup()` attribute, outside
+                   the time limit)
+  parent -> child: {"op": "call", "fn", "response", "label", "metadata"}
+                   -> {"ok": true, "reward", "info"} | {"ok": false, "error", "info"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import os
+import signal
+import struct
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Literal
+
+import msgpack
+
+from rollmesh.log import get_logger
+from rollmesh.rewards.registry import check_reward_output, get_reward_fn
+
+__all__ = ["RewardResult", "RewardSandbox", "serve"]
+
+log = get_logger("rollmesh.rewards")
+
+MAX_FRAME_BYTES = 64 << 20
+_LEN = struct.Struct(">I")
+
+
+@dataclass
+class RewardResult:
+    """The outcome of scoring one response. `reward` is None unless status is "ok": a failure is
+    never a silent 0. `error` says what went wrong; `info` holds the function's extra fields (or
+    the traceback of an error); `elapsed_s` is how long the function ran."""
+
+    status: Literal["ok", "error", "timeout"]
+    reward: float | None = None
+    error: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _Died(Exception):
+    """The child process ended; the message says how."""
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "reward process died (exit code unknown)"
+    if code < 0:
+        try:
+            return f"reward process died with exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"reward process died with exit code {code}"
+
+
+class _Child:
+    """One `rollmesh.rewards serve` process and the functions it has loaded."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.loaded: set[str] = set()
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        body = msgpack.packb(msg)
+        if len(body) > MAX_FRAME_BYTES:
+            raise ValueError(f"request of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(_LEN.pack(len(body)) + body)
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise _Died(await self._death()) from None
+
+    async def receive(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        try:
+            (n,) = _LEN.unpack(await self.proc.stdout.readexactly(_LEN.size))
+            if n > MAX_FRAME_BYTES:
+                raise _Died(f"reward process sent a frame of {n} bytes (limit {MAX_FRAME_BYTES})")
+            reply = msgpack.unpackb(await self.proc.stdout.readexactly(n))
+        except asyncio.IncompleteReadError:
+            raise _Died(await self._death()) from None
+        if not isinstance(reply, dict):
+            raise _Died(f"reward process sent a malformed reply: {reply!r:.200}")
+        return reply
+
+    async def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        await self.send(msg)
+        return await self.receive()
+
+    async def _death(self) -> str:
+        try:
+            code = await asyncio.wait_for(self.proc.wait(), 5.0)
+        except TimeoutError:
+            await self.kill()
+            code = None
+        return _exit_reason(code)
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+        await self.proc.wait()
+
+
+class RewardSandbox:
+    """Scores responses with reward functions run in `size` child processes (concurrent calls
+    beyond that wait for a free child). Use `async with RewardSandbox() as sb:` or `close()`.
+
+    `memory_limit_mb` caps each child's address space (a huge allocation then fails with
+    MemoryError inside the child instead of meeting the OOM killer); `env` is added to the
+    children's environment; `stderr` is where their output goes (default: this process's
+    stderr; a function's prints land there too, never on the protocol pipe). Functions named
+    `"module:function"` must be importable in the child: its sys.path starts with the current
+    working directory, then $PYTHONPATH.
+    """
+
+    def __init__(
+        self,
+        size: int = 2,
+        *,
+        memory_limit_mb: int | None = None,
+        env: dict[str, str] | None = None,
+        stderr: int | BinaryIO | None = None,
+        start_timeout_s: float = 60.0,
+        python: str = sys.executable,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"RewardSandbox: size: expected int >= 1, got {size}")
+        self.size, self.memory_limit_mb = size, memory_limit_mb
+        self.env, self.stderr = env, stderr
+        self.start_timeout_s, self.python = start_timeout_s, python
+        self._free: asyncio.Queue[_Child | None] = asyncio.Queue()
+        for _ in range(size):
+            self._free.put_nowait(None)  # a slot whose child starts on first use
+        self._children: set[_Child] = set()
+        self._closed = False
+
+    async def __aenter__(self) -> RewardSandbox:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Start every child now rather than on first use."""
+        slots = [self._free.get_nowait() for _ in range(self._free.qsize())]
+        try:
+            for i, slot in enumerate(slots):
+                if slot is None:
+                    slots[i] = await self._spawn()
+        finally:
+            for slot in slots:
+                self._free.put_nowait(slot)
+
+    async def _spawn(self) -> _Child:
+        args = [self.python, "-m", "rollmesh.rewards", "serve", "--parent-pid", str(os.getpid())]
+        if self.memory_limit_mb:
+            args += ["--memory-limit-mb", str(self.memory_limit_mb)]
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self.stderr,
+            env={**os.environ, **(self.env or {})},
+            start_new_session=True,  # a terminal's Ctrl-C goes to the role, which then closes us
+        )
+        child = _Child(proc)
+        self._children.add(child)
+        try:
+            hello = await asyncio.wait_for(child.receive(), self.start_timeout_s)
+            if hello.get("op") != "ready":
+                raise _Died(f"reward process said {hello!r:.200} instead of ready")
+        except BaseException as e:
+            await self._discard(child)
+            if isinstance(e, TimeoutError):
+                raise RuntimeError(
+                    f"reward process not ready after {self.start_timeout_s}s"
+                ) from None
+            if isinstance(e, _Died):
+                raise RuntimeError(f"reward process failed to start: {e}") from None
+            raise
+        log.debug("reward_process_started", pid=proc.pid)
+        return child
+
+    async def _discard(self, child: _Child) -> None:
+        self._children.discard(child)
+        await child.kill()
+
+    async def score(
+        self, name: str, response: str, label: Any, metadata: dict[str, Any], timeout_s: float
+    ) -> RewardResult:
+        """Score `response` with reward function `name` (entry-point name or "module:function"),
+        killing it after `timeout_s` seconds of running (waiting for a free child and starting
+        one are not counted)."""
+        if self._closed:
+            raise RuntimeError("RewardSandbox is closed")
+        child = await self._free.get()
+        try:
+            if self._closed:  # closed while this call waited for a free child
+                raise RuntimeError("RewardSandbox is closed")
+            if child is None or child.proc.returncode is not None:
+                if child is not None:
+                    await self._discard(child)
+                child = None
+                try:
+                    child = await self._spawn()
+                except RuntimeError as e:
+                    return RewardResult("error", error=str(e))
+            result = await self._score(child, name, response, label, metadata, timeout_s)
+            if result.status != "ok" and child.proc.returncode is not None:
+                await self._discard(child)
+                child = None
+            return result
+        except BaseException:  # cancelled mid-request: the child's state is unknown
+            if child is not None:
+                await self._discard(child)
+            child = None
+            raise
+        finally:
+            self._free.put_nowait(child)
+
+    async def _score(
+        self, child: _Child, name: str, response: str, label: Any, metadata: dict[str, Any],
+        timeout_s: float,
+    ) -> RewardResult:
+        request = {"op": "call", "fn": name, "response": response, "label": label,
+                   "metadata": metadata}
+        try:
+            msgpack.packb(request)
+        except (TypeError, ValueError, OverflowError) as e:
+            return RewardResult("error", error=f"request is not plain data: {e}")
+        try:
+            if name not in child.loaded:  # importing is not the function's time
+                reply = await asyncio.wait_for(
+                    child.request({"op": "load", "fn": name}), self.start_timeout_s
+                )
+                if not reply.get("ok"):
+                    return RewardResult("error", error=str(reply.get("error")))
+                child.loaded.add(name)
+        except TimeoutError:
+            await child.kill()
+            why = f"loading {name!r} took over {self.start_timeout_s}s"
+            return RewardResult("error", error=why)
+        except _Died as e:
+            return RewardResult("error", error=str(e))
+
+        start = time.monotonic()
+        try:
+            reply = await asyncio.wait_for(child.request(request), timeout_s)
+        except TimeoutError:
+            await child.kill()
+            return RewardResult(
+                "timeout", error=f"timed out after {timeout_s:g}s",
+                elapsed_s=time.monotonic() - start,
+            )
+        except _Died as e:
+            return RewardResult("error", error=str(e), elapsed_s=time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        info = reply.get("info") if isinstance(reply.get("info"), dict) else {}
+        if not reply.get("ok"):
+            error = str(reply.get("error"))
+            return RewardResult("error", error=error, info=info, elapsed_s=elapsed)
+        return RewardResult("ok", float(reply["reward"]), info=info, elapsed_s=elapsed)
+
+    async def close(self) -> None:
+        """Kill every child (idempotent)."""
+        self._closed = True
+        children, self._children = list(self._children), set()
+        await asyncio.gather(*(c.kill() for c in children))
+
+
+# ---------------------------------------------------------------------------------------------
+# The child: `python -m rollmesh.rewards serve`
+# ---------------------------------------------------------------------------------------------
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent_pid and os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _handle(msg: Any, fns: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(msg, dict) or msg.get("op") not in ("load", "call"):
+        return {"ok": False, "error": f"malformed request: {msg!r:.200}"}
+    name = msg.get("fn")
+    try:
+        if name not in fns:
+            fns[name] = get_reward_fn(str(name))
+        if msg["op"] == "load":
+            warmup = getattr(fns[name], "warmup", None)
+            if callable(warmup):
+                warmup()
+            return {"ok": True}
+        value = fns[name](msg.get("response"), msg.get("label"), msg.get("metadata") or {})
+        reward, info = check_reward_output(value, name)
+        return {"ok": True, "reward": reward, "info": info}
+    except BaseException as e:  # SystemExit and KeyboardInterrupt from a reward are failures too
+        return {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
+            "info": {"traceback": traceback.format_exc(limit=-8)},
+        }
+
+
+def serve(parent_pid: int = 0, memory_limit_mb: int | None = None) -> int:
+    """The child's loop: read requests from stdin, answer on stdout, until stdin closes."""
+    # The pipes belong to the protocol: a function's print() or a C library's write to fd 1
+    # would corrupt it, and a read from fd 0 would eat requests. Keep private copies and point
+    # fds 0 and 1 elsewhere.
+    requests = os.fdopen(os.dup(0), "rb")
+    replies = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    os.close(devnull)
+    _die_with_parent(parent_pid)
+    if memory_limit_mb:
+        import resource
+
+        limit = memory_limit_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    def reply(msg: dict[str, Any]) -> None:
+        try:
+            body = msgpack.packb(msg)
+        except (TypeError, ValueError, OverflowError) as e:
+            body = msgpack.packb({"ok": False, "error": f"reply is not plain data: {e}"})
+        if len(body) > MAX_FRAME_BYTES:
+            body = msgpack.packb(
+                {"ok": False, "error": f"reply of {len(body)} bytes exceeds {MAX_FRAME_BYTES}"}
+            )
+        replies.write(_LEN.pack(len(body)) + body)
+        replies.flush()
+
+    reply({"op": "ready", "pid": os.getpid()})
+    fns: dict[str, Any] = {}
+    while True:
+        header = requests.read(_LEN.size)
+        if len(header) < _LEN.size:
+            return 0  # the parent closed the pipe
+        (n,) = _LEN.unpack(header)
+        if n > MAX_FRAME_BYTES:
+            return 2
+        body = requests.read(n)
+        if len(body) < n:
+            return 0
+        try:
+            msg = msgpack.unpackb(body)
+        except Exception as e:  # msgpack raises several types for bad bytes
+            reply({"ok": False, "error": f"undecodable request: {e}"})
+            continue
+        reply(_handle(msg, fns))

@@ -1,0 +1,73 @@
+"""Reward functions that misbehave, for tests/test_rewards.py (loaded by "module:function")."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from typing import Any
+
+
+def constant(response: str, label: Any, metadata: dict) -> float:
+    return float(metadata.get("value", 0.5))
+
+
+def with_info(response: str, label: Any, metadata: dict) -> dict:
+    return {"reward": 0.25, "length": len(response), "label_seen": label}
+
+
+def chatty(response: str, label: Any, metadata: dict) -> float:
+    # Writes to fd 1 from Python and from C: neither may reach the protocol pipe.
+    print("noise on stdout " * 100)
+    sys.stdout.flush()
+    os.write(1, b"\x00\x00\x00\x05raw bytes on fd 1\n")
+    return 1.0
+
+
+def raising(response: str, label: Any, metadata: dict) -> float:
+    raise ValueError(f"bad response {response!r}")
+
+
+def hanging(response: str, label: Any, metadata: dict) -> float:
+    while True:
+        time.sleep(0.05)
+
+
+def busy_loop(response: str, label: Any, metadata: dict) -> float:
+    while True:
+        pass
+
+
+def exiting(response: str, label: Any, metadata: dict) -> float:
+    os._exit(3)
+
+
+def segfault(response: str, label: Any, metadata: dict) -> float:
+    ctypes.string_at(0)
+    return 1.0
+
+
+def greedy(response: str, label: Any, metadata: dict) -> float:
+    hog = bytearray(8 << 30)  # 8 GiB: over any memory limit the tests set
+    return float(len(hog))
+
+
+def returns_string(response: str, label: Any, metadata: dict) -> Any:
+    return "1.0"
+
+
+def returns_nan(response: str, label: Any, metadata: dict) -> float:
+    return float("nan")
+
+
+def sleepy(response: str, label: Any, metadata: dict) -> float:
+    time.sleep(metadata["sleep_s"])
+    return 1.0
+
+
+def pid(response: str, label: Any, metadata: dict) -> dict:
+    return {"reward": 1.0, "pid": os.getpid()}
+
+
+not_callable = 42

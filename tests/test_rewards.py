@@ -1,0 +1,359 @@
+"""rollmesh.rewards: the built-in functions (gsm8k, exact_match, remote against a local aiohttp
+server), lookup by entry point and by "module:function", output checking, and RewardSandbox with
+functions that raise, hang, exit, crash, hog memory or return non-numbers
+(tests/reward_fixtures.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from rollmesh.rewards import (
+    RewardOutputError,
+    RewardResult,
+    RewardSandbox,
+    UnknownRewardError,
+    available_rewards,
+    check_reward_output,
+    exact_match_reward,
+    get_reward_fn,
+    gsm8k_reward,
+    remote_reward,
+)
+from tests import reward_fixtures
+
+REPO = Path(__file__).resolve().parents[1]
+FIX = "tests.reward_fixtures:"
+
+# -- gsm8k ---------------------------------------------------------------------------------------
+
+GSM8K_CASES = [
+    (r"Half of 48 is 24, so 48 + 24 = 72. \boxed{72}", "72", 1.0),
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72", 1.0),
+    ("#### 72\nI hope this helps, in 3 ways.", "72", 1.0),  # the #### answer, not the last number
+    ("The answer is 72.", "72", 1.0),
+    ("72.0", "72", 1.0),
+    ("She earned $72 in total.", "72", 1.0),
+    ("The total is 1,000 apples.", "1000", 1.0),
+    ("1000", "1,000", 1.0),
+    ("The temperature fell to -5 degrees.", "-5", 1.0),
+    ("The answer is 71.", "72", 0.0),
+    ("It could be 72, but after checking, the answer is 73.", "72", 0.0),
+    ("72,000", "72", 0.0),
+    (r"\boxed{5}", "-5", 0.0),
+    ("I do not know.", "72", 0.0),
+    ("", "72", 0.0),
+]
+
+
+@pytest.mark.parametrize("response,label,reward", GSM8K_CASES)
+def test_gsm8k(response, label, reward):
+    out = gsm8k_reward(response, label, {})
+    assert out["reward"] == reward
+    assert check_reward_output(out, "gsm8k")[0] == reward
+
+
+def test_gsm8k_reports_the_extracted_answer_and_rejects_bad_labels():
+    assert gsm8k_reward("so the answer is 71", "72", {})["extracted"] == "71"
+    assert gsm8k_reward("no number", "72", {})["extracted"] is None
+    with pytest.raises(ValueError, match="gsm8k needs a label"):
+        gsm8k_reward("72", None, {})
+    with pytest.raises(ValueError, match="the label 'many' is not a number"):
+        gsm8k_reward("72", "many", {})
+
+
+# -- exact_match ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response,label,reward", [
+    ("Paris", "Paris", 1.0),
+    ("  paris.\n", "Paris", 1.0),
+    ("New   York", "new york", 1.0),
+    ("Ｐａｒｉｓ", "Paris", 1.0),  # full-width letters, NFKC
+    ("42", 42, 1.0),
+    ("Lyon", ["Paris", "Lyon"], 1.0),
+    ("Paris, France", "Paris", 0.0),
+    ("", "Paris", 0.0),
+])
+def test_exact_match(response, label, reward):
+    assert exact_match_reward(response, label, {}) == reward
+
+
+def test_exact_match_needs_a_label():
+    with pytest.raises(ValueError, match="exact_match needs a label"):
+        exact_match_reward("x", None, {})
+
+
+# -- remote --------------------------------------------------------------------------------------
+
+
+class RewardModel:
+    """A tiny aiohttp reward model on 127.0.0.1: reward = len(response) / 10."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    async def __aenter__(self) -> RewardModel:
+        from aiohttp import web
+
+        async def score(request):
+            body = await request.json()
+            self.seen.append(body)
+            if body["response"] == "fail":
+                return web.Response(status=500, text="model exploded")
+            if body["response"] == "slow":
+                await asyncio.sleep(0.8)
+            return web.json_response({"reward": len(body["response"]) / 10, "model": "tiny"})
+
+        app = web.Application()
+        app.router.add_post("/score", score)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/score"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def no_proxy(monkeypatch):
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+
+
+def test_remote_reward(monkeypatch):
+    async def main():
+        async with RewardModel() as rm:
+            meta = {"reward_url": rm.url, "task": 7}
+            out = await asyncio.to_thread(remote_reward, "abcd", {"x": 1}, meta)
+            assert out == {"reward": 0.4, "model": "tiny"}
+            assert rm.seen == [{"response": "abcd", "label": {"x": 1}, "metadata": meta}]
+
+            with pytest.raises(RuntimeError, match="answered HTTP 500: model exploded"):
+                await asyncio.to_thread(remote_reward, "fail", None, {"reward_url": rm.url})
+            slow = {"reward_url": rm.url, "reward_timeout_s": 0.3}
+            with pytest.raises(ConnectionError, match="unreachable: timed out"):
+                await asyncio.to_thread(remote_reward, "slow", None, slow)
+
+            # The configured URL ($ROLLMESH_REWARD_URL), through the sandbox.
+            monkeypatch.setenv("ROLLMESH_REWARD_URL", rm.url)
+            async with RewardSandbox(1) as sb:
+                res = await sb.score("remote", "abcdefgh", "l", {}, timeout_s=10)
+            assert (res.status, res.reward, res.info) == ("ok", 0.8, {"model": "tiny"})
+
+    monkeypatch.delenv("ROLLMESH_REWARD_URL", raising=False)
+    with pytest.raises(ValueError, match=r"no URL \(set metadata\['reward_url'\] or \$ROLLMESH_"):
+        remote_reward("x", None, {})
+    asyncio.run(main())
+
+
+# -- registry and output checks ------------------------------------------------------------------
+
+
+def test_lookup_by_entry_point_and_module_path():
+    assert {"gsm8k", "exact_match", "remote"} <= set(available_rewards())
+    assert get_reward_fn("gsm8k") is gsm8k_reward
+    assert get_reward_fn("exact_match") is exact_match_reward
+    assert get_reward_fn("remote") is remote_reward
+    assert get_reward_fn(FIX + "constant") is reward_fixtures.constant
+
+
+def test_unknown_names():
+    with pytest.raises(UnknownRewardError) as err:
+        get_reward_fn("gsm9k")
+    names = ", ".join(available_rewards())
+    assert str(err.value) == (
+        f"unknown reward function 'gsm9k'; available: {names} (entry points in group "
+        "'rollmesh.rewards'), or give 'module:function'"
+    )
+    with pytest.raises(UnknownRewardError, match=r"cannot load reward function 'no_such_mod:f': "
+                                                 "ModuleNotFoundError"):
+        get_reward_fn("no_such_mod:f")
+    with pytest.raises(UnknownRewardError, match="has no attribute 'nope'"):
+        get_reward_fn(FIX + "nope")
+    with pytest.raises(UnknownRewardError, match="is a int, not callable"):
+        get_reward_fn(FIX + "not_callable")
+
+
+def test_check_reward_output():
+    import numpy as np
+
+    assert check_reward_output(1, "f") == (1.0, {})
+    assert check_reward_output(np.float32(0.5), "f") == (0.5, {})
+    assert check_reward_output({"reward": 0.5, "n": [1, "a"]}, "f") == (0.5, {"n": [1, "a"]})
+    for bad, msg in [
+        ("1.0", "reward function 'f' returned str '1.0', expected a number or a dict"),
+        (None, "returned NoneType None"),
+        ({"score": 1}, "returned a dict without 'reward' (keys: score)"),
+        ({"reward": "1"}, "returned str '1'"),
+        (float("nan"), "returned a non-finite reward nan"),
+        ({"reward": 1.0, "obj": object()}, "returned info that is not plain data"),
+        ({"reward": 1.0, "m": {1: 2}}, "returned info that is not plain data"),
+    ]:
+        with pytest.raises(RewardOutputError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            check_reward_output(bad, "f")
+
+
+# -- sandbox -------------------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def pid_of(sb: RewardSandbox) -> int:
+    res = await sb.score(FIX + "pid", "", None, {}, timeout_s=10)
+    assert res.status == "ok", res
+    return res.info["pid"]
+
+
+def test_sandbox_scores_and_survives_every_failure():
+    async def main():
+        async with RewardSandbox(1, stderr=subprocess.DEVNULL) as sb:
+            ok = await sb.score("gsm8k", r"so \boxed{72}", "72", {}, timeout_s=5)
+            assert (ok.status, ok.reward, ok.error, ok.info) == ("ok", 1.0, "", {"extracted": "72"})
+            assert ok.elapsed_s < 1.0  # math-verify's import is warm-up, not scoring time
+            res = await sb.score(FIX + "with_info", "abc", [1], {}, timeout_s=5)
+            assert (res.reward, res.info) == (0.25, {"length": 3, "label_seen": [1]})
+            res = await sb.score(FIX + "chatty", "", None, {}, timeout_s=5)  # fd 1 is not the pipe
+            assert (res.status, res.reward) == ("ok", 1.0)
+            first_pid = await pid_of(sb)
+
+            res = await sb.score(FIX + "raising", "x", None, {}, timeout_s=5)
+            assert (res.status, res.reward) == ("error", None)
+            assert res.error == "ValueError: bad response 'x'"
+            assert "in raising" in res.info["traceback"]
+            assert await pid_of(sb) == first_pid  # an exception does not cost the process
+
+            for fn, timeout_s in (("hanging", 0.5), ("busy_loop", 0.5)):
+                t0 = time.monotonic()
+                res = await sb.score(FIX + fn, "", None, {}, timeout_s=timeout_s)
+                assert time.monotonic() - t0 < timeout_s + 1.0
+                assert (res.status, res.reward) == ("timeout", None)
+                assert res.error == "timed out after 0.5s"
+                assert not alive(first_pid)
+                first_pid = await pid_of(sb)  # a fresh process serves the next call
+
+            res = await sb.score(FIX + "exiting", "", None, {}, timeout_s=5)
+            assert (res.status, res.reward, res.error) == (
+                "error", None, "reward process died with exit code 3")
+            assert await pid_of(sb) != first_pid
+            res = await sb.score(FIX + "segfault", "", None, {}, timeout_s=5)
+            assert res.error == "reward process died with exit code -11 (SIGSEGV)"
+
+            for fn, error in [
+                ("returns_string", "RewardOutputError: reward function "
+                 "'tests.reward_fixtures:returns_string' returned str '1.0', expected a number "
+                 "or a dict with a numeric 'reward'"),
+                ("returns_nan", "RewardOutputError: reward function "
+                 "'tests.reward_fixtures:returns_nan' returned a non-finite reward nan"),
+                ("nope", "UnknownRewardError: cannot load reward function "
+                 "'tests.reward_fixtures:nope': AttributeError: module "
+                 "'tests.reward_fixtures' has no attribute 'nope'"),
+            ]:
+                res = await sb.score(FIX + fn, "", None, {}, timeout_s=5)
+                assert (res.status, res.reward, res.error) == ("error", None, error)
+            res = await sb.score("gsm9k", "", None, {}, timeout_s=5)
+            assert res.status == "error"
+            assert "unknown reward function 'gsm9k'; available:" in res.error
+            res = await sb.score("exact_match", "", None, {"bad": object()}, timeout_s=5)
+            assert res.status == "error" and res.error.startswith("request is not plain data")
+            res = await sb.score("exact_match", "Paris", "paris", {}, timeout_s=5)
+            assert (res.status, res.reward) == ("ok", 1.0)
+
+            last_pid = await pid_of(sb)
+        assert not alive(last_pid)  # close() killed it
+        with pytest.raises(RuntimeError, match="closed"):
+            await sb.score("exact_match", "", "", {}, timeout_s=1)
+
+    asyncio.run(main())
+
+
+def test_sandbox_runs_calls_concurrently():
+    async def main():
+        async with RewardSandbox(2) as sb:
+            await sb.start()
+            t0 = time.monotonic()
+            calls = [sb.score(FIX + "sleepy", "", None, {"sleep_s": 0.4}, timeout_s=5)
+                     for _ in range(4)]
+            calls.append(sb.score(FIX + "pid", "", None, {}, timeout_s=5))
+            calls.append(sb.score(FIX + "pid", "", None, {}, timeout_s=5))
+            results = await asyncio.gather(*calls)
+            took = time.monotonic() - t0
+        assert [r.status for r in results] == ["ok"] * 6
+        assert 0.8 <= took < 1.6  # two children: 4 x 0.4 s in two rounds
+        assert len({r.info["pid"] for r in results[4:]}) <= 2
+
+    asyncio.run(main())
+
+
+def test_sandbox_memory_limit_and_cancellation():
+    async def main():
+        async with RewardSandbox(1, memory_limit_mb=1024) as sb:
+            res = await sb.score(FIX + "greedy", "", None, {}, timeout_s=10)
+            assert (res.status, res.reward, res.error) == ("error", None, "MemoryError")
+            pid = await pid_of(sb)
+            task = asyncio.create_task(sb.score(FIX + "hanging", "", None, {}, timeout_s=30))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not alive(pid)  # its state was unknown: killed
+            assert (await sb.score(FIX + "constant", "", None, {}, timeout_s=5)).reward == 0.5
+
+    asyncio.run(main())
+
+
+def test_serve_answers_malformed_requests():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollmesh.rewards", "serve"], cwd=REPO,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+
+    def frame(body: bytes) -> None:
+        proc.stdin.write(struct.pack(">I", len(body)) + body)
+        proc.stdin.flush()
+
+    def reply() -> dict:
+        (n,) = struct.unpack(">I", proc.stdout.read(4))
+        return msgpack.unpackb(proc.stdout.read(n))
+
+    try:
+        assert reply()["op"] == "ready"
+        frame(b"\xc1")  # never valid msgpack
+        assert reply()["error"].startswith("undecodable request")
+        frame(msgpack.packb({"op": "exec", "fn": "os:system"}))
+        assert reply() == {
+            "ok": False, "error": "malformed request: {'op': 'exec', 'fn': 'os:system'}"
+        }
+        frame(msgpack.packb({"op": "call", "fn": "exact_match", "response": "a", "label": "A"}))
+        assert reply() == {"ok": True, "reward": 1.0, "info": {}}
+        proc.stdin.close()  # the parent went away: the child exits
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_reward_result_is_plain_data():
+    r = RewardResult("timeout", error="timed out after 1s", elapsed_s=1.0)
+    assert msgpack.unpackb(msgpack.packb(r.to_dict())) == {
+        "status": "timeout", "reward": None, "error": "timed out after 1s", "info": {},
+        "elapsed_s": 1.0,
+    }
