@@ -1,0 +1,388 @@
+"""The one client every generating role uses: SGLang's HTTP API over one or more servers.
+
+Nothing above this module knows whether a server is real SGLang or rollmesh's built-in engine
+(`docs/sglang-contract.md`). It owns:
+
+- request ids: fixed width, so that SGLang's prefix matching on abort never hits another
+  request (`s-4` would abort `s-42`);
+- balancing: each /generate goes to the healthy server with the fewest requests in flight, and
+  the client remembers where each rid runs so an abort reaches the right server;
+- failure handling: connection errors and 5xx are retried with exponential back-off (on
+  another server where there is one), 4xx are not; a server that fails is taken out of the
+  rotation and put back when its /health answers 200 again;
+- the weight-update calls, fired without waiting as the contract requires (they block inside
+  the collective): `start_*` returns a task, the caller joins the group or broadcasts, then
+  awaits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import aiohttp
+
+from rollmesh.log import get_logger
+
+log = get_logger("rollmesh.engine.client")
+
+RID_WIDTH = 24  # "r" + 23 hex digits: unique per client process and never a prefix of another
+
+
+class EngineError(RuntimeError):
+    """A server answered with an error, or no server could answer after the retries."""
+
+    def __init__(self, message: str, status: int | None = None, url: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.url = url
+
+
+class EngineRequestError(EngineError):
+    """HTTP 4xx: the request itself is wrong; retrying cannot help."""
+
+
+class NoHealthyServer(EngineError):
+    pass
+
+
+@dataclass
+class GenerateOutput:
+    """One /generate answer, in the fields rollmesh uses (and the raw body)."""
+
+    rid: str
+    server: str
+    output_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob per output token ([] without return_logprob)
+    finish_reason: str  # stop | length | abort
+    weight_version: str
+    prompt_tokens: int
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+    @classmethod
+    def from_response(cls, rid: str, server: str, body: dict[str, Any]) -> GenerateOutput:
+        try:
+            meta = body["meta_info"]
+            output_ids = list(body["output_ids"])
+            triples = meta.get("output_token_logprobs") or []
+            if triples and len(triples) != len(output_ids):
+                raise ValueError(f"{len(triples)} log-probs for {len(output_ids)} tokens")
+            if any(int(t[1]) != o for t, o in zip(triples, output_ids)):
+                raise ValueError("log-prob token ids do not match output_ids")
+            return cls(rid=rid, server=server, output_ids=output_ids,
+                       logprobs=[float(t[0]) for t in triples],
+                       finish_reason=str(meta["finish_reason"]["type"]),
+                       weight_version=str(meta.get("weight_version", "default")),
+                       prompt_tokens=int(meta.get("prompt_tokens", 0)), raw=body)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise EngineError(f"{server}/generate: malformed response ({e})", url=server) from None
+
+
+@dataclass
+class _Server:
+    url: str
+    tp_size: int = 1
+    healthy: bool = True
+    in_flight: int = 0
+    failures: int = 0
+    down_since: float = 0.0
+    picked: int = 0  # when it was last chosen: ties go to the least recently chosen
+
+
+class EngineClient:
+    """Async client over a fixed list of servers. Use as `async with EngineClient(urls) as c`."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        tp_sizes: Sequence[int] | None = None,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+        connect_timeout_s: float = 5.0,
+        control_timeout_s: float = 60.0,
+        health_interval_s: float = 2.0,
+        max_connections: int = 512,
+    ):
+        if not urls:
+            raise ValueError("EngineClient needs at least one server URL")
+        sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(urls)
+        self.servers = [_Server(u.rstrip("/"), tp) for u, tp in zip(urls, sizes, strict=True)]
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.health_interval_s = health_interval_s
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._prober: asyncio.Task | None = None
+        self._where: dict[str, _Server] = {}  # rid -> server running it
+        self._rid_prefix = f"r{os.getpid() & 0xFFFFFF:06x}{random.getrandbits(32):08x}"
+        self._rid_counter = itertools.count()
+        self._picks = itertools.count(1)
+
+    async def __aenter__(self) -> EngineClient:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.max_connections),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+        )
+        self._prober = asyncio.create_task(self._probe_down_servers())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.gather(self._prober, return_exceptions=True)
+            self._prober = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- request ids and balancing -----------------------------------------------------------
+
+    def new_rid(self) -> str:
+        """A fixed-width id, unique in this client, never a prefix of another."""
+        n = next(self._rid_counter)
+        return f"{self._rid_prefix}{n:0{RID_WIDTH - len(self._rid_prefix)}x}"
+
+    def _pick(self, exclude: set[str] = frozenset()) -> _Server:  # type: ignore[assignment]
+        candidates = [s for s in self.servers if s.healthy and s.url not in exclude]
+        if not candidates:
+            candidates = [s for s in self.servers if s.healthy]
+        if not candidates:
+            down = ", ".join(s.url for s in self.servers)
+            raise NoHealthyServer(f"no healthy inference server (all down: {down})")
+        server = min(candidates, key=lambda s: (s.in_flight, s.picked))
+        server.picked = next(self._picks)
+        return server
+
+    def _mark_down(self, server: _Server, reason: str) -> None:
+        server.failures += 1
+        if server.healthy:
+            server.healthy, server.down_since = False, time.monotonic()
+            log.warning("engine_down", server=server.url, reason=reason)
+
+    async def _probe_down_servers(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            for server in self.servers:
+                if not server.healthy and await self.health(server.url):
+                    server.healthy, server.failures = True, 0
+                    log.info("engine_up", server=server.url,
+                             down_s=round(time.monotonic() - server.down_since, 1))
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    async def _call(self, server: _Server, method: str, path: str, body: Any = None,
+                    timeout_s: float | None = None) -> Any:
+        """One HTTP call. 4xx -> EngineRequestError; 5xx/connection -> EngineError."""
+        assert self._session is not None, "use EngineClient inside 'async with'"
+        url = f"{server.url}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
+        try:
+            async with self._session.request(method, url, json=body, timeout=timeout) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    cls = EngineRequestError if resp.status < 500 else EngineError
+                    raise cls(f"{url}: HTTP {resp.status}: {text[:500]}", resp.status, server.url)
+                if not text:
+                    return None
+                try:
+                    return await resp.json(content_type=None)
+                except ValueError:
+                    return text
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise EngineError(f"{url}: {type(e).__name__}: {e}", None, server.url) from None
+
+    async def _with_retries(self, path: str, body: dict[str, Any], timeout_s: float | None,
+                            rid: str | None = None) -> tuple[_Server, Any]:
+        """POST to the least-loaded healthy server; on 5xx or no answer, back off and try
+        another. `rid` is recorded while it runs, so `abort(rid)` finds its server."""
+        tried: set[str] = set()
+        last: EngineError | None = None
+        for attempt in range(self.retries + 1):
+            server = self._pick(tried)
+            tried.add(server.url)
+            server.in_flight += 1
+            if rid is not None:
+                self._where[rid] = server
+            try:
+                return server, await self._call(server, "POST", path, body, timeout_s)
+            except EngineRequestError:
+                raise
+            except EngineError as e:
+                last = e
+                if e.status is None:  # no answer at all: this server is down
+                    self._mark_down(server, str(e))
+            finally:
+                server.in_flight -= 1
+                if rid is not None:
+                    self._where.pop(rid, None)
+            if attempt < self.retries:
+                delay = self.backoff_s * 2**attempt * (0.5 + random.random())
+                log.info("engine_retry", server=server.url, path=path, attempt=attempt + 1,
+                         delay_s=round(delay, 3), error=str(last))
+                await asyncio.sleep(delay)
+        assert last is not None
+        raise EngineError(f"{path} {rid or ''} failed after {self.retries + 1} attempt(s): "
+                          f"{last}", last.status, last.url)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
+                       rid: str | None = None, return_logprob: bool = True,
+                       timeout_s: float | None = None) -> GenerateOutput:
+        """Generate from token ids; an aborted request returns its partial output."""
+        rid = rid or self.new_rid()
+        body = {"rid": rid, "input_ids": list(input_ids), "sampling_params": sampling_params,
+                "return_logprob": return_logprob}
+        server, out = await self._with_retries("/generate", body, timeout_s, rid=rid)
+        return GenerateOutput.from_response(rid, server.url, out)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort one request where it runs; False if the client has no such request."""
+        server = self._where.get(rid)
+        if server is None:
+            return False
+        await self._call(server, "POST", "/abort_request", {"rid": rid, "abort_all": False},
+                         self.control_timeout_s)
+        return True
+
+    async def _all(self, method: str, path: str, body: Any = None,
+                   only_healthy: bool = True) -> list[Any]:
+        servers = [s for s in self.servers if s.healthy or not only_healthy]
+        return await asyncio.gather(*(self._call(s, method, path, body, self.control_timeout_s)
+                                      for s in servers))
+
+    async def abort_all(self) -> None:
+        await self._all("POST", "/abort_request", {"rid": "", "abort_all": True})
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause every server; in `abort` mode each in-flight request returns its partial."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: expected abort, retract or in_place")
+        await self._all("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._all("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache")
+
+    # -- health and info -----------------------------------------------------------------------
+
+    async def health(self, url: str, *, generate: bool = False) -> bool:
+        server = next((s for s in self.servers if s.url == url.rstrip("/")), None) or _Server(url)
+        try:
+            await self._call(server, "GET", "/health_generate" if generate else "/health",
+                             timeout_s=self.connect_timeout_s + 5)
+            return True
+        except EngineError:
+            return False
+
+    async def wait_healthy(self, timeout_s: float = 300.0, *, generate: bool = True) -> None:
+        """Wait until every server answers /health_generate (what a launcher waits for)."""
+        deadline = time.monotonic() + timeout_s
+        pending = [s.url for s in self.servers]
+        while pending:
+            pending = [u for u in pending if not await self.health(u, generate=generate)]
+            if pending and time.monotonic() > deadline:
+                raise EngineError(f"not healthy after {timeout_s:g}s: {', '.join(pending)}")
+            if pending:
+                await asyncio.sleep(0.5)
+        for server in self.servers:
+            server.healthy = True
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        return await self._all("GET", "/get_model_info")
+
+    async def server_info(self) -> list[dict[str, Any]]:
+        return await self._all("GET", "/get_server_info")
+
+    async def server_info_each(self, timeout_s: float = 5.0) -> list[dict[str, Any] | None]:
+        """/get_server_info of every server, None where one does not answer (for monitoring)."""
+        async def one(server: _Server) -> dict[str, Any] | None:
+            try:
+                return await self._call(server, "GET", "/get_server_info", timeout_s=timeout_s)
+            except EngineError:
+                return None
+
+        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+    async def weight_versions(self) -> list[str]:
+        return [str(info.get("weight_version")) for info in await self.model_info()]
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def rank_offsets(self) -> list[int]:
+        """Engine i's first rank in the weight-update group: 1 + the TP sizes before it."""
+        offsets, rank = [], 1
+        for server in self.servers:
+            offsets.append(rank)
+            rank += server.tp_size
+        return offsets
+
+    @property
+    def weight_group_world_size(self) -> int:
+        return 1 + sum(s.tp_size for s in self.servers)
+
+    def start_init_weights_update_group(self, master_address: str, master_port: int,
+                                        group_name: str = "weight_update_group",
+                                        backend: str = "gloo") -> asyncio.Task:
+        """Fire /init_weights_update_group at every server; await the task after joining."""
+        world = self.weight_group_world_size
+        calls = [self._call(s, "POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": off,
+            "world_size": world, "group_name": group_name, "backend": backend,
+        }, self.control_timeout_s) for s, off in zip(self.servers, self.rank_offsets())]
+        return asyncio.create_task(self._checked("init_weights_update_group", calls))
+
+    def start_update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+        weight_version: str, group_name: str = "weight_update_group", flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> asyncio.Task:
+        """Fire /update_weights_from_distributed; broadcast in `names` order, then await."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+                "weight_version": weight_version}
+        calls = [self._call(s, "POST", "/update_weights_from_distributed", body,
+                            self.control_timeout_s) for s in self.servers]
+        return asyncio.create_task(self._checked("update_weights_from_distributed", calls))
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._checked("destroy_weights_update_group", [
+            self._call(s, "POST", "/destroy_weights_update_group", {"group_name": group_name},
+                       self.control_timeout_s) for s in self.servers])
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        await self._checked("update_weights_from_disk", [
+            self._call(s, "POST", "/update_weights_from_disk", {
+                "model_path": model_path, "weight_version": weight_version, "flush_cache": True,
+            }, self.control_timeout_s) for s in self.servers])
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self._all("POST", "/update_weight_version",
+                        {"new_version": new_version, "abort_all_requests": False},
+                        only_healthy=False)
+
+    async def _checked(self, what: str, calls: list[Any]) -> list[Any]:
+        replies = await asyncio.gather(*calls)
+        failed = [(s.url, r) for s, r in zip(self.servers, replies)
+                  if not (isinstance(r, dict) and r.get("success"))]
+        if failed:
+            raise EngineError(f"{what} failed on {len(failed)} server(s): "
+                              + "; ".join(f"{u}: {r}" for u, r in failed))
+        return replies

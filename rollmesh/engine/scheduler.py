@@ -1,0 +1,345 @@
+"""The built-in engine's scheduler: one thread that owns the model, the KV cache and the batch.
+
+Continuous batching: every loop iteration (1) applies the commands that arrived (new requests,
+aborts, pause/continue, weight loads), (2) admits waiting requests up to the running limit and
+prefills them (requests with prompts of equal length share one forward pass), and (3) runs one
+batched decode step for every running request; finished requests leave the batch right away.
+Aborts, pauses and weight loads therefore take effect between two decode steps.
+
+Nothing else touches the model: the HTTP server talks to this thread through `submit` (commands
+answered with a concurrent Future) and through each request's `on_progress` callback.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollmesh.engine.kvcache import BatchKV, new_cache
+from rollmesh.engine.sampling import SamplingParams, sample
+from rollmesh.log import get_logger
+
+PREFILL_TOKEN_BUDGET = 8192  # tokens per prefill forward: bounds activation memory
+
+
+def abort_reason(message: str = "Aborted", status_code: int | None = None,
+                 err_type: str | None = None) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    # Called on the scheduler thread when tokens were added (streaming) and when finished.
+    on_progress: Callable[[Request], None]
+    stream: bool = False
+    received_at: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = ""
+    generator: torch.Generator | None = None
+    length: int = 0  # tokens of this request in the KV cache
+    internal: bool = False  # the engine's own (warm-up, health check): not counted as served
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Command:
+    kind: str
+    args: tuple = ()
+    future: Future | None = None
+
+
+class Scheduler:
+    def __init__(self, model: Any, tokenizer: Any, *, weight_version: str,
+                 max_running_requests: int, seed: int | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.weight_version = weight_version
+        self.max_running = max_running_requests
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed if seed is not None else torch.seed())
+        self.log = get_logger("rollmesh.engine.scheduler")
+
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.kv = BatchKV()
+        self.paused = False
+        self.busy_loading = False
+        self.decode_steps = 0
+        # Every token sampled for a client, aborted requests' included: what a caller can check
+        # against the tokens it received (nothing generated twice, nothing generated and lost).
+        self.generated_tokens = 0
+        self.peak_running = 0
+        self.fatal: BaseException | None = None
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
+
+    # ---- API for the server (any thread) ----
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def add(self, request: Request) -> None:
+        self._commands.put(_Command("add", (request,)))
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        self._commands.put(_Command("abort", (rid, abort_all)))
+
+    def abort_request(self, request: Request) -> None:
+        """Abort this very request (its client went away), whatever its rid."""
+        self._commands.put(_Command("abort_one", (request,)))
+
+    def submit(self, kind: str, *args: Any) -> Future:
+        """pause(mode) | continue | flush | call(fn) | shutdown -> Future of the result."""
+        fut: Future = Future()
+        self._commands.put(_Command(kind, args, fut))
+        return fut
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running_requests": len(self.running),
+            "waiting_requests": len(self.waiting),
+            "paused": self.paused,
+            "weight_version": self.weight_version,
+            "decode_steps": self.decode_steps,
+            "generated_tokens": self.generated_tokens,
+            "peak_running_requests": self.peak_running,
+        }
+
+    # ---- the loop (scheduler thread only below this line) ----
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stop:
+                    idle = self.paused or not (self.running or self.waiting)
+                    self._apply_commands(block=idle)
+                    if self._stop or self.paused:
+                        continue
+                    self._admit()
+                    if self.running:
+                        self._decode_step()
+        except BaseException as e:  # the thread must not die silently: health turns 503
+            self.fatal = e
+            self.log.exception("scheduler_crashed")
+            self._finish_all(abort_reason(f"engine error: {e}", 500, type(e).__name__))
+        finally:
+            self._refuse_pending()
+
+    def _refuse_pending(self) -> None:
+        """After the loop ended, answer whatever is still queued instead of leaving it hanging."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd.kind == "add":
+                self._finish(cmd.args[0], abort_reason("engine stopped", 503, "ServiceUnavailable"))
+            elif cmd.future is not None and not cmd.future.cancelled():
+                cmd.future.set_exception(RuntimeError("engine stopped"))
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            # A command runs even if its caller gave up waiting (a weight broadcast cannot be
+            # skipped once announced); only the answer is then dropped.
+            try:
+                result = self._apply(cmd)
+                if cmd.future is not None and not cmd.future.cancelled():
+                    cmd.future.set_result(result)
+            except Exception as e:
+                if cmd.future is None:
+                    raise
+                if not cmd.future.cancelled():
+                    cmd.future.set_exception(e)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: _Command) -> Any:
+        if cmd.kind == "add":
+            self.waiting.append(cmd.args[0])
+        elif cmd.kind == "abort":
+            rid, abort_all = cmd.args
+            # SGLang: an abort goes through only if some request has exactly this rid (or
+            # abort_all); then every request whose rid starts with it is aborted.
+            if abort_all or any(r.rid == rid for r in (*self.waiting, *self.running)):
+                self._abort(lambda r: abort_all or r.rid.startswith(rid))
+        elif cmd.kind == "abort_one":
+            self._abort(lambda r: r is cmd.args[0])
+        elif cmd.kind == "pause":
+            (mode,) = cmd.args
+            if mode == "abort":
+                self._abort(lambda r: True)
+            # in_place and retract both keep the requests and their KV where they are.
+            self.paused = True
+            self.log.info("generation_paused", mode=mode, running=len(self.running))
+        elif cmd.kind == "continue":
+            self.paused = False
+            self.log.info("generation_continued", running=len(self.running),
+                          waiting=len(self.waiting))
+        elif cmd.kind == "flush":
+            return not self.running and not self.waiting  # nothing cached across requests
+        elif cmd.kind == "call":
+            (fn,) = cmd.args
+            self.busy_loading = True
+            try:
+                return fn(self)
+            finally:
+                self.busy_loading = False
+        elif cmd.kind == "shutdown":
+            self._finish_all(abort_reason("server shutting down", 503, "ServiceUnavailable"))
+            self._stop = True
+        else:
+            raise ValueError(f"unknown scheduler command {cmd.kind!r}")
+        return None
+
+    def _abort(self, match: Callable[[Request], bool]) -> None:
+        for r in [r for r in self.waiting if match(r)]:
+            self.waiting.remove(r)
+            self._finish(r, abort_reason())
+        hit = [r for r in self.running if match(r)]
+        for r in hit:
+            self._finish(r, abort_reason())
+        if hit:
+            self._drop_finished()
+            self.log.info("requests_aborted", count=len(hit), rids=[r.rid for r in hit][:8])
+
+    def _finish_all(self, reason: dict[str, Any]) -> None:
+        for r in [*self.waiting, *self.running]:
+            if not r.finished:
+                self._finish(r, reason)
+        self.waiting.clear()
+        self.running.clear()
+        self.kv.clear()
+
+    def _finish(self, r: Request, reason: dict[str, Any]) -> None:
+        r.finish_reason = reason
+        r.weight_version = self.weight_version
+        r.on_progress(r)
+
+    # ---- admission and prefill ----
+    def _admit(self) -> None:
+        admitted: list[Request] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
+            r = self.waiting.popleft()
+            if r.max_new_tokens == 0:
+                self._finish(r, {"type": "length", "length": 0})
+                continue
+            if r.params.sampling_seed is not None:
+                r.generator = torch.Generator(device=self.device)
+                r.generator.manual_seed(r.params.sampling_seed)
+            admitted.append(r)
+        if not admitted:
+            return
+        by_len: dict[int, list[Request]] = {}
+        for r in admitted:
+            by_len.setdefault(len(r.input_ids), []).append(r)
+        for length, group in by_len.items():
+            per_forward = max(1, PREFILL_TOKEN_BUDGET // length)
+            for i in range(0, len(group), per_forward):
+                self._prefill(group[i : i + per_forward])
+
+    def _prefill(self, group: list[Request]) -> None:
+        ids = torch.tensor([r.input_ids for r in group], device=self.device)
+        cache = new_cache()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for r in group:
+            r.length = len(r.input_ids)
+        self.kv.merge(cache)
+        self.running.extend(group)
+        self._sample_and_advance(out.logits[:, -1, :], first_row=len(self.running) - len(group))
+
+    # ---- decoding ----
+    def _decode_step(self) -> None:
+        rows = self.running
+        seq_len = self.kv.seq_len
+        last = torch.tensor([[r.output_ids[-1]] for r in rows], device=self.device)
+        lengths = torch.tensor([r.length for r in rows], device=self.device)
+        # Row r's tokens sit in the last length_r slots (plus the new one): left padding masked.
+        slots = torch.arange(seq_len + 1, device=self.device)
+        mask = slots[None, :] >= (seq_len - lengths)[:, None]
+        out = self.model(input_ids=last, attention_mask=mask, position_ids=lengths[:, None],
+                         past_key_values=self.kv.cache, use_cache=True, logits_to_keep=1)
+        for r in rows:
+            r.length += 1
+        self.peak_running = max(self.peak_running, len(rows))
+        self._sample_and_advance(out.logits[:, -1, :], first_row=0)
+        self.decode_steps += 1
+
+    def _sample_and_advance(self, logits: torch.Tensor, first_row: int) -> None:
+        rows = self.running[first_row:]
+        banned = [self._banned(r) for r in rows]
+        tokens, logprobs = sample(logits, [r.params for r in rows],
+                                  [r.generator for r in rows], self.generator, banned)
+        self.generated_tokens += sum(not r.internal for r in rows)
+        for r, token, logprob in zip(rows, tokens, logprobs):
+            r.output_ids.append(token)
+            r.output_logprobs.append(logprob)
+            reason = self._check_finished(r)
+            if reason is not None:
+                self._finish(r, reason)
+            elif r.stream:
+                r.on_progress(r)
+        if any(r.finished for r in rows):
+            self._drop_finished()
+
+    def _banned(self, r: Request) -> list[int]:
+        if len(r.output_ids) >= r.params.min_new_tokens or r.params.ignore_eos:
+            return []
+        return sorted(self.eos_ids | set(r.params.stop_token_ids))
+
+    def _check_finished(self, r: Request) -> dict[str, Any] | None:
+        # SGLang's order: length first, then stop tokens (unless ignore_eos), then stop strings.
+        if len(r.output_ids) >= r.max_new_tokens:
+            return {"type": "length", "length": r.max_new_tokens}
+        token = r.output_ids[-1]
+        if not r.params.ignore_eos and (token in self.eos_ids or token in r.params.stop_token_ids):
+            return {"type": "stop", "matched": token}
+        if r.params.stop:
+            window = max(len(s.encode()) for s in r.params.stop) + 1
+            tail = self.tokenizer.decode(r.output_ids[-window:])
+            for s in r.params.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.running) if not r.finished]
+        self.running = [self.running[i] for i in keep]
+        self.kv.select(keep, [r.length for r in self.running])
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

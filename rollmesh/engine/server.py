@@ -1,0 +1,481 @@
+"""`rollmesh engine`: the built-in inference server, SGLang's HTTP contract on transformers.
+
+    rollmesh engine --model tiny|CHECKPOINT_DIR --port P [--host 127.0.0.1]
+        [--weight-version default] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
+        [--max-running-requests 64] [--seed S] [--threads N]
+
+This module owns the HTTP side and the process lifecycle: the aiohttp routes of
+docs/sglang-contract.md, start-up (load, warm up, serve) and graceful shutdown on SIGTERM/SIGINT.
+The model itself belongs to the scheduler thread (scheduler.py); handlers only submit work to it
+and await the answer, so the event loop stays responsive even while a weight broadcast blocks
+the scheduler inside a collective.
+
+Where this engine differs from SGLang 0.5.23 (all within the contract): pause mode `retract`
+keeps requests and their KV in place like `in_place` (same results, no memory is reclaimed);
+there is no prefix cache, so `cached_tokens` is 0 and `flush_cache` only checks that nothing is
+pending; `logprob_start_len` other than -1, `n` > 1, penalties and constrained decoding are
+refused with a 400 naming the field; a streamed response sends the whole response so far in each
+event (cumulative `text` and `output_ids`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from rollmesh import __version__
+from rollmesh.engine import api, models
+from rollmesh.engine.sampling import BadRequest
+from rollmesh.engine.scheduler import Request, Scheduler
+from rollmesh.log import configure_logging
+from rollmesh.weights import (
+    WeightUpdateError,
+    check_update,
+    destroy_weight_update_group,
+    init_weight_update_group,
+    load_weights,
+    receive_weights,
+)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _result(success: bool, message: str) -> web.Response:
+    return web.json_response({"success": success, "message": message},
+                             status=200 if success else 400)
+
+
+async def _body(request: web.Request, *, optional: bool = False) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip() and optional:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _bad_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return _error(str(e))
+
+
+class EngineServer:
+    def __init__(self, args: argparse.Namespace, model: Any, tokenizer: Any, log: Any) -> None:
+        self.args = args
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        config = model.config.get_text_config()
+        self.limits = api.ModelLimits(
+            context_length=config.max_position_embeddings,
+            vocab_size=model.get_input_embeddings().num_embeddings,
+        )
+        self.scheduler = Scheduler(model, tokenizer, weight_version=args.weight_version,
+                                   max_running_requests=args.max_running_requests, seed=args.seed)
+        self.groups: dict[str, tuple[Any, str]] = {}  # group_name -> (process group, backend)
+        self.log = log
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_bad_requests], client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self.server_info)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
+        return app
+
+    # ---- lifecycle ----
+    async def _on_startup(self, _app: web.Application) -> None:
+        self.scheduler.start()
+        # Warm up: a model the batch cache cannot serve fails here, not on the first client.
+        warm, _ = api.parse_generate({"input_ids": [0, 0], "sampling_params": {
+            "max_new_tokens": 2, "temperature": 0}}, self.limits, self.tokenizer)
+        await self._run_internal(warm, timeout=300)
+        if not self.scheduler.alive():
+            raise RuntimeError(f"engine warm-up failed: {self.scheduler.fatal}")
+        self.log.info("engine_ready", bind=self.args.host, port=self.args.port,
+                      model=self.args.model, device=str(self.device),
+                      dtype=str(self.model.dtype), weight_version=self.scheduler.weight_version,
+                      context_length=self.limits.context_length,
+                      max_running_requests=self.args.max_running_requests)
+
+    async def _on_shutdown(self, _app: web.Application) -> None:
+        # Answer every in-flight /generate (abort, 503) before aiohttp waits for the handlers.
+        self.log.info("engine_shutting_down", **self.scheduler.stats())
+        if self.scheduler.alive():
+            try:
+                # Bounded: the scheduler may be stuck in a collective whose trainer is gone.
+                await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit("shutdown")), 10)
+            except TimeoutError:
+                self.log.warning("scheduler_did_not_stop", busy_loading=self.scheduler.busy_loading)
+                return
+        for group, _ in self.groups.values():
+            destroy_weight_update_group(group)
+        self.groups.clear()
+
+    async def _scheduler_call(self, kind: str, *args: Any) -> Any:
+        if not self.scheduler.alive():
+            raise web.HTTPServiceUnavailable(text="engine scheduler is not running")
+        return await asyncio.wrap_future(self.scheduler.submit(kind, *args))
+
+    # ---- generation ----
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        req, return_logprob = api.parse_generate(body, self.limits, self.tokenizer)
+        if not self.scheduler.alive():
+            return _error("engine scheduler is not running", 503)
+        loop = asyncio.get_running_loop()
+        progress: asyncio.Queue[None] = asyncio.Queue()
+
+        def on_progress(_: Request) -> None:  # scheduler thread
+            # RuntimeError: the event loop is closed, nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(progress.put_nowait, None)
+
+        req.on_progress = on_progress
+        self.scheduler.add(req)
+        try:
+            if req.stream:
+                return await self._stream(request, req, return_logprob, progress)
+            while not req.finished:
+                await progress.get()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.scheduler.abort_request(req)  # the client went away: free the batch slot
+            raise
+        status = (req.finish_reason or {}).get("status_code") or 200
+        return web.json_response(api.generate_response(req, return_logprob, self.tokenizer),
+                                 status=status)
+
+    async def _stream(self, request: web.Request, req: Request, return_logprob: bool,
+                      progress: asyncio.Queue[None]) -> web.StreamResponse:
+        # Each event carries the whole response so far (cumulative text and output_ids).
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        sent = 0
+        while True:
+            await progress.get()
+            finished = req.finished
+            if len(req.output_ids) > sent or finished:
+                body = api.generate_response(req, return_logprob, self.tokenizer)
+                sent = len(body["output_ids"])
+                await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+            if finished:
+                break
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request, optional=True)
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            raise BadRequest("abort_request takes {'rid': str, 'abort_all': bool}")
+        self.scheduler.abort(rid, abort_all)
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _body(request, optional=True)
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        await self._scheduler_call("pause", mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._scheduler_call("continue")
+        return web.json_response({"message": "Generation continued successfully.",
+                                  "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if await self._scheduler_call("flush"):
+            return web.Response(text="Cache flushed.\n")
+        return web.Response(status=400,
+                            text="Cache not flushed: requests are running or waiting.\n")
+
+    # ---- health and info ----
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.scheduler.alive() else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.scheduler.alive():
+            return web.Response(status=503)
+        s = self.scheduler
+        if s.paused or s.busy_loading:
+            return web.Response(status=200)  # alive; it generates again once resumed
+        if s.running:
+            # Busy: decode steps advancing is proof enough, without queueing behind a full batch.
+            steps, deadline = s.decode_steps, time.monotonic() + 30
+            while time.monotonic() < deadline and s.running and s.decode_steps == steps:
+                await asyncio.sleep(0.01)
+            if s.decode_steps != steps:
+                return web.Response(status=200)
+        req, _ = api.parse_generate(
+            {"input_ids": [0], "rid": f"health-{time.monotonic_ns()}",
+             "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+            self.limits, self.tokenizer)
+        if not await self._run_internal(req, timeout=30):
+            return web.Response(status=503)
+        ok = (req.finish_reason or {}).get("type") != "abort" or s.paused
+        return web.Response(status=200 if ok else 503)
+
+    async def _run_internal(self, req: Request, timeout: float) -> bool:
+        """Run an engine-made request to the end; False if it did not finish in time."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def on_progress(_: Request) -> None:  # scheduler thread
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        req.on_progress = on_progress
+        req.internal = True
+        self.scheduler.add(req)
+        try:
+            await asyncio.wait_for(done, timeout=timeout)
+        except TimeoutError:
+            self.scheduler.abort_request(req)
+            return False
+        return True
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        config = self.model.config
+        return web.json_response({
+            "model_path": self.args.model,
+            "tokenizer_path": self.args.model,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.scheduler.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": config.model_type,
+            "architectures": config.architectures or [type(self.model).__name__],
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        a = self.args
+        return web.json_response({
+            "model_path": a.model, "tokenizer_path": a.model, "host": a.host, "port": a.port,
+            "device": str(self.device), "dtype": str(self.model.dtype).removeprefix("torch."),
+            "tp_size": 1, "max_running_requests": a.max_running_requests,
+            "random_seed": a.seed, "context_length": self.limits.context_length,
+            "vocab_size": self.limits.vocab_size, "skip_tokenizer_init": False,
+            "weight_version": self.scheduler.weight_version,
+            "weight_update_groups": sorted(self.groups),
+            "version": __version__, "engine": "rollmesh-builtin",
+            "internal_states": [self.scheduler.stats()],
+        })
+
+    # ---- weight updates ----
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        b = await _body(request)
+        try:
+            address, port = str(b["master_address"]), int(b["master_port"])
+            rank, world = int(b.get("rank_offset", 1)), int(b["world_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            return _result(False, f"init_weights_update_group: bad or missing field: {e}")
+        name, backend = b.get("group_name", "weight_update_group"), b.get("backend", "nccl")
+        if name in self.groups:
+            return _result(False, f"weight update group {name!r} already exists")
+        if backend == "nccl" and self.device.type != "cuda":
+            return _result(False, "backend nccl needs a CUDA engine; this engine runs on "
+                                  f"{self.device.type}: use backend gloo")
+        timeout = float(b.get("timeout", 600))
+        self.log.info("weight_group_joining", group=name, rank=rank, world_size=world,
+                      backend=backend, master=f"{address}:{port}")
+        try:
+            # A thread, not the scheduler: the rendezvous waits for the trainer, generation goes on.
+            group = await asyncio.to_thread(init_weight_update_group, address, port, rank, world,
+                                            name, backend, timeout)
+        except Exception as e:
+            self.log.warning("weight_group_failed", group=name, error=str(e))
+            return _result(False, f"failed to join weight update group {name!r}: {e}")
+        self.groups[name] = (group, backend)
+        self.log.info("weight_group_joined", group=name, rank=rank)
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        b = await _body(request)
+        names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
+        if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
+            return _result(False, "names, dtypes and shapes must be lists")
+        name = b.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return _result(False, f"no weight update group {name!r}: call "
+                                  "/init_weights_update_group first")
+        group, backend = self.groups[name]
+        version = b.get("weight_version")
+        recv_device = self.device if backend == "nccl" else torch.device("cpu")
+
+        def receive(s: Scheduler) -> int:
+            start = time.perf_counter()
+            try:
+                check_update(self.model, names, shapes)
+            except WeightUpdateError:
+                # The trainer broadcasts everything regardless: drain, then refuse, model intact.
+                for _ in receive_weights(group, names, dtypes, shapes, recv_device):
+                    pass
+                raise
+            n = load_weights(self.model, receive_weights(group, names, dtypes, shapes, recv_device))
+            if version is not None:
+                s.weight_version = str(version)
+            self.log.info("weights_updated", source="distributed", tensors=n,
+                          weight_version=s.weight_version, seconds=time.perf_counter() - start)
+            return n
+
+        if b.get("abort_all_requests", False):
+            self.scheduler.abort(abort_all=True)
+        try:
+            n = await self._scheduler_call("call", receive)
+        except (WeightUpdateError, RuntimeError, ValueError) as e:
+            self.log.warning("weights_update_failed", source="distributed", error=str(e))
+            return _result(False, f"update_weights_from_distributed failed: {e}")
+        return _result(True, f"Succeeded to update parameter online ({n} tensors).")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        b = await _body(request, optional=True)
+        name = b.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return _result(False, f"no weight update group {name!r}")
+        group, _ = self.groups.pop(name)
+        await self._scheduler_call("call", lambda _s: destroy_weight_update_group(group))
+        self.log.info("weight_group_destroyed", group=name)
+        return _result(True, "Succeeded to destroy custom process group.")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        b = await _body(request)
+        path = b.get("model_path")
+        if not isinstance(path, str):
+            return _result(False, "model_path (a checkpoint directory) is required")
+        version = b.get("weight_version")
+
+        def load(s: Scheduler) -> int:
+            tensors = _read_checkpoint(Path(path))
+            check_update(self.model, list(tensors), [t.shape for t in tensors.values()])
+            missing = set(dict(self.model.named_parameters())) - set(tensors)
+            if missing:
+                raise WeightUpdateError(f"checkpoint {path} lacks {sorted(missing)[:5]}")
+            n = load_weights(self.model, tensors.items())
+            if version is not None:
+                s.weight_version = str(version)
+            self.log.info("weights_updated", source="disk", path=path, tensors=n,
+                          weight_version=s.weight_version)
+            return n
+
+        if b.get("abort_all_requests", False):
+            self.scheduler.abort(abort_all=True)
+        try:
+            n = await self._scheduler_call("call", load)
+        except (WeightUpdateError, OSError, RuntimeError, ValueError) as e:
+            self.log.warning("weights_update_failed", source="disk", path=path, error=str(e))
+            return _result(False, f"update_weights_from_disk failed: {e}")
+        return _result(True, f"Succeeded to update model weights ({n} tensors).")
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        b = await _body(request)
+        version = b.get("new_version")
+        if version is None:
+            return _result(False, "new_version is required")
+        if b.get("abort_all_requests", True):
+            self.scheduler.abort(abort_all=True)
+
+        def set_version(s: Scheduler) -> None:
+            s.weight_version = str(version)
+
+        await self._scheduler_call("call", set_version)
+        self.log.info("weight_version_updated", weight_version=str(version))
+        return _result(True, f"Weight version updated to {version}.")
+
+
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(f))
+    return tensors
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollmesh engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="'tiny[:key=value,...]' or a checkpoint dir")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=None, help="seed of the shared sampling RNG")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: 1 for a tiny model, whose matmuls are "
+                        "too small to split and whose extra threads only fight the other roles "
+                        "for cores; otherwise OMP_NUM_THREADS or torch's default)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    log = configure_logging("engine", port=args.port)
+    threads = args.threads
+    if not threads and models.is_tiny(args.model) and "OMP_NUM_THREADS" not in os.environ:
+        threads = 1
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        device = models.resolve_device(args.device)
+        dtype = models.resolve_dtype(args.dtype, device)
+        start = time.perf_counter()
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model, tokenizer = models.load_model(args.model, device, dtype)
+    except models.ModelSpecError as e:
+        log.error("engine_bad_model", error=str(e))
+        return 2
+    for param in model.parameters():
+        param.requires_grad_(False)
+    log.info("model_loaded", model=args.model, device=str(device), dtype=str(dtype),
+             threads=torch.get_num_threads(), seconds=round(time.perf_counter() - start, 2))
+    server = EngineServer(args, model, tokenizer, log)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
+                shutdown_timeout=10, handler_cancellation=True)
+    log.info("engine_stopped")
+    return 0

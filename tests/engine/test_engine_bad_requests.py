@@ -1,0 +1,102 @@
+"""Bad requests get a 4xx with a JSON message, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from engine_harness import Engine
+
+GOOD = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+
+
+def _with(**changes):
+    body = {"input_ids": GOOD["input_ids"], "sampling_params": dict(GOOD["sampling_params"])}
+    for key, value in changes.items():
+        if key.startswith("sp_"):
+            body["sampling_params"][key[3:]] = value
+        elif value is None:
+            body.pop(key)
+        else:
+            body[key] = value
+    return body
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (_with(input_ids=None), "input_ids"),
+        (_with(text="hello"), "exactly one of text or input_ids"),
+        (_with(sp_foo=1), "unknown field 'foo'"),
+        (_with(sp_max_new_tokens=-1), "max_new_tokens"),
+        (_with(input_ids=[5] * 4100), "longer than the model's context length"),
+        (_with(sp_max_new_tokens=4093), "maximum context length"),
+        (_with(input_ids=[5, "6"]), "not an integer"),
+        (_with(input_ids=[5, 1.5]), "not an integer"),
+        (_with(input_ids=[5, 2048]), "outside the vocabulary"),
+        (_with(input_ids=[-1]), "outside the vocabulary"),
+        (_with(input_ids=[]), "prompt is empty"),
+        (_with(sp_n=2), "n=1"),
+        (_with(sp_repetition_penalty=1.2), "not supported"),
+        (_with(sp_temperature=-0.5), "temperature"),
+        (_with(sp_top_p=0), "top_p"),
+        (_with(sp_top_k=0), "top_k"),
+        (_with(sp_stop_token_ids=[99999]), "stop_token_ids"),
+        (_with(sp_regex="a+"), "not supported"),
+        (_with(sampling_params=[1]), "sampling_params"),
+        (_with(logprob_start_len=0), "logprob_start_len"),
+        ([1, 2], "JSON object"),
+    ],
+)
+def test_bad_generate_is_refused_and_the_engine_keeps_serving(engine, body, needle):
+    status, reply = engine.post("/generate", body)
+    assert 400 <= status < 500
+    assert needle in reply["error"], reply
+    status, reply = engine.post("/generate", GOOD)
+    assert status == 200 and len(reply["output_ids"]) == 3
+
+
+def test_malformed_json(engine):
+    for raw in (b"{not json", b"", b"\xff\xfe"):
+        status, reply = engine.post("/generate", raw=raw)
+        assert status == 400 and "JSON" in reply["error"]
+    assert engine.post("/generate", GOOD)[0] == 200
+
+
+def test_bad_control_requests(engine):
+    status, _ = engine.post("/pause_generation", {"mode": "sideways"})
+    assert status == 400
+    status, reply = engine.post("/update_weights_from_distributed",
+                                {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
+                                 "group_name": "nope"})
+    assert status == 400 and reply["success"] is False
+    status, reply = engine.post("/init_weights_update_group", {"master_address": "127.0.0.1"})
+    assert status == 400 and reply["success"] is False
+    status, reply = engine.post("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+        "backend": "nccl"})
+    assert status == 400 and "gloo" in reply["message"]
+    assert engine.post("/generate", GOOD)[0] == 200
+
+
+def test_bad_model_spec_exits_with_a_message(tmp_path):
+    with pytest.raises(RuntimeError, match="unknown key 'widht'"):
+        Engine(tmp_path / "engine.log", model="tiny:widht=3")
+
+
+def test_sigterm_answers_in_flight_requests_and_exits_cleanly(tmp_path):
+    e = Engine(tmp_path / "engine.log")
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3000,
+                                                        "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(e.post, "/generate", body)
+        while e.stats()["running_requests"] == 0:
+            time.sleep(0.02)
+        e.proc.send_signal(signal.SIGTERM)
+        status, reply = pending.result(timeout=30)
+    assert status == 503 and reply["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(reply["output_ids"]) > 0
+    assert e.proc.wait(30) == 0
+    assert "engine_stopped" in e.log()
