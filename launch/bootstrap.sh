@@ -28,4 +28,9 @@ if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
   fi
 fi
 pip install -e ".${extras:+[$extras]}"
+case ",$extras," in
+  # The worked example of a custom agent loop, registered through its entry point; the tests
+  # run a dataset row that names it.
+  *,test,*) pip install --no-deps -e tests/packages/rollmesh_example_loop ;;
+esac
 echo "rollmesh installed in $venv"

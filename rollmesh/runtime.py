@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from rollmesh.log import configure_logging, get_logger
-from rollmesh.protocol import PROTOCOL_VERSION, Fatal, Heartbeat, Hello, Ok, Ready
+from rollmesh.protocol import PROTOCOL_VERSION, Fatal, Heartbeat, Hello, Metrics, Ok, Ready
 from rollmesh.transport import (
-    CurveKeys, Heartbeater, Liveness, PeerTimeout, RemoteError, RpcClient, RpcServer, Transport,
+    CurveKeys, Heartbeater, Liveness, PeerTimeout, Publisher, RemoteError, RpcClient, RpcServer,
+    Transport,
 )
 
 EXIT_FATAL = 1
@@ -53,6 +54,8 @@ class RoleSpec:
     run_id: str = ""
     parent_pid: int = 0  # 0: the parent is remote (SSH), only heartbeats tell if it is alive
     keys_dir: str | None = None
+    status_hub: str | None = None  # the launcher's XSUB: where this role publishes its status
+    status_interval_s: float = 1.0
     heartbeat_s: float = 1.0
     liveness: int = 3
     grace_s: float = 10.0
@@ -82,6 +85,12 @@ class RoleContext:
         self.log = log
         self.stopping = asyncio.Event()
         self.is_ready = False
+        self.status: Callable[[], dict[str, Any]] | None = None
+
+    def set_status(self, fn: Callable[[], dict[str, Any]]) -> None:
+        """What this role shows the monitor: called every status interval, published to the
+        hub as Metrics on topic `metrics.<role>.<instance>`."""
+        self.status = fn
 
     @property
     def config(self) -> dict[str, Any]:
@@ -141,6 +150,8 @@ async def run_role(spec: RoleSpec) -> int:
         heartbeater = Heartbeater(control, spec.name, Liveness(spec.heartbeat_s, spec.liveness),
                                   on_parent_dead)
         tasks.append(asyncio.create_task(heartbeater.run(), name="heartbeat"))
+        if spec.status_hub:
+            tasks.append(asyncio.create_task(_publish_status(ctx), name="status"))
         main_task = asyncio.create_task(main(ctx), name=spec.role)
         stop_task = asyncio.create_task(ctx.stopping.wait())
         tasks.append(stop_task)
@@ -177,6 +188,26 @@ async def run_role(spec: RoleSpec) -> int:
         transport.close()
 
 
+async def _publish_status(ctx: RoleContext) -> None:
+    """Publish the role's status to the hub; the hub is always CURVE (the monitor needs keys)."""
+    spec = ctx.spec
+    publisher = Publisher(ctx.transport, spec.status_hub, secure=ctx.transport.keys is not None)
+    topic = f"metrics.{spec.role}.{spec.instance}"
+    try:
+        while True:
+            values: dict[str, Any] = {"pid": os.getpid(), "ready": ctx.is_ready}
+            if ctx.status is not None:
+                try:
+                    values.update(ctx.status())
+                except Exception as e:  # a broken status must not take the role down
+                    values["status_error"] = f"{type(e).__name__}: {e}"
+            await publisher.publish(topic, Metrics(role=spec.role, host=spec.host,
+                                                   values={"instance": spec.instance, **values}))
+            await asyncio.sleep(spec.status_interval_s)
+    finally:
+        publisher.close()
+
+
 def role_main(argv: list[str]) -> int:
     """`rollmesh role --spec FILE_OR_JSON`: run one role process."""
     parser = argparse.ArgumentParser(prog="rollmesh role")
@@ -205,6 +236,10 @@ class Child:
     spec: RoleSpec
     process: subprocess.Popen
     log_path: Path | None
+    host: Any = None  # rollmesh.hosts.Host it runs on; None: a plain local child
+    pid: int | None = None  # its process id on its host (from Hello)
+    restarts: int = 0
+    launch: tuple[dict[str, str], str | None, Any] = ({}, None, None)  # env, cwd, echo: to respawn
     state: str = "spawned"  # spawned | hello | ready | silent | fatal | exited
     endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
     fatal: Fatal | None = None
@@ -229,13 +264,15 @@ class Supervisor:
 
     def __init__(self, transport: Transport, *, control: str = "tcp://127.0.0.1:0",
                  heartbeat_s: float = 1.0, liveness: int = 3, run_id: str = "",
-                 keys_dir: str | None = None, log_dir: Path | None = None):
+                 keys_dir: str | None = None, log_dir: Path | None = None,
+                 status_hub: str | None = None):
         self.transport = transport
         self.heartbeat_s = heartbeat_s
         self.liveness = Liveness(heartbeat_s, liveness)
         self.run_id = run_id
         self.keys_dir = keys_dir
         self.log_dir = log_dir
+        self.status_hub = status_hub
         self.children: dict[str, Child] = {}
         self.server = RpcServer(transport, control, {
             Hello: self._on_hello, Ready: self._on_ready, Heartbeat: self._on_heartbeat,
@@ -255,7 +292,7 @@ class Supervisor:
             raise ValueError(f"protocol version {msg.protocol_version}, parent speaks "
                              f"{PROTOCOL_VERSION}")
         if child is not None:
-            child.state = "hello"
+            child.state, child.pid = "hello", msg.pid
         self.liveness.beat(f"{msg.role}/{msg.instance}")
         return Ok()
 
@@ -299,12 +336,35 @@ class Supervisor:
 
     def spawn(self, role: str, entry: str, *, instance: int = 0,
               config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-              grace_s: float = 10.0, cwd: str | None = None) -> Child:
-        """Start `rollmesh role` for one role instance on this host."""
-        spec = RoleSpec(role=role, entry=entry, control=self.control, instance=instance,
-                        run_id=self.run_id, parent_pid=os.getpid(), keys_dir=self.keys_dir,
+              grace_s: float = 10.0, cwd: str | None = None, host: Any = None,
+              echo: Any = None, keys_dir: str | None = None,
+              control: str | None = None, status_hub: str | None = None) -> Child:
+        """Start `rollmesh role` for one role instance: here, or on `host` (a hosts.Host)."""
+        local = host is None or host.local
+        spec = RoleSpec(role=role, entry=entry, control=control or self.control,
+                        instance=instance, run_id=self.run_id,
+                        parent_pid=os.getpid() if local else 0,
+                        keys_dir=keys_dir or self.keys_dir,
+                        status_hub=status_hub or self.status_hub,
                         heartbeat_s=self.heartbeat_s, liveness=self.liveness.liveness,
                         grace_s=grace_s, config=config or {})
+        return self._start(spec, host, env or {}, cwd, echo)
+
+    def _start(self, spec: RoleSpec, host: Any, env: dict[str, str], cwd: str | None,
+               echo: Any, restarts: int = 0) -> Child:
+        role, instance, entry = spec.role, spec.instance, spec.entry
+        if host is not None:
+            assert self.log_dir is not None, "a host-placed role needs a log directory"
+            log_path = self.log_dir / f"{role}-{instance}.log"
+            process = host.start(["-m", "rollmesh", "role", "--spec",
+                                  json.dumps(dataclasses.asdict(spec))],
+                                 env=env, log_path=log_path, echo=echo,
+                                 label=f"{host.name} {role}/{instance}")
+            child = Child(spec, process, log_path, host=host, restarts=restarts,
+                          launch=(env, cwd, echo))
+            self.children[spec.name] = child
+            log.info("spawned", child=spec.name, host=host.name, entry=entry)
+            return child
         log_path = None
         out: Any = None
         if self.log_dir is not None:
@@ -318,7 +378,7 @@ class Supervisor:
                                    start_new_session=True)  # a Ctrl-C reaches us, we stop them
         if out is not None:
             out.close()
-        child = Child(spec, process, log_path)
+        child = Child(spec, process, log_path, restarts=restarts, launch=(env, cwd, echo))
         self.children[spec.name] = child
         log.info("spawned", child=spec.name, pid=process.pid, entry=entry)
         return child
@@ -340,18 +400,37 @@ class Supervisor:
             raise RoleFailed(child.failure() or child.name)
         return child.endpoints
 
-    async def stop_all(self, grace_s: float = 10.0) -> dict[str, int]:
-        """SIGTERM every child, SIGKILL whatever is left at one shared deadline."""
-        alive = [c for c in self.children.values() if c.process.poll() is None]
+    def respawn(self, child: Child) -> Child:
+        """Start a fresh process for a child that exited: same spec, same host."""
+        env, cwd, echo = child.launch
+        self.liveness.forget(child.name)
+        return self._start(child.spec, child.host, env, cwd, echo, restarts=child.restarts + 1)
+
+    @staticmethod
+    def signal(child: Child, sig: int) -> None:
+        if child.host is not None:
+            child.host.signal(child.process, child.pid, sig)
+        elif child.process.poll() is None:
+            child.process.send_signal(sig)
+
+    async def stop(self, children: list[Child], grace_s: float = 10.0) -> None:
+        """SIGTERM these children, SIGKILL whatever is left at one shared deadline."""
+        alive = [c for c in children if c.process.poll() is None]
         for child in alive:
-            child.process.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(self.signal, child, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while any(c.process.poll() is None for c in alive) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for child in alive:
             if child.process.poll() is None:
                 log.warning("killed", child=child.name, grace_s=grace_s)
-                child.process.kill()
+                await asyncio.to_thread(self.signal, child, signal.SIGKILL)
+                if child.process.poll() is None:
+                    child.process.kill()
+
+    async def stop_all(self, grace_s: float = 10.0) -> dict[str, int]:
+        """SIGTERM every child, SIGKILL whatever is left at one shared deadline."""
+        await self.stop(list(self.children.values()), grace_s)
         codes = {}
         for child in self.children.values():
             codes[child.name] = child.process.wait()

@@ -450,6 +450,75 @@ class RpcClient:
 
 
 # --------------------------------------------------------------------------------------------
+# Channels: ROUTER <-> many DEALERs, messages either way at any time
+# --------------------------------------------------------------------------------------------
+
+
+class Channel:
+    """The bound end of a work channel (ROUTER): receive from any peer, send to one peer.
+
+    Used where the binder pushes work as well as receiving it (the rollouter dispatching
+    trajectories to the workers that hold credit). Malformed messages are counted and skipped.
+    """
+
+    def __init__(self, transport: Transport, bind: str, *, secure: bool | None = None,
+                 name: str = "channel", hwm: int | None = None):
+        self.sock = transport.socket(zmq.ROUTER, bind=bind, secure=secure, hwm=hwm)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its id back
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.name = name
+        self.protocol_errors = 0
+
+    async def recv(self) -> tuple[bytes, Any]:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                return frames[0].bytes, protocol.decode(frames[1:])
+            except ProtocolError as e:
+                self.protocol_errors += 1
+                n = self.protocol_errors
+                if n & (n - 1) == 0 or n % 1000 == 0:
+                    log.warning("protocol_error", channel=self.name, reason=str(e), count=n)
+
+    async def send(self, peer: bytes, rec: Any) -> bool:
+        """False if the peer is gone (its work must be re-queued by the caller)."""
+        try:
+            await self.sock.send_multipart([peer, *protocol.encode(rec)], copy=False)
+            return True
+        except zmq.ZMQError as e:
+            log.warning("send_failed", channel=self.name, peer=peer.hex(), error=str(e))
+            return False
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class ChannelClient:
+    """The connecting end of a work channel (DEALER)."""
+
+    def __init__(self, transport: Transport, connect: str, *, identity: bytes | None = None,
+                 secure: bool | None = None, hwm: int | None = None):
+        self.sock = transport.socket(zmq.DEALER, connect=connect, secure=secure, hwm=hwm,
+                                     identity=identity)
+        self.protocol_errors = 0
+
+    async def send(self, rec: Any) -> None:
+        await self.sock.send_multipart(protocol.encode(rec), copy=False)
+
+    async def recv(self) -> Any:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                return protocol.decode(frames)
+            except ProtocolError as e:
+                self.protocol_errors += 1
+                log.warning("protocol_error", channel="client", reason=str(e))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+# --------------------------------------------------------------------------------------------
 # Streams
 # --------------------------------------------------------------------------------------------
 

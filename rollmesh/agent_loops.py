@@ -1,0 +1,325 @@
+"""Agent loops: how a trajectory is generated, turn by turn, and how it resumes.
+
+A loop is a class registered under the entry-point group `rollmesh.agent_loops` (rollmesh's own
+`single_turn` and `tool_agent` too). Its whole state lives in the `Trajectory` it is given:
+the token rows (ids, behaviour log-probs, weight versions, loss mask) and `loop_state`, plain
+data that crosses the wire. Running a loop on an interrupted trajectory continues it: the prefix
+is everything so far, and only what is still missing is generated.
+
+A loop generates through `LoopContext.generate`, which appends the engine's tokens to the
+trajectory (mask 1, the version that produced them) and raises `Interrupted` when the worker is
+cancelling (a weight sync): the loop then returns nothing; the worker ships the trajectory as it
+stands. Tool and environment tokens are appended with `append_observation` (mask 0, version -1).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.metadata
+import inspect
+import json
+import operator
+import re
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from rollmesh.config import RolloutConfig
+from rollmesh.engine.client import EngineClient, GenerateOutput
+from rollmesh.protocol import Trajectory
+
+
+class Interrupted(Exception):
+    """The worker is cancelling: stop, the trajectory will be resumed later."""
+
+
+class AgentLoop(Protocol):
+    name: str
+
+    def __init__(self, ctx: LoopContext) -> None: ...
+
+    async def run(self, traj: Trajectory) -> None:
+        """Advance `traj` until it is finished (set traj.status = "finished")."""
+
+
+def new_trajectory(sample_id: str, group_id: str, index: int, prompt_ids: list[int], *,
+                   agent_loop: str, label: Any = None, metadata: dict[str, Any] | None = None,
+                   loop_state: dict[str, Any] | None = None) -> Trajectory:
+    n = len(prompt_ids)
+    return Trajectory(
+        sample_id=sample_id, group_id=group_id, index=index,
+        token_ids=np.asarray(prompt_ids, dtype=np.int32), logprobs=np.zeros(n, np.float32),
+        versions=np.full(n, -1, np.int32), loss_mask=np.zeros(n, np.uint8), prompt_len=n,
+        agent_loop=agent_loop, label=label, metadata=metadata or {},
+        loop_state=loop_state or {},
+    )
+
+
+def append_tokens(traj: Trajectory, ids: list[int], logprobs: list[float] | None,
+                  version: int) -> None:
+    n = len(ids)
+    generated = logprobs is not None
+    traj.token_ids = np.concatenate([traj.token_ids, np.asarray(ids, np.int32)])
+    traj.logprobs = np.concatenate(
+        [traj.logprobs, np.asarray(logprobs if generated else np.zeros(n), np.float32)])
+    traj.versions = np.concatenate([traj.versions, np.full(n, version if generated else -1,
+                                                           np.int32)])
+    traj.loss_mask = np.concatenate([traj.loss_mask, np.full(n, int(generated), np.uint8)])
+
+
+def append_observation(traj: Trajectory, ids: list[int]) -> None:
+    """Tool, environment or template tokens: in the context, not in the loss."""
+    append_tokens(traj, ids, None, -1)
+
+
+def parse_version(weight_version: str) -> int:
+    try:
+        return int(weight_version)
+    except ValueError:
+        raise ValueError(f"engine reports weight_version {weight_version!r}: rollmesh needs "
+                         "integer versions (start engines with --weight-version 0)") from None
+
+
+class LoopContext:
+    """What a loop gets from its worker: generation, the tokenizer, limits, tools."""
+
+    def __init__(self, client: EngineClient, tokenizer: Any, rollout: RolloutConfig, *,
+                 max_context: int, cancelling: asyncio.Event,
+                 tools: dict[str, Callable[..., Any]] | None = None):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.rollout = rollout
+        self.max_context = max_context
+        self.cancelling = cancelling
+        self.tools = tools if tools is not None else builtin_tools()
+        self.active: set[str] = set()  # rids in flight, so a cancel can abort them
+        self.generated_tokens = 0  # what the engines produced for this worker, all told
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        r = self.rollout
+        return {"max_new_tokens": max_new_tokens, "temperature": r.temperature,
+                "top_p": r.top_p, "top_k": r.top_k}
+
+    async def generate(self, traj: Trajectory, max_new_tokens: int) -> GenerateOutput:
+        """Generate from everything the trajectory holds and append the result to it."""
+        if self.cancelling.is_set():
+            raise Interrupted()
+        max_new_tokens = min(max_new_tokens, self.max_context - len(traj.token_ids) - 1)
+        if max_new_tokens <= 0:
+            raise ContextFull()
+        rid = self.client.new_rid()
+        self.active.add(rid)
+        try:
+            out = await self.client.generate(traj.token_ids.tolist(),
+                                             self.sampling_params(max_new_tokens), rid=rid)
+        finally:
+            self.active.discard(rid)
+        append_tokens(traj, out.output_ids, out.logprobs, parse_version(out.weight_version))
+        self.generated_tokens += len(out.output_ids)
+        traj.finish_reason = out.finish_reason
+        if out.aborted:
+            raise Interrupted()
+        return out
+
+    async def abort_all(self) -> None:
+        await asyncio.gather(*(self.client.abort(rid) for rid in list(self.active)),
+                             return_exceptions=True)
+
+
+class ContextFull(Exception):
+    """The trajectory reached the model's context: it ends as a length finish."""
+
+
+# --------------------------------------------------------------------------------------------
+# single_turn
+# --------------------------------------------------------------------------------------------
+
+
+class SingleTurn:
+    """One response to the prompt, up to `rollout.max_new_tokens`, resumable mid-response."""
+
+    name = "single_turn"
+
+    def __init__(self, ctx: LoopContext):
+        self.ctx = ctx
+
+    async def run(self, traj: Trajectory) -> None:
+        already = len(traj.token_ids) - traj.prompt_len
+        remaining = self.ctx.rollout.max_new_tokens - already
+        if remaining > 0:
+            try:
+                await self.ctx.generate(traj, remaining)
+            except ContextFull:
+                traj.finish_reason = "length"
+        traj.num_turns = 1
+        traj.status = "finished"
+
+
+# --------------------------------------------------------------------------------------------
+# tool_agent
+# --------------------------------------------------------------------------------------------
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# Qwen2.5 / Hermes chat format: a tool result is a user turn wrapped in <tool_response>.
+TOOL_TURN = "\n<|im_start|>user\n{responses}<|im_end|>\n<|im_start|>assistant\n"
+TOOL_RESPONSE = "<tool_response>\n{content}\n</tool_response>"
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]]:
+    """Every <tool_call>{"name": ..., "arguments": ...}</tool_call> in `text`, in order.
+
+    A call that does not parse becomes {"error": why} so the model is told, not ignored.
+    """
+    calls = []
+    for raw in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(raw)
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError('expected {"name": str, "arguments": {...}}')
+            args = call.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be an object")
+            calls.append({"name": call["name"], "arguments": args})
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            calls.append({"error": f"malformed tool call: {e}", "raw": raw[:200]})
+    return calls
+
+
+async def run_tool(tools: dict[str, Callable[..., Any]], call: dict[str, Any],
+                   timeout_s: float) -> str:
+    """Run one call with a time limit; every failure is a message for the model."""
+    if "error" in call:
+        return call["error"]
+    fn = tools.get(call["name"])
+    if fn is None:
+        return f"unknown tool {call['name']!r} (available: {', '.join(sorted(tools)) or 'none'})"
+    try:
+        if inspect.iscoroutinefunction(fn):
+            result = await asyncio.wait_for(fn(**call["arguments"]), timeout_s)
+        else:
+            result = await asyncio.wait_for(asyncio.to_thread(fn, **call["arguments"]),
+                                            timeout_s)
+    except asyncio.TimeoutError:
+        return f"tool {call['name']} timed out after {timeout_s:g}s"
+    except Exception as e:
+        return f"tool {call['name']} failed: {type(e).__name__}: {e}"
+    return result if isinstance(result, str) else json.dumps(result)
+
+
+class ToolAgent:
+    """Multi-turn: generate -> parse tool calls -> run them concurrently -> feed results back.
+
+    loop_state: {"turn": completed turns, "turn_start": token index where the current
+    assistant turn began}. A cancel during generation keeps the partial turn (resumed with the
+    rest of the turn's budget); tool calls already running finish first, their results are
+    appended, and the next turn starts on resume.
+    """
+
+    name = "tool_agent"
+
+    def __init__(self, ctx: LoopContext):
+        self.ctx = ctx
+
+    async def run(self, traj: Trajectory) -> None:
+        ctx, state = self.ctx, traj.loop_state
+        state.setdefault("turn", 0)
+        state.setdefault("turn_start", len(traj.token_ids))
+        allowed = traj.metadata.get("tools")
+        tools = {k: v for k, v in ctx.tools.items() if allowed is None or k in allowed}
+        while state["turn"] < ctx.rollout.max_turns:
+            remaining = ctx.rollout.max_new_tokens - (len(traj.token_ids) - state["turn_start"])
+            try:
+                if remaining > 0:
+                    await ctx.generate(traj, remaining)
+            except ContextFull:
+                traj.finish_reason = "length"
+                break
+            state["turn"] += 1
+            text = ctx.tokenizer.decode(traj.token_ids[state["turn_start"]:].tolist(),
+                                        skip_special_tokens=True)
+            calls = parse_tool_calls(text)
+            if not calls or traj.finish_reason == "length":
+                break
+            results = await asyncio.gather(*(run_tool(tools, c, ctx.rollout.tool_timeout_s)
+                                             for c in calls))
+            turn = TOOL_TURN.format(responses="\n".join(TOOL_RESPONSE.format(content=r)
+                                                        for r in results))
+            append_observation(traj, ctx.tokenizer.encode(turn, add_special_tokens=False))
+            state["turn_start"] = len(traj.token_ids)
+            state.setdefault("tool_calls", 0)
+            state["tool_calls"] += len(calls)
+            if len(traj.token_ids) >= ctx.max_context - 1:
+                traj.finish_reason = "length"
+                break
+        traj.num_turns = state["turn"]
+        traj.status = "finished"
+
+
+# --------------------------------------------------------------------------------------------
+# Tools and the registry
+# --------------------------------------------------------------------------------------------
+
+_OPS: dict[type, Callable[..., Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate arithmetic (+ - * / // % ** and parentheses) without eval."""
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            if isinstance(node.op, ast.Pow) and abs(ev(node.right)) > 100:
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported expression: {ast.dump(node)[:60]}")
+
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+    value = ev(ast.parse(expression, mode="eval").body)
+    return str(int(value) if isinstance(value, float) and value.is_integer() else value)
+
+
+def builtin_tools() -> dict[str, Callable[..., Any]]:
+    """Built-in tools plus those registered under the entry-point group `rollmesh.tools`."""
+    tools: dict[str, Callable[..., Any]] = {"calculator": calculator}
+    for ep in importlib.metadata.entry_points(group="rollmesh.tools"):
+        tools[ep.name] = ep.load()
+    return tools
+
+
+def load_agent_loops() -> dict[str, type]:
+    """Every agent loop registered under `rollmesh.agent_loops`, by name."""
+    loops = {}
+    for ep in importlib.metadata.entry_points(group="rollmesh.agent_loops"):
+        loops[ep.name] = ep.load()
+    return loops
+
+
+def get_agent_loop(name: str, loops: dict[str, type] | None = None) -> type:
+    loops = load_agent_loops() if loops is None else loops
+    if name not in loops:
+        raise KeyError(f"unknown agent loop {name!r} (registered under 'rollmesh.agent_loops': "
+                       f"{', '.join(sorted(loops)) or 'none'})")
+    return loops[name]
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The tokenizer of `model.path`: tiny's built-in one or a local checkpoint's."""
+    from rollmesh.engine.models import is_tiny, tiny_tokenizer
+
+    if is_tiny(model_path):
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+

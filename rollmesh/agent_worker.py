@@ -1,0 +1,112 @@
+"""The agent-loop worker role: runs many agent loops at once against the engine servers.
+
+It joins the rollouter's channel with a number of credits (trajectories it runs at once), runs
+each assigned trajectory with the loop the trajectory names, and returns it finished, or
+interrupted on a Cancel: in-flight generations are aborted on the engines (their partial tokens
+are kept in the trajectory), tool calls already running finish first, and every trajectory is
+shipped back as it stands so any worker can resume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import traceback
+from typing import Any
+
+from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops, load_tokenizer
+from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.engine.client import EngineClient
+from rollmesh.protocol import (
+    Assign, Cancel, Heartbeat, Metrics, Returned, StatsRequest, Trajectory, WorkerHello,
+)
+from rollmesh.runtime import RoleContext
+from rollmesh.transport import ChannelClient
+
+
+class AgentWorker:
+    def __init__(self, ctx: RoleContext, exp: ExperimentConfig, client: EngineClient,
+                 channel: ChannelClient):
+        self.ctx = ctx
+        self.log = ctx.log
+        self.channel = channel
+        self.loops = load_agent_loops()
+        self.cancelling = asyncio.Event()
+        self.loop_ctx = LoopContext(client, load_tokenizer(exp.model.path), exp.rollout,
+                                    max_context=exp.model.max_context, cancelling=self.cancelling)
+        self.running: dict[str, asyncio.Task] = {}
+        self.counts = {"finished": 0, "interrupted": 0, "failed": 0}
+        self.name = f"{ctx.spec.role}-{ctx.spec.instance}"
+
+    async def run_one(self, traj: Trajectory) -> None:
+        try:
+            loop = get_agent_loop(traj.agent_loop, self.loops)(self.loop_ctx)
+            await loop.run(traj)
+            if traj.status != "finished":
+                raise RuntimeError(f"agent loop {traj.agent_loop} returned without finishing")
+        except Interrupted:
+            traj.status = "interrupted"
+        except Exception as e:
+            traj.status, traj.error = "failed", f"{type(e).__name__}: {e}"
+            self.log.warning("trajectory_failed", sample=traj.sample_id, error=traj.error,
+                             trace=traceback.format_exc(limit=3))
+        finally:
+            self.running.pop(traj.sample_id, None)
+        self.counts[traj.status] += 1
+        await self.channel.send(Returned(trajectory=traj))
+
+    async def cancel(self, reason: str) -> None:
+        """Abort everything in flight; each loop returns its trajectory as it stands."""
+        self.cancelling.set()
+        n = len(self.running)
+        await self.loop_ctx.abort_all()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+        self.log.info("cancelled", reason=reason, trajectories=n)
+        self.cancelling.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": len(self.running), **self.counts,
+                "generated_tokens": self.loop_ctx.generated_tokens}
+
+    async def serve(self, credits: int) -> None:
+        await self.channel.send(WorkerHello(worker=self.name, kind="agent", credits=credits))
+        cancelling: asyncio.Task | None = None
+        while True:
+            msg = await self.channel.recv()
+            if isinstance(msg, Assign):
+                traj = msg.trajectory
+                if cancelling is not None and not cancelling.done():
+                    await cancelling  # a resume after a cancel: finish shipping partials first
+                self.running[traj.sample_id] = asyncio.create_task(self.run_one(traj))
+            elif isinstance(msg, Cancel):
+                cancelling = asyncio.create_task(self.cancel(msg.reason))
+            elif isinstance(msg, Heartbeat):
+                await self.channel.send(Heartbeat(sender=self.name, seq=msg.seq))
+            elif isinstance(msg, StatsRequest):
+                await self.channel.send(Metrics(role="agent_worker", host=self.ctx.spec.host,
+                                                values=self.stats()))
+            else:
+                self.log.warning("unexpected_message", type=type(msg).__name__)
+
+
+async def main(ctx: RoleContext) -> None:
+    """Role entry. config: experiment, rollouter (channel address), engines (URLs), credits."""
+    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "agent worker spec")
+    identity = f"agent-{ctx.spec.instance}-{os.getpid()}-{time.time_ns() & 0xFFFF:x}".encode()
+    channel = ChannelClient(ctx.transport, ctx.config["rollouter"], identity=identity)
+    async with EngineClient(ctx.config["engines"]) as client:
+        worker = AgentWorker(ctx, exp, client, channel)
+        serving = asyncio.create_task(worker.serve(int(ctx.config.get("credits", 64))))
+        ctx.set_status(worker.stats)
+        await ctx.ready()
+        stop = asyncio.create_task(ctx.stopping.wait())
+        await asyncio.wait({serving, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():
+            serving.result()  # a crash of the serve loop is this role's fatal error
+        serving.cancel()
+        # Stopping: hand back what runs, so nothing is lost with this process.
+        if worker.running:
+            await worker.cancel("worker stopping")
+        ctx.log.info("stats", **worker.stats())
+    channel.close()

@@ -1,0 +1,394 @@
+"""The rollouter role (a singleton): owns every sample from admission until the MessageQueue.
+
+    admit prompt groups under the staleness capacity
+      -> dispatch trajectories to agent workers that hold credit (the cancel queue first)
+      -> finished: dispatch to reward workers; interrupted: back into the cancel queue
+      -> a group scored whole: filter (e.g. DAPO), then put it into the MessageQueue
+         (held and retried while the queue is full: back-pressure)
+
+Capacity (AReaL's bound, in groups): min(max_concurrent - running,
+(max_staleness + v + 1) * groups_per_version * over_sampling - (accepted + running)), where v is
+the live weight version and groups_per_version = batch_groups * sync_every. A filtered or failed
+group frees its place; an accepted one counts for good.
+
+Pause (from the synchronizer): stop dispatching, send Cancel to every agent worker, answer
+Paused once no trajectory is out with a worker. Resume(version): dispatch the cancel queue
+first, then new prompts. A worker that dies (silent for `liveness` heartbeats, or unreachable)
+has its trajectories re-queued as they were when dispatched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib.metadata
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rollmesh.agent_loops import load_tokenizer, new_trajectory
+from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.data import PromptSource, render_prompt
+from rollmesh.protocol import (
+    Assign, Cancel, Group, Heartbeat, Metrics, Ok, Pause, Paused, PutGroup, Resume, Returned,
+    Score, Scored, StatsRequest, Trajectory, WorkerHello,
+)
+from rollmesh.runtime import RoleContext
+from rollmesh.transport import Channel, Liveness, PeerTimeout, RemoteError, RpcClient, RpcServer
+
+# -- group filters ---------------------------------------------------------------------------------
+
+
+def keep_all(group: Group) -> bool:
+    return True
+
+
+def dapo_filter(group: Group) -> bool:
+    """DAPO's dynamic sampling: a group whose rewards are all equal carries no signal."""
+    rewards = {t.reward for t in group.trajectories}
+    return len(rewards) > 1
+
+
+def get_group_filter(name: str) -> Callable[[Group], bool]:
+    filters: dict[str, Callable[[Group], bool]] = {"none": keep_all, "dapo": dapo_filter}
+    for ep in importlib.metadata.entry_points(group="rollmesh.group_filters"):
+        filters[ep.name] = ep.load()
+    if name not in filters:
+        raise KeyError(f"unknown group filter {name!r} (known: {', '.join(sorted(filters))})")
+    return filters[name]
+
+
+# -- state ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    peer: bytes
+    name: str
+    kind: str
+    credits: int
+    out: dict[str, Trajectory] = field(default_factory=dict)  # sample id -> as dispatched
+
+    @property
+    def free(self) -> int:
+        return self.credits - len(self.out)
+
+
+@dataclass
+class GroupState:
+    size: int
+    version_admitted: int
+    scored: list[Trajectory] = field(default_factory=list)
+
+
+class Rollouter:
+    def __init__(self, ctx: RoleContext, exp: ExperimentConfig, source: PromptSource,
+                 tokenizer: Any, channel: Channel, mq: RpcClient):
+        self.ctx, self.log, self.exp = ctx, ctx.log, exp
+        self.source, self.tokenizer = source, tokenizer
+        self.channel, self.mq = channel, mq
+        self.group_filter = get_group_filter(exp.rollout.group_filter)
+        self.version = 0
+        self.paused = False
+        self.workers: dict[bytes, Worker] = {}
+        self.liveness = Liveness(ctx.spec.heartbeat_s, ctx.spec.liveness)
+        self.pending: collections.deque[Trajectory] = collections.deque()  # admitted, new
+        self.cancel_queue: collections.deque[Trajectory] = collections.deque()
+        self.to_score: collections.deque[Trajectory] = collections.deque()
+        self.groups: dict[str, GroupState] = {}
+        self.ready: collections.deque[Group] = collections.deque()  # accepted, not yet queued
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.dropped: collections.Counter[str] = collections.Counter()  # reason -> samples
+        self.changed = asyncio.Event()
+        self.drained = asyncio.Event()
+
+    # -- capacity and admission --------------------------------------------------------------
+
+    @property
+    def running_groups(self) -> int:
+        return len(self.groups)  # admitted and not yet accepted or rejected
+
+    def capacity(self) -> int:
+        r, s = self.exp.rollout, self.exp.staleness
+        per_version = r.batch_groups * self.exp.sync.sync_every
+        concurrency = r.max_concurrent - self.running_groups
+        staleness = (int((s.max_staleness + self.version + 1) * per_version * r.over_sampling)
+                     - (self.counters["accepted_groups"] + self.running_groups))
+        return min(concurrency, staleness)
+
+    def admit(self) -> None:
+        while not self.paused and self.capacity() > 0:
+            group = self.source.next_group()
+            prompt = render_prompt(group.row, self.tokenizer, self.exp.data.system_prompt)
+            if len(prompt) > self.exp.data.max_prompt_tokens:
+                self.counters["skipped_prompts"] += 1
+                continue
+            loop = group.row.agent_loop or self.exp.data.default_agent_loop
+            meta = {**group.row.metadata, "row": group.row.index}
+            if group.row.tools is not None:
+                meta["tools"] = group.row.tools
+            for i in range(group.group_size):
+                self.pending.append(new_trajectory(
+                    f"{group.group_id}-{i:03d}", group.group_id, i, prompt, agent_loop=loop,
+                    label=group.row.label, metadata=meta))
+            self.groups[group.group_id] = GroupState(group.group_size, self.version)
+            self.counters["admitted_groups"] += 1
+            self.counters["admitted_samples"] += group.group_size
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _free_worker(self, kind: str) -> Worker | None:
+        best = max((w for w in self.workers.values() if w.kind == kind and w.free > 0),
+                   key=lambda w: w.free, default=None)
+        return best
+
+    async def dispatch(self) -> None:
+        self.admit()
+        while not self.paused and (self.cancel_queue or self.pending):
+            worker = self._free_worker("agent")
+            if worker is None:
+                break
+            traj = self.cancel_queue.popleft() if self.cancel_queue else self.pending.popleft()
+            await self._send(worker, traj, Assign(trajectory=traj))
+        while self.to_score:
+            worker = self._free_worker("reward")
+            if worker is None:
+                break
+            traj = self.to_score.popleft()
+            await self._send(worker, traj, Score(trajectory=traj))
+
+    async def _send(self, worker: Worker, traj: Trajectory, msg: Any) -> None:
+        worker.out[traj.sample_id] = traj
+        if not await self.channel.send(worker.peer, msg):
+            await self.worker_lost(worker, "unreachable")
+
+    async def worker_lost(self, worker: Worker, why: str) -> None:
+        """Re-queue everything the worker held, as it was when dispatched."""
+        if self.workers.pop(worker.peer, None) is None:
+            return
+        self.liveness.forget(worker.peer.hex())
+        back = list(worker.out.values())
+        for traj in back:
+            (self.cancel_queue if worker.kind == "agent" else self.to_score).appendleft(traj)
+        self.counters["workers_lost"] += 1
+        self.log.error("worker_lost", worker=worker.name, why=why, requeued=len(back))
+        self._check_drained()
+
+    # -- results -----------------------------------------------------------------------------
+
+    def returned(self, worker: Worker, traj: Trajectory) -> None:
+        if worker.out.pop(traj.sample_id, None) is None:
+            self.counters["unexpected_returns"] += 1  # e.g. from a worker declared dead earlier
+            return
+        if traj.group_id not in self.groups:  # its group was already given up
+            self.dropped["group_failed"] += 1
+        elif traj.status == "finished":
+            self.to_score.append(traj)
+        elif traj.status == "interrupted":
+            self.cancel_queue.append(traj)
+            self.counters["interrupted"] += 1
+        else:  # failed: retry from where it stood, then give the group up
+            attempts = int(traj.metadata.get("attempts", 0)) + 1
+            traj.metadata["attempts"] = attempts
+            if attempts <= self.exp.rollout.max_retries:
+                traj.status = "running"
+                self.cancel_queue.append(traj)
+            else:
+                self.finish_group(traj.group_id, None, "generation_failed", extra=[traj])
+        self._check_drained()
+
+    def scored(self, worker: Worker, traj: Trajectory) -> None:
+        if worker.out.pop(traj.sample_id, None) is None:
+            self.counters["unexpected_returns"] += 1
+            return
+        state = self.groups.get(traj.group_id)
+        if state is None:  # its group was already given up
+            self.dropped["group_failed"] += 1
+            return
+        state.scored.append(traj)
+        if len(state.scored) == state.size:
+            trajs = sorted(state.scored, key=lambda t: t.index)
+            group = Group(group_id=traj.group_id, trajectories=trajs,
+                          version_admitted=state.version_admitted)
+            if any(t.reward_status != "ok" for t in trajs):
+                self.finish_group(traj.group_id, None, "reward_failed")
+            elif not self.group_filter(group):
+                self.finish_group(traj.group_id, None, "filtered")
+            else:
+                self.finish_group(traj.group_id, group, None)
+
+    def finish_group(self, group_id: str, group: Group | None, reason: str | None,
+                     extra: list[Trajectory] = ()) -> None:
+        """A group leaves the running set: accepted (to the queue) or dropped with a reason."""
+        state = self.groups.pop(group_id)
+        if group is not None:
+            self.ready.append(group)
+            self.counters["accepted_groups"] += 1
+            return
+        # Dropped: the scored ones and the failed ones are in hand; the rest are still out
+        # somewhere and are dropped when they come back (see scored / returned).
+        self.dropped[reason] += len(state.scored) + len(extra)
+        self.counters["rejected_groups"] += 1
+        # Its samples still queued here go with it; those out with workers are dropped when
+        # they come back (reason "group_failed").
+        for q in (self.pending, self.cancel_queue, self.to_score):
+            keep = [t for t in q if t.group_id != group_id]
+            self.dropped[reason] += len(q) - len(keep)
+            q.clear()
+            q.extend(keep)
+
+    # -- pause / resume ----------------------------------------------------------------------
+
+    def agent_out(self) -> int:
+        return sum(len(w.out) for w in self.workers.values() if w.kind == "agent")
+
+    def _check_drained(self) -> None:
+        if self.paused and self.agent_out() == 0:
+            self.drained.set()
+        self.changed.set()
+
+    async def pause(self, mode: str) -> Paused:
+        self.paused = True
+        self.drained.clear()
+        started = time.monotonic()
+        for w in list(self.workers.values()):
+            if w.kind == "agent" and not await self.channel.send(w.peer, Cancel(reason=mode)):
+                await self.worker_lost(w, "unreachable")
+        self._check_drained()
+        await self.drained.wait()
+        self.log.info("paused", cancel_queue=len(self.cancel_queue),
+                      drain_s=round(time.monotonic() - started, 3))
+        return Paused(in_flight=self.agent_out(), cancel_queue=len(self.cancel_queue))
+
+    def resume(self, version: int) -> None:
+        self.version = max(self.version, version)
+        self.paused = False
+        self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue))
+        self.changed.set()
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        """Samples this process holds right now, counted where they are."""
+        return (len(self.pending) + len(self.cancel_queue) + len(self.to_score)
+                + sum(len(w.out) for w in self.workers.values())
+                + sum(len(s.scored) for s in self.groups.values())
+                + sum(len(g.trajectories) for g in self.ready))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters, "version": self.version, "paused": self.paused,
+            "capacity": self.capacity(), "running_groups": self.running_groups,
+            "in_flight": self.in_flight(), "pending": len(self.pending),
+            "cancel_queue": len(self.cancel_queue), "to_score": len(self.to_score),
+            "ready_groups": len(self.ready), "dropped": dict(self.dropped),
+            "workers": {w.name: {"kind": w.kind, "credits": w.credits, "out": len(w.out)}
+                        for w in self.workers.values()},
+            "channel_protocol_errors": self.channel.protocol_errors,
+            "cursor": self.source.state(),
+        }
+
+    # -- loops -------------------------------------------------------------------------------
+
+    async def receive(self) -> None:
+        while True:
+            peer, msg = await self.channel.recv()
+            self.liveness.beat(peer.hex())
+            worker = self.workers.get(peer)
+            if isinstance(msg, WorkerHello):
+                if worker is not None:
+                    await self.worker_lost(worker, "re-registered")
+                self.workers[peer] = Worker(peer, msg.worker, msg.kind, max(1, msg.credits))
+                self.log.info("worker_joined", worker=msg.worker, kind=msg.kind,
+                              credits=msg.credits)
+            elif worker is None:
+                self.counters["messages_from_unknown_peers"] += 1
+                continue
+            elif isinstance(msg, Returned):
+                self.returned(worker, msg.trajectory)
+            elif isinstance(msg, Scored):
+                self.scored(worker, msg.trajectory)
+            elif not isinstance(msg, (Heartbeat, Metrics)):
+                self.counters["unexpected_messages"] += 1
+            self.changed.set()
+
+    async def schedule(self) -> None:
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            await self.dispatch()
+
+    async def heartbeats(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.liveness.interval_s)
+            seq += 1
+            for w in list(self.workers.values()):
+                if not self.liveness.is_alive(w.peer.hex()):
+                    await self.worker_lost(w, "silent")
+                elif not await self.channel.send(w.peer, Heartbeat(sender="rollouter", seq=seq)):
+                    await self.worker_lost(w, "unreachable")
+            self.changed.set()
+
+    async def put_ready(self) -> None:
+        """Move accepted groups into the MessageQueue; wait while it is full."""
+        delay = 0.01
+        while True:
+            if not self.ready:
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                reply = await self.mq.request(PutGroup(group=self.ready[0]), timeout_s=30)
+            except (PeerTimeout, RemoteError) as e:
+                self.log.warning("queue_put_failed", error=str(e))
+                await asyncio.sleep(1.0)
+                continue
+            if reply.accepted:
+                group = self.ready.popleft()
+                self.counters["queued_samples"] += len(group.trajectories)
+                self.counters["queued_groups"] += 1
+                delay = 0.01
+                self.changed.set()
+            else:
+                self.counters["queue_full_waits"] += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+
+async def main(ctx: RoleContext) -> None:
+    """Role entry. config: experiment, bind (worker channel), control (RPC), message_queue."""
+    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "rollouter spec")
+    source = PromptSource.from_config(exp.data)
+    tokenizer = load_tokenizer(exp.model.path)
+    channel = Channel(ctx.transport, ctx.config["bind"], name="rollouter")
+    mq = RpcClient(ctx.transport, ctx.config["message_queue"], timeout_s=30, name="message queue")
+    r = Rollouter(ctx, exp, source, tokenizer, channel, mq)
+
+    async def pause(msg: Pause, peer: bytes) -> Paused:
+        return await r.pause(msg.mode)
+
+    async def resume(msg: Resume, peer: bytes) -> Ok:
+        r.resume(msg.version)
+        return Ok()
+
+    async def stats(msg: StatsRequest, peer: bytes) -> Metrics:
+        return Metrics(role="rollouter", host=ctx.spec.host,
+                       values={**r.stats(), "protocol_errors": control.stats.protocol_errors})
+
+    control = RpcServer(ctx.transport, ctx.config["control"],
+                        {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
+    tasks = [asyncio.create_task(c) for c in (r.receive(), r.schedule(), r.heartbeats(),
+                                              r.put_ready(), control.serve())]
+    r.changed.set()
+    ctx.set_status(lambda: {k: v for k, v in r.stats().items() if k != "cursor"})
+    await ctx.ready(channel=channel.address, rpc=control.address)
+    await asyncio.wait([asyncio.create_task(ctx.stopping.wait()), *tasks],
+                       return_when=asyncio.FIRST_COMPLETED)
+    for t in tasks:
+        if t.done() and t.exception():
+            raise t.exception()
+        t.cancel()
+    ctx.log.info("stats", **{k: v for k, v in r.stats().items() if k != "workers"})
+    channel.close()
+    control.close()
+    mq.close()

@@ -1,0 +1,40 @@
+"""A custom agent loop: answer, then get asked to check the answer, then answer again.
+
+It shows the three things a loop does: generate through `ctx.generate` (tokens appended with
+their log-probs and weight version, mask 1), append observation tokens with
+`append_observation` (mask 0), and keep all of its progress in `traj.loop_state`, so that a
+trajectory interrupted by a weight sync resumes exactly where it stopped, on any worker.
+"""
+
+from __future__ import annotations
+
+from rollmesh.agent_loops import LoopContext, append_observation
+from rollmesh.protocol import Trajectory
+
+CHECK = "\n<|im_start|>user\nCheck your answer and give it again.<|im_end|>\n<|im_start|>assistant\n"
+
+
+class SelfCheckLoop:
+    name = "self_check"
+
+    def __init__(self, ctx: LoopContext):
+        self.ctx = ctx
+
+    async def run(self, traj: Trajectory) -> None:
+        state = traj.loop_state
+        state.setdefault("phase", "answer")
+        state.setdefault("turn_start", len(traj.token_ids))
+        budget = self.ctx.rollout.max_new_tokens
+        if state["phase"] == "answer":
+            done = len(traj.token_ids) - state["turn_start"]
+            if done < budget:
+                await self.ctx.generate(traj, budget - done)  # Interrupted propagates: resumable
+            append_observation(traj, self.ctx.tokenizer.encode(CHECK, add_special_tokens=False))
+            state["phase"], state["turn_start"] = "check", len(traj.token_ids)
+        if state["phase"] == "check":
+            done = len(traj.token_ids) - state["turn_start"]
+            if done < budget:
+                await self.ctx.generate(traj, budget - done)
+            state["phase"] = "done"
+        traj.num_turns = 2
+        traj.status = "finished"

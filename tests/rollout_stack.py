@@ -1,0 +1,134 @@
+"""A real rollout side for the tests: one built-in engine, the MessageQueue, the rollouter, agent
+and reward workers, each its own process started through the role runtime. The test itself
+plays trainer and synchronizer over the real protocol (`Driver`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollmesh.config import ExperimentConfig, load_experiment, to_dict
+from rollmesh.engine.client import EngineClient
+from rollmesh.protocol import Batch, GetBatch, Group, Pause, Paused, Resume, StatsRequest, WeightVersion
+from rollmesh.runtime import Child, Supervisor
+from rollmesh.transport import RpcClient, Transport, free_port
+from tests.engine.engine_harness import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def write_dataset(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def experiment(dataset: Path, *overrides: str) -> ExperimentConfig:
+    base = [f"data.train_path={json.dumps(str(dataset))}", 'data.format="jsonl"',
+            'data.prompt_key="prompt"', 'data.label_key="label"', "data.group_size=2",
+            "rollout.max_new_tokens=32", "rollout.batch_groups=2", "rollout.max_concurrent=8",
+            "staleness.max_staleness=1", "model.max_context=512", "data.max_prompt_tokens=128"]
+    return load_experiment(ROOT / "configs/tiny_cpu.toml", overrides=[*base, *overrides])
+
+
+@dataclass
+class Stack:
+    sup: Supervisor
+    transport: Transport
+    engine: Engine
+    mq: Child
+    rollouter: Child
+    agents: list[Child]
+    rewards: list[Child]
+    driver: Driver
+
+
+class Driver:
+    """The test's side of the protocol: what the trainer and the synchronizer say."""
+
+    def __init__(self, t: Transport, rollouter_rpc: str, mq_rpc: str, engine_url: str):
+        self.rollouter = RpcClient(t, rollouter_rpc, timeout_s=120, name="rollouter")
+        self.mq = RpcClient(t, mq_rpc, timeout_s=120, name="message queue")
+        self.engine_url = engine_url
+        self.version = 0
+
+    async def rollouter_stats(self) -> dict[str, Any]:
+        return (await self.rollouter.request(StatsRequest())).values
+
+    async def mq_stats(self) -> dict[str, Any]:
+        return (await self.mq.request(StatsRequest())).values
+
+    async def sync(self) -> Paused:
+        """What the synchronizer does, with a version bump in place of a broadcast."""
+        paused = await self.rollouter.request(Pause(mode="abort"))
+        self.version += 1
+        async with EngineClient([self.engine_url]) as client:
+            await client.update_weight_version(str(self.version))
+        await self.mq.request(WeightVersion(version=self.version))
+        await self.rollouter.request(Resume(version=self.version))
+        return paused
+
+    async def take(self, groups: int, timeout_s: float = 60) -> list[Group]:
+        batch: Batch = await self.mq.request(GetBatch(groups=groups, version=self.version,
+                                                      timeout_s=timeout_s),
+                                             timeout_s=timeout_s + 30)
+        return batch.groups
+
+    async def wait_for(self, predicate, timeout_s: float = 120, what: str = "") -> dict[str, Any]:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            stats = {"rollouter": await self.rollouter_stats(), "mq": await self.mq_stats()}
+            if predicate(stats):
+                return stats
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"timed out waiting for {what}: {stats}")
+            await asyncio.sleep(0.2)
+
+    def close(self) -> None:
+        self.rollouter.close()
+        self.mq.close()
+
+
+def accounting(stats: dict[str, Any], consumed: int) -> tuple[int, int]:
+    """(admitted, consumed + dropped + in flight) across the rollouter and the queue."""
+    r, q = stats["rollouter"], stats["mq"]
+    dropped = sum(r["dropped"].values()) + sum(q["dropped"].values())
+    assert q["consumed_samples"] == consumed
+    return r["admitted_samples"], consumed + dropped + r["in_flight"] + q["depth_samples"]
+
+
+async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents: int = 1,
+                      rewards: int = 1, credits: int = 64, engine_args: tuple[str, ...] = ()) -> Stack:
+    sup = Supervisor(t, heartbeat_s=0.5, liveness=4, log_dir=tmp / "logs")
+    engine = await asyncio.to_thread(Engine, tmp / "engine.log", "--weight-version", "0",
+                                     *engine_args)
+    spec = to_dict(exp)
+    mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV,
+                   config={"experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}"})
+    mq_rpc = (await sup.wait_ready(mq, 120))["rpc"]
+    rollouter = sup.spawn("rollouter", "rollmesh.rollouter:main", env=ENV, config={
+        "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}",
+        "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": mq_rpc})
+    eps = await sup.wait_ready(rollouter, 120)
+    agent_children = [sup.spawn("agent_worker", "rollmesh.agent_worker:main", instance=i, env=ENV,
+                                config={"experiment": spec, "rollouter": eps["channel"],
+                                        "engines": [engine.url], "credits": credits})
+                      for i in range(agents)]
+    reward_children = [sup.spawn("reward_worker", "rollmesh.reward_worker:main", instance=i,
+                                 env=ENV, config={"experiment": spec, "rollouter": eps["channel"],
+                                                  "pool": 2})
+                       for i in range(rewards)]
+    for c in agent_children + reward_children:
+        await sup.wait_ready(c, 120)
+    return Stack(sup, t, engine, mq, rollouter, agent_children, reward_children,
+                 Driver(t, eps["rpc"], mq_rpc, engine.url))
+
+
+async def stop_stack(stack: Stack) -> None:
+    stack.driver.close()
+    await stack.sup.close(grace_s=10)
+    await asyncio.to_thread(stack.engine.stop)
+

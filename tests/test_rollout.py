@@ -1,0 +1,190 @@
+"""The rollout side for real: engine, MessageQueue, rollouter, agent and reward workers, each a
+process; the test drives versions and consumption over the real protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from rollmesh.message_queue import oldest_version
+from rollmesh.protocol import Pause
+from rollmesh.transport import Transport
+from tests.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
+
+ROWS = [{"prompt": f"What is {a} plus {b}?", "label": str(a + b)}
+        for a in range(4) for b in range(4)]
+
+
+def run(tmp_path, exp, body, **kw):
+    async def main():
+        with Transport() as t:
+            stack = await start_stack(t, tmp_path, exp, **kw)
+            try:
+                return await body(stack)
+            finally:
+                await stop_stack(stack)
+
+    return asyncio.run(main())
+
+
+def generated_versions(traj) -> set[int]:
+    return set(np.unique(traj.versions[traj.loss_mask == 1]).tolist())
+
+
+async def settle(d, consumed: int):
+    """Pause, then wait until the two processes' counters add up (nothing in transit)."""
+    await d.rollouter.request(Pause(mode="abort"))
+    return await d.wait_for(
+        lambda s: (lambda a, b: a == b)(*accounting(s, consumed))
+        and s["rollouter"]["to_score"] == 0 and s["rollouter"]["ready_groups"] == 0,
+        what="the accounting to settle")
+
+
+def test_staleness_bound_holds_and_stale_samples_are_dropped(tmp_path):
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=12",
+                     "staleness.max_staleness=1")
+
+    async def body(stack):
+        d = stack.driver
+        consumed, seen = 0, []
+        for step in range(4):
+            groups = await d.take(2)
+            assert len(groups) == 2
+            for g in groups:
+                seen.append(d.version - oldest_version(g))
+                consumed += len(g.trajectories)
+            await d.sync()
+        # three syncs with nothing consumed: what is queued now is too old to hand out
+        for _ in range(3):
+            await d.sync()
+        await d.wait_for(lambda s: s["mq"]["depth_groups"] > 0, what="groups queued")
+        groups = await d.take(2)
+        for g in groups:
+            seen.append(d.version - oldest_version(g))
+            consumed += len(g.trajectories)
+        stats = await settle(d, consumed)
+        return seen, stats, consumed
+
+    seen, stats, consumed = run(tmp_path, exp, body)
+    assert max(seen) <= 1, seen
+    assert stats["mq"]["dropped"].get("stale", 0) > 0
+    assert set(stats["mq"]["staleness_hist"]) <= {"0", "1"}
+    admitted, accounted = accounting(stats, consumed)
+    assert admitted == accounted and admitted > consumed
+
+
+def test_pause_mid_generation_resumes_without_generating_anything_twice(tmp_path):
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=2000",
+                     "model.max_context=2200", "staleness.max_staleness=1",
+                     "rollout.batch_groups=2")
+
+    async def body(stack):
+        d = stack.driver
+        # capacity at version 0: (1 + 0 + 1) * 2 = 4 groups = 8 generations; pause mid-way
+        # (each request has ~50 of its 2000 tokens: far from done, whatever the machine's load)
+        for _ in range(3000):
+            engine = stack.engine.stats()
+            if engine["running_requests"] == 8 and engine["generated_tokens"] >= 400:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"never saw 8 requests mid-generation: {engine}")
+        paused = await d.sync()  # version 1: 2 more groups admitted
+        stats = await d.wait_for(lambda s: s["mq"]["depth_groups"] == 6
+                                 and s["rollouter"]["in_flight"] == 0, timeout_s=300,
+                                 what="all 6 groups queued")
+        groups = await d.take(6)
+        engine_tokens = stack.engine.stats()["generated_tokens"]
+        return paused, stats, groups, engine_tokens
+
+    paused, stats, groups, engine_tokens = run(tmp_path, exp, body)
+    trajs = [t for g in groups for t in g.trajectories]
+    assert len(trajs) == 12
+    assert paused.in_flight == 0 and paused.cancel_queue > 0
+    assert stats["rollouter"]["interrupted"] == paused.cancel_queue  # every partial came back
+    two_versions = [t for t in trajs if generated_versions(t) == {0, 1}]
+    assert len(two_versions) >= 2, [generated_versions(t) for t in trajs]
+    for t in trajs:
+        n = len(t.token_ids)
+        assert t.status == "finished" and len(t.logprobs) == len(t.versions) == len(t.loss_mask) == n
+        assert (t.versions[: t.prompt_len] == -1).all() and t.loss_mask[: t.prompt_len].sum() == 0
+        # a resumed trajectory is one contiguous response: versions never go backwards
+        gen = t.versions[t.loss_mask == 1]
+        assert (np.diff(gen) >= 0).all()
+    # nothing generated twice: the engine produced exactly the tokens the trajectories hold
+    assert engine_tokens == sum(int(t.loss_mask.sum()) for t in trajs)
+
+
+def test_custom_agent_loop_from_an_entry_point_runs_end_to_end(tmp_path):
+    rows = [{"prompt": "What is 2 plus 2?", "label": "4", "agent_loop": "self_check"}] * 4
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", rows), "rollout.max_new_tokens=8")
+
+    async def body(stack):
+        return await stack.driver.take(2)
+
+    groups = run(tmp_path, exp, body)
+    for t in (t for g in groups for t in g.trajectories):
+        assert t.agent_loop == "self_check" and t.num_turns == 2 and t.status == "finished"
+        # answer tokens, then the check prompt (mask 0), then the second answer
+        runs = np.flatnonzero(np.diff(t.loss_mask[t.prompt_len:].astype(int)))
+        assert len(runs) >= 2 and t.loss_mask[t.prompt_len:].sum() > 0
+        assert t.loop_state["phase"] == "done"
+
+
+def test_failing_and_hanging_rewards_are_recorded_and_lose_nothing(tmp_path):
+    rows = [{"prompt": "What is 1 plus 1?", "label": "2", "reward": "tests.rollout_rewards:raises"},
+            {"prompt": "What is 1 plus 2?", "label": "3", "reward": "tests.rollout_rewards:hangs"},
+            {"prompt": "What is 1 plus 3?", "label": "4"}]
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", rows), "rollout.max_new_tokens=6",
+                     "rollout.reward_timeout_s=1.0", "data.shuffle=false",
+                     "staleness.max_staleness=0", "rollout.batch_groups=3")
+
+    async def body(stack):
+        d = stack.driver
+        # version 0 admits 3 groups, one of each row: only the good one reaches the queue
+        good = await d.take(1)
+        stats = await settle(d, 2)
+        return good, stats, [c.process.poll() for c in stack.rewards]
+
+    good, stats, alive = run(tmp_path, exp, body)
+    assert alive == [None]  # the reward worker survived a raise and a hang
+    assert [t.reward_status for t in good[0].trajectories] == ["ok", "ok"]
+    # rejected groups free their place, so the raising and hanging rows come round again:
+    # every one of their samples is dropped as reward_failed, none is scored 0
+    dropped = stats["rollouter"]["dropped"]
+    assert set(dropped) == {"reward_failed"} and dropped["reward_failed"] >= 4
+    admitted, accounted = accounting(stats, 2)
+    assert admitted == accounted
+
+
+def test_killed_agent_worker_has_its_samples_redispatched(tmp_path):
+    # a deep staleness bound: 36 groups admitted at once, so both workers are surely busy
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=360",
+                     "staleness.max_staleness=8", "rollout.batch_groups=4",
+                     "rollout.max_concurrent=64")
+
+    async def body(stack):
+        d = stack.driver
+        await d.wait_for(lambda s: all(w["out"] > 0 for w in s["rollouter"]["workers"].values()
+                                       if w["kind"] == "agent"), what="both workers busy",
+                         timeout_s=60)
+        victim = stack.agents[0]
+        os.kill(victim.process.pid, signal.SIGKILL)
+        groups = await d.take(4, timeout_s=300)
+        consumed = sum(len(g.trajectories) for g in groups)
+        stats = await settle(d, consumed)
+        return groups, stats
+
+    groups, stats = run(tmp_path, exp, body, agents=2)
+    assert len(groups) == 4
+    assert stats["rollouter"]["workers_lost"] == 1
+    assert all(t.status == "finished" for g in groups for t in g.trajectories)
+    admitted, accounted = accounting(stats, sum(len(g.trajectories) for g in groups))
+    assert admitted == accounted
+
+
+pytestmark = pytest.mark.timeout(600)
