@@ -10,6 +10,10 @@ import sys
 _DELEGATED = {
     "engine": ("rollmesh.engine.server:main", "serve a model over the SGLang HTTP contract"),
     "role": ("rollmesh.runtime:role_main", "run one role process (used by the launcher)"),
+    "monitor": ("rollmesh.monitor:main", "watch a running run live, read-only"),
+    "launch": ("rollmesh.launcher:main", "start every role of a cluster file"),
+    "status": ("rollmesh.launcher:status_main", "show a run's processes (rollmesh status RUN)"),
+    "stop": ("rollmesh.launcher:stop_main", "stop a run from another terminal"),
 }
 
 
@@ -27,10 +31,6 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="validate an experiment config and print it resolved")
     c.add_argument("path")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    launch = sub.add_parser("launch", help="start every role of a cluster file")
-    launch.add_argument("cluster")
-    launch.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     return p
 
 
@@ -46,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "config":
         return _config(args)
-    if args.command == "launch":
-        return _call("rollmesh.launcher:main", argv[1:])
     _parser().print_help()
     return 2
 

@@ -186,6 +186,12 @@ class AlgorithmConfig:
         "dual-clip bound for negative advantages (e.g. 3.0)", None, gt=1
     )
     tis_cap: float = _field("upper bound of the truncated importance weight", 2.0, gt=0)
+    behaviour_cap: float | None = _field(
+        "decoupled_ppo: upper bound of the behaviour importance weight exp(proximal - behaviour) "
+        "(none = uncapped)",
+        None,
+        gt=0,
+    )
     old_logprobs: Literal["recompute", "bypass"] = _field(
         "old log-probs: recomputed by the trainer, or the engine's behaviour log-probs as-is",
         "recompute",
@@ -226,7 +232,12 @@ class TrainerConfig:
         "learning-rate schedule after warm-up", "constant"
     )
     mini_batches: int = _field("optimizer updates per trainer step (PPO mini-batches)", 1, ge=1)
-    micro_batch_tokens: int = _field("tokens per forward/backward pass (packed)", 16384, gt=0)
+    micro_batch_tokens: int = _field(
+        "tokens per forward/backward pass, padding included: sequences are sorted by length and "
+        "cut into micro-batches of at most this many (rows x longest row) tokens",
+        16384,
+        gt=0,
+    )
     gradient_checkpointing: bool = _field("recompute activations in backward to save memory", False)
     ranks: int = _field("trainer processes (data parallel)", 1, ge=1)
     backend: DistBackend = _field(
@@ -261,6 +272,12 @@ class SyncConfig:
         "abort",
     )
     timeout_s: float = _field("time limit for one weight sync (seconds)", 600.0, gt=0)
+    load_format: Literal["tensor", "flattened_bucket"] = _field(
+        "how a bucket travels: `tensor` = one broadcast per tensor (the contract; SGLang and the "
+        "built-in engine), `flattened_bucket` = one broadcast of the bucket's bytes back to back "
+        "(SGLang's load_format of that name; fewer, larger collectives)",
+        "tensor",
+    )
 
 
 @dataclass(kw_only=True)
@@ -368,8 +385,22 @@ class HostConfig:
         "extra environment variables for every process on the host", factory=dict
     )
     gpus: int = _field("GPUs on the host (ids 0 .. gpus-1)", 0, ge=0)
+    launch: Literal["auto", "local", "ssh"] = _field(
+        "how processes start there: `auto` (local processes when the address is this machine, "
+        "else SSH), `local`, or `ssh` (always through sshd, e.g. another user on this machine)",
+        "auto",
+    )
+    ssh_options: list[str] = _field(
+        "extra `ssh -o` options, e.g. \"UserKnownHostsFile=/path/known_hosts\" (host-key "
+        "checking stays on)",
+        factory=list,
+    )
 
     def validate(self) -> None:
+        for i, opt in enumerate(self.ssh_options):
+            if opt.split("=", 1)[0].strip().lower() == "stricthostkeychecking":
+                raise _Invalid(f"ssh_options[{i}]", "host-key checking stays on: "
+                               "add the host's key to a known_hosts file instead")
         if self.identity_file is not None and not os.path.isfile(
             os.path.expanduser(self.identity_file)
         ):
@@ -476,6 +507,11 @@ class ClusterConfig:
     )
     run_dir: str = _field(
         "directory for logs, checkpoints and state (relative to the working directory)", "runs"
+    )
+    launcher_address: str | None = _field(
+        "address other hosts reach the launching machine at (status hub, control); default: "
+        "this machine's host name. Unused when every host is this machine",
+        None,
     )
     hosts: dict[str, HostConfig] = _field("machines, by name", factory=dict)
     roles: RolesConfig = _field("where each role runs")

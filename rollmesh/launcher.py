@@ -1,17 +1,504 @@
-"""`rollmesh launch CLUSTER_TOML`: validate the cluster and its experiment, show the plan.
+"""`rollmesh launch CLUSTER_TOML`: start every role on every host, supervise them, host the hub.
 
-Starting the roles (locally and over SSH), supervision and the status hub are not built yet
-(issue 6): today this command validates both files, logs the resolved configuration and prints
-the placement, then says so and exits with status 2.
+    plan      every process of the cluster file: host, ports, its role config
+    run dir   runs/<name>-<timestamp>: keys (CURVE, 0600), resolved configs, specs, logs
+    hub       the status proxy (always CURVE) that roles publish to and monitors attach to
+    start     engines healthy -> message queue, synchronizer -> trainer -> rollouter -> workers
+    supervise restart crashed workers and engines (bounded, with back-off); any other role
+              that dies ends the run with its first failure, exit code and log
+    finish    when the trainer finishes: drain the rollouter, write summary.json, stop all
+    stop      Ctrl-C / SIGTERM / `rollmesh stop RUN`: every process on every host, one deadline
+
+Hosts whose address is this machine run their roles as local processes; others over OpenSSH
+(rollmesh.hosts). `--dry-run` prints the plan (the command per host) and starts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
 import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from rollmesh.config import ConfigError, load_cluster, to_dict
-from rollmesh.log import configure_logging
+from rollmesh.config import (
+    ClusterConfig, ConfigError, ExperimentConfig, Process, load_cluster, to_dict, to_toml,
+)
+from rollmesh.engine.client import EngineClient
+from rollmesh.engine.sglang import EngineLaunch, engine_launch
+from rollmesh.hosts import Host, SshHost, make_host, terminal_echo
+from rollmesh.log import configure_logging, get_logger
+from rollmesh.plot import plot_metric
+from rollmesh.protocol import Metrics, Pause, StatsRequest
+from rollmesh.runtime import Child, RoleFailed, Supervisor
+from rollmesh.transport import CurveKeys, Publisher, RpcClient, StatusProxy, Transport
+
+log = get_logger("rollmesh.launcher")
+
+ENTRIES = {
+    "message_queue": "rollmesh.message_queue:main",
+    "synchronizer": "rollmesh.synchronizer:main",
+    "trainer": "rollmesh.trainer:main",
+    "rollouter": "rollmesh.rollouter:main",
+    "agent_worker": "rollmesh.agent_worker:main",
+    "reward_worker": "rollmesh.reward_worker:main",
+}
+START_ORDER = ["message_queue", "synchronizer", "trainer", "rollouter", "agent_worker",
+               "reward_worker"]
+RESTARTABLE = {"agent_worker", "reward_worker"}
+MAX_RESTARTS = 5
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Planned:
+    proc: Process
+    host: Host
+    config: dict[str, Any] = field(default_factory=dict)
+    engine: EngineLaunch | None = None
+
+    @property
+    def name(self) -> str:
+        return self.proc.name
+
+
+def _bind(host: Host, port: int) -> str:
+    addr = host.address
+    literal = addr.replace(".", "").isdigit() or ":" in addr
+    return f"tcp://{addr if literal else '*'}:{port}"
+
+
+def _connect(host: Host, port: int) -> str:
+    return f"tcp://{host.address}:{port}"
+
+
+def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str) -> list[Planned]:
+    """Every process with the configuration it is handed. Ports: each process owns the block
+    `[port, port + ports.per_process)` (see config.ClusterConfig.processes)."""
+    exp = cluster.experiment_config
+    assert exp is not None
+    spec = to_dict(exp)
+    plan = [Planned(p, hosts[p.host]) for p in cluster.processes()]
+    by_role: dict[str, list[Planned]] = {}
+    for p in plan:
+        by_role.setdefault(p.proc.role, []).append(p)
+
+    def one(role: str) -> Planned:
+        return by_role[role][0]
+
+    mq, rollouter, sync = one("message_queue"), one("rollouter"), one("synchronizer")
+    trainer0 = by_role["trainer"][0]
+    engine_urls = []
+    for p in by_role["engine"]:
+        bind_host = p.host.address if p.host.local else "0.0.0.0"
+        p.engine = engine_launch(exp.engine, exp.model, bind_host, p.proc.port, gpus=p.proc.gpus,
+                                 seed=exp.seed, weight_version="0", python=p.host.python())
+        engine_urls.append(f"http://{p.host.address}:{p.proc.port}")
+    rollouter_channel = _connect(rollouter.host, rollouter.proc.port)
+    for p in plan:
+        role, port, host = p.proc.role, p.proc.port, p.host
+        if role == "message_queue":
+            p.config = {"experiment": spec, "bind": _bind(host, port)}
+        elif role == "rollouter":
+            p.config = {"experiment": spec, "bind": _bind(host, port),
+                        "control": _bind(host, port + 1),
+                        "message_queue": _connect(mq.host, mq.proc.port)}
+        elif role == "agent_worker":
+            p.config = {"experiment": spec, "rollouter": rollouter_channel, "engines": engine_urls}
+        elif role == "reward_worker":
+            p.config = {"experiment": spec, "rollouter": rollouter_channel}
+        elif role == "synchronizer":
+            p.config = {"experiment": spec, "bind": _bind(host, port),
+                        "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
+                        "message_queue": _connect(mq.host, mq.proc.port)}
+        elif role == "trainer":
+            # rank 0 hosts the ranks' rendezvous and joins the engines' weight-update group
+            p.config = {"experiment": spec, "bind": _bind(host, port),
+                        "rendezvous": f"tcp://{trainer0.host.address}:{trainer0.proc.port + 1}",
+                        "weight_sync_address": trainer0.host.address,
+                        "message_queue": _connect(mq.host, mq.proc.port),
+                        "synchronizer": _connect(sync.host, sync.proc.port),
+                        "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
+                        "engines": engine_urls, "metrics_path": f"{run_dir}/metrics.jsonl",
+                        "export_dir": f"{run_dir}/policy",
+                        "checkpoint_dir": f"{run_dir}/checkpoints"}
+    return plan
+
+
+def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> None:
+    print(f"run {cluster.name}: experiment {cluster.experiment}; run directory {run_dir}")
+    for host_name in dict.fromkeys(p.proc.host for p in plan):
+        host = next(p.host for p in plan if p.proc.host == host_name)
+        how = "local processes" if host.local else "over ssh"
+        print(f"\nhost {host_name} ({host.address}, {how}):")
+        if isinstance(host, SshHost):
+            print(f"  each command below runs through: {shlex.join(host.ssh())}")
+        specs = run_dir if host.local else f"runs/{Path(run_dir).name}"
+        for p in (p for p in plan if p.proc.host == host_name):
+            if p.engine is not None:
+                args, env = p.engine.argv, p.engine.env
+            else:
+                args, env = ["-m", "rollmesh", "role", "--spec", f"{specs}/specs/{p.name}.json"], {}
+            argv = host.argv(args, env)
+            gpus = f" gpus={list(p.proc.gpus)}" if p.proc.gpus else ""
+            print(f"  {p.name:18s}{gpus}\n    {shlex.join(argv) if host.local else argv[-1]}")
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineProc:
+    planned: Planned
+    process: Any = None
+    restarts: int = 0
+    state: str = "starting"
+    log_path: Path | None = None
+
+
+class Launcher:
+    def __init__(self, cluster: ClusterConfig, run_dir: Path, echo: bool = True):
+        self.cluster = cluster
+        self.exp: ExperimentConfig = cluster.experiment_config  # type: ignore[assignment]
+        self.run_dir = run_dir
+        self.echo = terminal_echo() if echo else None
+        self.hosts = {name: make_host(name, cfg) for name, cfg in cluster.hosts.items()}
+        self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()))
+        self.engines: list[EngineProc] = []
+        self.children: dict[str, Child] = {}
+        self.state = "starting"
+        self.started = time.monotonic()
+        self.stop_requested = asyncio.Event()
+        self.failure: str | None = None
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def launcher_address(self) -> str:
+        remote = [h for h in self.hosts.values() if not h.local]
+        if not remote:
+            return "127.0.0.1"
+        return self.cluster.launcher_address or os.uname().nodename
+
+    def prepare_run_dir(self) -> CurveKeys:
+        if self.run_dir.exists():
+            raise RuntimeError(f"run directory {self.run_dir} already exists: pick another "
+                               "--run-dir (a run never writes over another's files)")
+        self.run_dir.mkdir(parents=True)
+        (self.run_dir / "cluster.toml").write_text(to_toml(self.cluster))
+        (self.run_dir / "experiment.toml").write_text(to_toml(self.exp))
+        keys = CurveKeys.generate(self.run_dir / "keys")
+        for host in self.hosts.values():
+            if not host.local:
+                assert isinstance(host, SshHost)
+                host.check()
+                for f in sorted((self.run_dir / "keys").iterdir()):
+                    host.put_file(f"{self.remote_run_dir}/keys/{f.name}", f.read_bytes())
+        return keys
+
+    @property
+    def remote_run_dir(self) -> str:
+        return f"runs/{self.run_dir.name}"
+
+    def keys_dir_for(self, host: Host) -> str:
+        return str((self.run_dir / "keys").resolve()) if host.local else f"{self.remote_run_dir}/keys"
+
+    # -- the run ---------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        keys = self.prepare_run_dir()
+        addr = self.launcher_address()
+        base = self.cluster.launcher_port
+        bind = "127.0.0.1" if addr == "127.0.0.1" else "*"
+        with Transport(keys) as t:
+            hub = StatusProxy(t, f"tcp://{bind}:{base + 1}", f"tcp://{bind}:{base + 2}", secure=True)
+            frontend = f"tcp://{addr}:{base + 1}"
+            self.sup = Supervisor(t, control=f"tcp://{bind}:{base}", run_id=self.run_dir.name,
+                                  keys_dir=str((self.run_dir / "keys").resolve()),
+                                  log_dir=self.run_dir / "logs", status_hub=frontend)
+            self.control = f"tcp://{addr}:{base}"
+            self.publisher = Publisher(t, frontend, secure=True)
+            self.write_launcher_json(frontend, f"tcp://{addr}:{base + 2}")
+            status = asyncio.create_task(self.publish_status())
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.stop_requested.set)
+            code = 1
+            try:
+                await self.start_all()
+                self.state = "running"
+                code = await self.supervise()
+            except (RoleFailed, RuntimeError, OSError) as e:
+                self.failure = self.failure or str(e)
+                log.error("run_failed", error=self.failure)
+            finally:
+                self.state = "stopping"
+                await self.shutdown()
+                self.state = "finished" if code == 0 else "failed"
+                await self.publish_once()
+                status.cancel()
+                self.publisher.close()
+                hub.close()
+            self.report(code)
+            return code
+
+    async def start_all(self) -> None:
+        for p in self.plan:
+            if p.engine is not None:
+                self.engines.append(self.start_engine(EngineProc(p)))
+        await self.wait_engines()
+        for role in START_ORDER:
+            started = [self.start_role(p) for p in self.plan if p.proc.role == role]
+            for child in started:
+                await self.sup.wait_ready(child, timeout_s=self.exp.engine.startup_timeout_s)
+            if started:
+                log.info("started", role=role, count=len(started))
+
+    def start_engine(self, e: EngineProc) -> EngineProc:
+        p = e.planned
+        assert p.engine is not None
+        e.log_path = self.run_dir / "logs" / f"engine-{p.proc.index}.log"
+        e.process = p.host.start(p.engine.argv, env=p.engine.env, log_path=e.log_path,
+                                 echo=self.echo, label=f"{p.proc.host} engine/{p.proc.index}")
+        e.state = "starting"
+        return e
+
+    async def wait_engines(self, engines: list[EngineProc] | None = None) -> None:
+        engines = engines if engines is not None else self.engines
+        urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in engines]
+        if not urls:
+            return
+        async with EngineClient(urls) as client:
+            waiting = asyncio.create_task(client.wait_healthy(self.exp.engine.startup_timeout_s))
+            while not waiting.done():
+                dead = [e for e in engines if e.process.poll() is not None]
+                if dead:
+                    waiting.cancel()
+                    e = dead[0]
+                    raise RuntimeError(f"engine[{e.planned.proc.index}] exited with code "
+                                       f"{e.process.returncode} while starting (log: {e.log_path})")
+                await asyncio.sleep(0.2)
+            waiting.result()
+        for e in engines:
+            e.state = "ready"
+
+    def spec_path(self, p: Planned) -> str:
+        base = str(self.run_dir.resolve()) if p.host.local else self.remote_run_dir
+        return f"{base}/specs/{p.name}.json"
+
+    def start_role(self, p: Planned) -> Child:
+        child = self.sup.spawn(p.proc.role, ENTRIES[p.proc.role], instance=p.proc.index,
+                               config=p.config, host=p.host, echo=self.echo,
+                               keys_dir=self.keys_dir_for(p.host), spec_path=self.spec_path(p),
+                               env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, p.proc.gpus))}
+                               if p.proc.gpus else {})
+        self.children[p.name] = child
+        return child
+
+    async def supervise(self) -> int:
+        """Until the trainer finishes (0), a role fails for good (1) or a stop is asked (130)."""
+        while not self.stop_requested.is_set():
+            for name, child in list(self.children.items()):
+                code = child.process.poll()
+                if code is None:
+                    continue
+                role = child.spec.role
+                if role == "trainer" and code == 0:
+                    log.info("trainer_finished", child=name)
+                    return 0
+                if role in RESTARTABLE and child.restarts < MAX_RESTARTS:
+                    await self.restart(name, child, code)
+                    continue
+                self.failure = (child.failure() or f"{name} exited with code {code}")
+                return 1
+            for e in self.engines:
+                if e.process.poll() is not None:
+                    await self.restart_engine(e)
+            try:
+                await asyncio.wait_for(self.stop_requested.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+        return 130
+
+    async def restart(self, name: str, child: Child, code: int) -> None:
+        delay = min(2.0 ** child.restarts, 30.0)
+        log.warning("role_restart", child=name, exit_code=code, restarts=child.restarts + 1,
+                    delay_s=delay, log=str(child.log_path))
+        await asyncio.sleep(delay)
+        self.children[name] = self.sup.respawn(child)
+        await self.sup.wait_ready(self.children[name], 120)
+
+    async def restart_engine(self, e: EngineProc) -> None:
+        if e.restarts >= MAX_RESTARTS:
+            raise RuntimeError(f"engine[{e.planned.proc.index}] keeps exiting "
+                               f"({e.restarts} restarts, log: {e.log_path})")
+        e.restarts += 1
+        log.warning("engine_restart", engine=e.planned.proc.index, restarts=e.restarts)
+        # It comes back with the initial weights, reported as version 0: its tokens are
+        # stamped as old and the staleness bound treats them so, until the next sync.
+        self.start_engine(e)
+        await self.wait_engines([e])
+
+    async def shutdown(self) -> None:
+        """Drain the rollouter for the summary, then stop roles (reverse order), then engines."""
+        self.summary = await self.collect_summary()
+        await self.sup.close(grace_s=10)
+        for e in self.engines:
+            if e.process is not None and e.process.poll() is None:
+                e.planned.host.signal(e.process, None, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while any(e.process is not None and e.process.poll() is None for e in self.engines):
+            if time.monotonic() > deadline:
+                for e in self.engines:
+                    if e.process.poll() is None:
+                        e.process.kill()
+                break
+            await asyncio.sleep(0.1)
+
+    async def collect_summary(self) -> dict[str, Any]:
+        rollouter = next((p for p in self.plan if p.proc.role == "rollouter"), None)
+        mq = next((p for p in self.plan if p.proc.role == "message_queue"), None)
+        summary: dict[str, Any] = {"max_staleness": self.exp.staleness.max_staleness}
+        if rollouter is None or mq is None or "rollouter[0]" not in self.children:
+            return summary
+        t = self.sup.transport
+        r_client = RpcClient(t, _connect(rollouter.host, rollouter.proc.port + 1), timeout_s=30,
+                             retries=0)
+        q_client = RpcClient(t, _connect(mq.host, mq.proc.port), timeout_s=10, retries=0)
+        try:
+            await r_client.request(Pause(mode="abort"), timeout_s=60)
+            for _ in range(100):  # let scored groups reach the queue: nothing in transit
+                r = (await r_client.request(StatsRequest())).values
+                q = (await q_client.request(StatsRequest())).values
+                if r["to_score"] == 0 and r["ready_groups"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            dropped: dict[str, int] = {}
+            for d in (r["dropped"], q["dropped"]):
+                for k, v in d.items():
+                    dropped[k] = dropped.get(k, 0) + v
+            summary.update(admitted=r["admitted_samples"], consumed=q["consumed_samples"],
+                           in_flight=r["in_flight"] + q["depth_samples"], dropped=dropped,
+                           rollouter=r, message_queue=q)
+        except Exception as e:  # the run is ending anyway: record why there is no accounting
+            summary["error"] = f"could not collect the accounting: {type(e).__name__}: {e}"
+        finally:
+            r_client.close()
+            q_client.close()
+        return summary
+
+    # -- status ----------------------------------------------------------------------------
+
+    def write_launcher_json(self, frontend: str, backend: str) -> None:
+        info = {"name": self.cluster.name, "run_dir": str(self.run_dir.resolve()),
+                "pid": os.getpid(), "hub_frontend": frontend, "hub_backend": backend,
+                "control": self.control, "started_at": time.time(),
+                "cluster_file": str(self.run_dir / "cluster.toml"),
+                "experiment_file": self.cluster.experiment,
+                "max_staleness": self.exp.staleness.max_staleness}
+        (self.run_dir / "launcher.json").write_text(json.dumps(info, indent=2))
+
+    def status(self) -> dict[str, Any]:
+        procs = []
+        for e in self.engines:
+            p = e.planned
+            alive = e.process is not None and e.process.poll() is None
+            procs.append({"name": p.name, "role": "engine", "instance": p.proc.index,
+                          "host": p.proc.host, "pid": e.process.pid if e.process else None,
+                          "state": e.state if alive else "exited", "restarts": e.restarts,
+                          "exit_code": None if alive else e.process.returncode,
+                          "log": str(e.log_path)})
+        for name, c in self.children.items():
+            code = c.process.poll()
+            procs.append({"name": name, "role": c.spec.role, "instance": c.spec.instance,
+                          "host": c.host.name if c.host else "local", "pid": c.pid,
+                          "state": c.state if code is None else "exited",
+                          "restarts": c.restarts, "exit_code": code, "log": str(c.log_path)})
+        return {"run": self.cluster.name, "state": self.state, "processes": procs,
+                "engines": getattr(self, "engine_load", []),
+                "elapsed_s": round(time.monotonic() - self.started, 1),
+                "failure": self.failure}
+
+    async def poll_engines(self) -> None:
+        urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
+        load = []
+        async with EngineClient(urls, retries=0) as client:
+            for url, info in zip(urls, await client.server_info_each(timeout_s=2)):
+                state = ((info or {}).get("internal_states") or [{}])[0]
+                load.append({"url": url, "healthy": info is not None,
+                             "running_requests": state.get("running_requests"),
+                             "waiting_requests": state.get("waiting_requests"),
+                             "weight_version": state.get("weight_version")})
+        self.engine_load = load
+
+    async def publish_once(self) -> None:
+        status = self.status()
+        (self.run_dir / "status.json").write_text(json.dumps(status, indent=2))
+        await self.publisher.publish("launcher", Metrics(role="launcher", host=os.uname().nodename,
+                                                         values=status))
+
+    async def publish_status(self) -> None:
+        tick = 0
+        while True:
+            try:
+                if self.state == "running":
+                    await self.poll_engines()
+                await self.publish_once()
+                tick += 1
+                if tick % 5 == 0:
+                    self.progress()
+            except Exception as e:
+                log.warning("status_failed", error=f"{type(e).__name__}: {e}")
+            await asyncio.sleep(1.0)
+
+    def progress(self) -> None:
+        """One line on the terminal: where training stands (from metrics.jsonl)."""
+        metrics = self.run_dir / "metrics.jsonl"
+        if not metrics.exists():
+            return
+        lines = metrics.read_text().splitlines()
+        if not lines:
+            return
+        try:
+            last = json.loads(lines[-1])
+        except ValueError:
+            return
+        print(f"rollmesh: step {last.get('step')}/{self.exp.trainer.total_steps} "
+              f"version {last.get('version')} reward_mean {last.get('reward_mean', 0):.3f} "
+              f"staleness_max {last.get('batch_staleness_max')} "
+              f"elapsed {time.monotonic() - self.started:.0f}s", flush=True)
+
+    def report(self, code: int) -> None:
+        summary = getattr(self, "summary", {})
+        (self.run_dir / "summary.json").write_text(json.dumps(
+            {k: v for k, v in summary.items() if k not in ("rollouter", "message_queue")},
+            indent=2))
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            plot_metric(metrics, "reward_mean", self.run_dir / "reward.png")
+        if code == 0:
+            print(f"rollmesh: run finished; results in {self.run_dir}")
+        elif code == 130:
+            print(f"rollmesh: run stopped; results in {self.run_dir}")
+        else:
+            print(f"rollmesh: run failed: {self.failure}\n  run directory: {self.run_dir}",
+                  file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str]) -> int:
@@ -20,21 +507,84 @@ def main(argv: list[str]) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a cluster or experiment key, e.g. staleness.max_staleness=0")
     p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    p.add_argument("--run-dir", help="the run directory (default <run_dir>/<name>-<timestamp>)")
+    p.add_argument("--quiet", action="store_true", help="do not echo the roles' logs")
     args = p.parse_args(argv)
-    log = configure_logging("launcher", stream=sys.stderr)
+    configure_logging("launcher", stream=sys.stderr)
     try:
         cluster = load_cluster(args.cluster, overrides=args.overrides)
     except ConfigError as e:
         print(f"rollmesh launch: {e}", file=sys.stderr)
         return 2
-    log.info("config", cluster=to_dict(cluster), experiment=to_dict(cluster.experiment_config))
-    print(f"cluster {cluster.name}: experiment {cluster.experiment}")
-    for proc in cluster.processes():
-        host = cluster.hosts[proc.host]
-        gpus = f" gpus={list(proc.gpus)}" if proc.gpus else ""
-        print(f"  {proc.name:18s} on {proc.host} ({host.address}) port {proc.port}{gpus}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.run_dir or Path(cluster.run_dir) / f"{cluster.name}-{stamp}")
     if args.dry_run:
+        hosts = {n: make_host(n, c) for n, c in cluster.hosts.items()}
+        print_plan(cluster, build_plan(cluster, hosts, str(run_dir)), str(run_dir))
         return 0
-    print("rollmesh launch: starting the roles is not built yet (issue 6); the configuration "
-          "above is valid.", file=sys.stderr)
-    return 2
+    log.info("config", cluster=to_dict(cluster), experiment=to_dict(cluster.experiment_config))
+    print(f"rollmesh: run directory {run_dir}")
+    launcher = Launcher(cluster, run_dir, echo=not args.quiet)
+    return asyncio.run(launcher.run())
+
+
+def _run_dir(arg: str) -> Path:
+    path = Path(arg)
+    if (path / "launcher.json").exists():
+        return path
+    raise SystemExit(f"rollmesh: {arg}: not a run directory (no launcher.json)")
+
+
+def status_main(argv: list[str]) -> int:
+    """`rollmesh status RUN`: is the launcher alive, and what it last said of its processes."""
+    p = argparse.ArgumentParser(prog="rollmesh status")
+    p.add_argument("run")
+    args = p.parse_args(argv)
+    run = _run_dir(args.run)
+    info = json.loads((run / "launcher.json").read_text())
+    alive = _pid_alive(info["pid"])
+    print(f"run {info['name']} ({run}): launcher pid {info['pid']} "
+          f"{'running' if alive else 'not running'}")
+    status_file = run / "status.json"
+    if status_file.exists():
+        status = json.loads(status_file.read_text())
+        print(f"state: {status['state']}, elapsed {status['elapsed_s']}s")
+        for proc in status["processes"]:
+            print(f"  {proc['name']:18s} {proc['host']:10s} {proc['state']:9s} "
+                  f"restarts={proc['restarts']} pid={proc['pid']}")
+    return 0 if alive else 1
+
+
+def stop_main(argv: list[str]) -> int:
+    """`rollmesh stop RUN`: ask the launcher to shut the run down, and wait for it."""
+    p = argparse.ArgumentParser(prog="rollmesh stop")
+    p.add_argument("run")
+    p.add_argument("--timeout", type=float, default=60)
+    args = p.parse_args(argv)
+    info = json.loads((_run_dir(args.run) / "launcher.json").read_text())
+    pid = info["pid"]
+    if not _pid_alive(pid):
+        print(f"rollmesh: the launcher of {args.run} (pid {pid}) is not running")
+        return 1
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _pid_alive(pid):
+        print(f"rollmesh: launcher {pid} still running after {args.timeout:g}s", file=sys.stderr)
+        return 1
+    print(f"rollmesh: stopped {info['name']}")
+    return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return True

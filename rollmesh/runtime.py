@@ -239,7 +239,7 @@ class Child:
     host: Any = None  # rollmesh.hosts.Host it runs on; None: a plain local child
     pid: int | None = None  # its process id on its host (from Hello)
     restarts: int = 0
-    launch: tuple[dict[str, str], str | None, Any] = ({}, None, None)  # env, cwd, echo: to respawn
+    launch: tuple[Any, ...] = ({}, None, None, None)  # env, cwd, echo, spec path: to respawn
     state: str = "spawned"  # spawned | hello | ready | silent | fatal | exited
     endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
     fatal: Fatal | None = None
@@ -338,7 +338,8 @@ class Supervisor:
               config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
               grace_s: float = 10.0, cwd: str | None = None, host: Any = None,
               echo: Any = None, keys_dir: str | None = None,
-              control: str | None = None, status_hub: str | None = None) -> Child:
+              control: str | None = None, status_hub: str | None = None,
+              spec_path: str | None = None) -> Child:
         """Start `rollmesh role` for one role instance: here, or on `host` (a hosts.Host)."""
         local = host is None or host.local
         spec = RoleSpec(role=role, entry=entry, control=control or self.control,
@@ -348,20 +349,22 @@ class Supervisor:
                         status_hub=status_hub or self.status_hub,
                         heartbeat_s=self.heartbeat_s, liveness=self.liveness.liveness,
                         grace_s=grace_s, config=config or {})
-        return self._start(spec, host, env or {}, cwd, echo)
+        return self._start(spec, host, env or {}, cwd, echo, spec_path=spec_path)
 
     def _start(self, spec: RoleSpec, host: Any, env: dict[str, str], cwd: str | None,
-               echo: Any, restarts: int = 0) -> Child:
+               echo: Any, restarts: int = 0, spec_path: str | None = None) -> Child:
         role, instance, entry = spec.role, spec.instance, spec.entry
         if host is not None:
             assert self.log_dir is not None, "a host-placed role needs a log directory"
             log_path = self.log_dir / f"{role}-{instance}.log"
-            process = host.start(["-m", "rollmesh", "role", "--spec",
-                                  json.dumps(dataclasses.asdict(spec))],
+            text = json.dumps(dataclasses.asdict(spec))
+            if spec_path is not None:  # a file on the host (mode 0600) instead of a long argv
+                host.put_file(spec_path, text.encode())
+            process = host.start(["-m", "rollmesh", "role", "--spec", spec_path or text],
                                  env=env, log_path=log_path, echo=echo,
                                  label=f"{host.name} {role}/{instance}")
             child = Child(spec, process, log_path, host=host, restarts=restarts,
-                          launch=(env, cwd, echo))
+                          launch=(env, cwd, echo, spec_path))
             self.children[spec.name] = child
             log.info("spawned", child=spec.name, host=host.name, entry=entry)
             return child
@@ -378,7 +381,7 @@ class Supervisor:
                                    start_new_session=True)  # a Ctrl-C reaches us, we stop them
         if out is not None:
             out.close()
-        child = Child(spec, process, log_path, restarts=restarts, launch=(env, cwd, echo))
+        child = Child(spec, process, log_path, restarts=restarts, launch=(env, cwd, echo, None))
         self.children[spec.name] = child
         log.info("spawned", child=spec.name, pid=process.pid, entry=entry)
         return child
@@ -402,9 +405,10 @@ class Supervisor:
 
     def respawn(self, child: Child) -> Child:
         """Start a fresh process for a child that exited: same spec, same host."""
-        env, cwd, echo = child.launch
+        env, cwd, echo, spec_path = child.launch
         self.liveness.forget(child.name)
-        return self._start(child.spec, child.host, env, cwd, echo, restarts=child.restarts + 1)
+        return self._start(child.spec, child.host, env, cwd, echo, restarts=child.restarts + 1,
+                           spec_path=spec_path)
 
     @staticmethod
     def signal(child: Child, sig: int) -> None:

@@ -34,13 +34,14 @@ def test_config_error_names_file_key_and_expectation(tmp_path):
     assert out.stderr.strip() == f"rollmesh: {bad}: staleness.max_staleness: expected int >= 0, got -1"
 
 
-def test_launch_dry_run_prints_the_plan_and_launch_says_it_is_not_built():
-    out = rollmesh("launch", "launch/local.toml", "--dry-run")
+def test_launch_dry_run_prints_the_command_per_host_and_starts_nothing(tmp_path):
+    out = rollmesh("launch", "launch/local.toml", "--dry-run", "--run-dir", str(tmp_path / "r"))
     assert out.returncode == 0, out.stderr
     for role in ("engine[0]", "rollouter[0]", "agent_worker[1]", "message_queue[0]", "trainer[0]"):
         assert role in out.stdout
-    out = rollmesh("launch", "launch/local.toml")
-    assert out.returncode == 2 and "not built yet" in out.stderr
+    assert "-m rollmesh engine --model tiny" in out.stdout
+    assert f"-m rollmesh role --spec '{tmp_path / 'r'}/specs/rollouter[0].json'" in out.stdout
+    assert not (tmp_path / "r").exists()  # nothing was started or written
 
 
 def test_role_command_rejects_a_bad_spec():

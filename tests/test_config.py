@@ -33,7 +33,7 @@ ROLLOUT_KEYS = (
     "max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, max_turns, "
     "tool_timeout_s, max_retries, over_sampling, group_filter, reward, reward_timeout_s, eval_every"
 )
-HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus"
+HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
 
 
 def cluster(
@@ -259,7 +259,7 @@ BROKEN = [
         "cluster_top_unknown",
         "cluster",
         "foo = 1\n" + cluster(),
-        "{file}: foo: unknown key (expected one of: name, experiment, run_dir, hosts, roles, ports)",
+        "{file}: foo: unknown key (expected one of: name, experiment, run_dir, launcher_address, hosts, roles, ports)",
     ),
     (
         "host_unknown_key",
@@ -484,7 +484,8 @@ def test_example_experiments_load(name: str) -> None:
 
 def test_example_experiment_values() -> None:
     tiny = load_experiment(ROOT / "configs/tiny_cpu.toml")
-    assert tiny.model.path == "tiny" and tiny.data.train_path == "../shared/data/gsm8k/train.jsonl"
+    assert tiny.model.path == "tiny" and tiny.data.train_path == "configs/data/letters_train.jsonl"
+    assert tiny.rollout.reward == "letter_share"
     gpu = load_experiment(ROOT / "configs/gsm8k_grpo.toml")
     assert (gpu.model.path, gpu.model.dtype) == ("/models/Qwen2.5-1.5B-Instruct", "bfloat16")
     assert (gpu.algorithm.advantage, gpu.algorithm.loss) == ("grpo", "decoupled_ppo")

@@ -6,6 +6,7 @@ holds `"reward"` and may add other plain-data fields (the reward's info).
 """
 
 from rollmesh.rewards.builtin import (
+    letter_share_reward,
     exact_match_reward,
     gsm8k_reward,
     make_remote_reward,
@@ -31,6 +32,7 @@ __all__ = [
     "UnknownRewardError",
     "available_rewards",
     "check_reward_output",
+    "letter_share_reward",
     "exact_match_reward",
     "get_reward_fn",
     "gsm8k_reward",

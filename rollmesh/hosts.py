@@ -1,0 +1,246 @@
+"""Where processes run: this machine, or another one over OpenSSH; and where their output goes.
+
+`LocalHost` starts a command as a child process. `SshHost` starts it through the OpenSSH client
+with `BatchMode` (never a password prompt), `ConnectTimeout`, `ServerAliveInterval`, a control
+master shared by every process of the run (one TCP connection per host), and host-key checking
+left as the user's ssh configuration has it (on, for a fixed fleet). The remote command is one
+properly quoted shell line: `cd WORKDIR && exec env K=V ... PYTHON -m rollmesh ...`.
+
+Each process's output (JSON log lines) is pumped by a thread into its own log file and, when an
+`echo` is given, to the terminal with a host and role prefix.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from abc import ABC, abstractmethod
+from typing import IO, Callable
+
+from rollmesh.config import HostConfig
+
+Echo = Callable[[str, str], None]  # (label, line)
+
+
+def is_local_address(address: str) -> bool:
+    """Loopback, this machine's name, or one of its addresses."""
+    if address in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        import ipaddress
+
+        if ipaddress.ip_address(address).is_loopback:
+            return True
+    except ValueError:
+        pass
+    try:
+        mine = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        mine = set()
+    return address in mine
+
+
+class Host(ABC):
+    """A machine of the cluster file."""
+
+    local = True
+
+    def __init__(self, name: str, cfg: HostConfig):
+        self.name, self.cfg = name, cfg
+        self.workdir = cfg.workdir or os.getcwd()
+
+    @property
+    def address(self) -> str:
+        return self.cfg.address
+
+    def python(self) -> str:
+        return self.cfg.python
+
+    @abstractmethod
+    def argv(self, args: list[str], env: dict[str, str]) -> list[str]:
+        """The command to start here: `args` starting with "-" run under the host's Python."""
+
+    def start(self, args: list[str], *, env: dict[str, str], log_path: Path,
+              echo: Echo | None, label: str) -> subprocess.Popen:
+        """Start `PYTHON args...` (or a full argv for non-Python servers) on this host."""
+        proc = subprocess.Popen(self.argv(args, env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=self.local_env(env), cwd=self.local_cwd(),
+                                start_new_session=True)  # Ctrl-C reaches the launcher only
+        pump(proc.stdout, log_path, echo, label)
+        return proc
+
+    def local_env(self, env: dict[str, str]) -> dict[str, str]:
+        return dict(os.environ)
+
+    def local_cwd(self) -> str | None:
+        return None
+
+    @abstractmethod
+    def signal(self, proc: subprocess.Popen, pid: int | None, sig: int) -> None:
+        """Send `sig` to the process (`pid` is its id on the host, from its Hello)."""
+
+    @abstractmethod
+    def put_file(self, path: str, data: bytes) -> None:
+        """Write a private file (mode 0600) at `path`, relative to the work directory."""
+
+
+class LocalHost(Host):
+    local = True
+
+    def python(self) -> str:
+        p = self.cfg.python
+        if os.sep in p:
+            full = Path(self.workdir, p)
+            if not full.exists():
+                raise FileNotFoundError(f"hosts.{self.name}.python: {full} does not exist "
+                                        "(run launch/bootstrap.sh, or set python)")
+            return str(full)
+        return p
+
+    def argv(self, args: list[str], env: dict[str, str]) -> list[str]:
+        return [self.python(), *args] if args and args[0].startswith("-") else args
+
+    def local_env(self, env: dict[str, str]) -> dict[str, str]:
+        return {**os.environ, **self.cfg.env, **env}
+
+    def local_cwd(self) -> str | None:
+        return self.workdir
+
+    def signal(self, proc: subprocess.Popen, pid: int | None, sig: int) -> None:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+    def put_file(self, path: str, data: bytes) -> None:
+        full = Path(self.workdir, path)
+        full.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+
+class SshHost(Host):
+    local = False
+
+    def __init__(self, name: str, cfg: HostConfig, control_dir: Path | None = None):
+        super().__init__(name, cfg)
+        self.workdir = cfg.workdir or "."
+        # A Unix socket path must stay under 108 bytes: a short per-user directory, not the run's.
+        self.control_dir = control_dir or Path(tempfile.gettempdir()) / f"rollmesh-ssh-{os.getuid()}"
+
+    def ssh(self) -> list[str]:
+        c = self.cfg
+        argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
+                "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=3",
+                "-o", "ControlMaster=auto", "-o", f"ControlPath={self.control_dir}/%C",
+                "-o", "ControlPersist=60", "-p", str(c.port)]
+        for opt in c.ssh_options:
+            argv += ["-o", opt]
+        if c.identity_file:
+            argv += ["-i", os.path.expanduser(c.identity_file), "-o", "IdentitiesOnly=yes"]
+        if c.user:
+            argv += ["-l", c.user]
+        return [*argv, c.address]
+
+    def remote_line(self, args: list[str], env: dict[str, str]) -> str:
+        full_env = {**self.cfg.env, **env}
+        cmd = [self.cfg.python, *args] if args and args[0].startswith("-") else args
+        assignments = [f"{k}={v}" for k, v in sorted(full_env.items())]
+        return (f"cd {shlex.quote(self.workdir)} && exec env "
+                + shlex.join([*assignments, *cmd]))
+
+    def argv(self, args: list[str], env: dict[str, str]) -> list[str]:
+        return [*self.ssh(), self.remote_line(args, env)]
+
+    def start(self, args: list[str], **kw) -> subprocess.Popen:  # type: ignore[override]
+        self.control_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return super().start(args, **kw)
+
+    def run(self, line: str, data: bytes | None = None, timeout_s: float = 30) -> str:
+        self.control_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        out = subprocess.run([*self.ssh(), line], input=data, capture_output=True,
+                             timeout=timeout_s)
+        if out.returncode != 0:
+            raise RuntimeError(f"ssh {self.name} ({self.address}): `{line}` failed with "
+                               f"{out.returncode}: {out.stderr.decode(errors='replace')[-500:]}")
+        return out.stdout.decode()
+
+    def check(self) -> None:
+        """Reach the host once, before starting anything: a clear error if ssh cannot."""
+        self.run("true")
+
+    def signal(self, proc: subprocess.Popen, pid: int | None, sig: int) -> None:
+        if pid:
+            try:
+                self.run(f"kill -{signal.Signals(sig).name} {int(pid)}", timeout_s=10)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                pass
+        if sig == signal.SIGKILL and proc.poll() is None:
+            proc.kill()
+
+    def put_file(self, path: str, data: bytes) -> None:
+        quoted = shlex.quote(path)
+        self.run(f"cd {shlex.quote(self.workdir)} && umask 077 && "
+                 f"mkdir -p \"$(dirname {quoted})\" && base64 -d > {quoted}",
+                 data=base64.b64encode(data))
+
+
+def make_host(name: str, cfg: HostConfig) -> Host:
+    local = cfg.launch == "local" or (cfg.launch == "auto" and is_local_address(cfg.address))
+    return LocalHost(name, cfg) if local else SshHost(name, cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def render_line(line: str) -> str:
+    """A JSON log line as `level event key=value ...`; anything else as it is."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(rec, dict) or "event" not in rec:
+        return line
+    skip = {"event", "level", "timestamp", "role", "host", "instance", "run"}
+    rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in skip)
+    return f"{rec.get('level', ''):7s} {rec['event']} {rest}".rstrip()
+
+
+def pump(stream: IO[bytes] | None, log_path: Path, echo: Echo | None, label: str) -> threading.Thread:
+    """Copy a process's output to its log file (and the terminal) until it closes."""
+
+    def run() -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as f:
+            for raw in iter(stream.readline, b""):
+                f.write(raw)
+                f.flush()
+                if echo is not None:
+                    echo(label, raw.decode(errors="replace").rstrip("\n"))
+
+    thread = threading.Thread(target=run, name=f"pump-{label}", daemon=True)
+    thread.start()
+    return thread
+
+
+def terminal_echo(lock: threading.Lock | None = None) -> Echo:
+    lock = lock or threading.Lock()
+
+    def echo(label: str, line: str) -> None:
+        with lock:
+            sys.stdout.write(f"[{label}] {render_line(line)}\n")
+            sys.stdout.flush()
+
+    return echo
+
