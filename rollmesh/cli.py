@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, (_, help_) in _DELEGATED.items():
         sub.add_parser(name, help=help_, add_help=False)
     c = sub.add_parser("config", help="validate an experiment config and print it resolved")
-    c.add_argument("path")
+    c.add_argument("path", nargs="?")
+    c.add_argument("--reference", action="store_true",
+                   help="print the configuration reference (markdown) instead")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return p
 
@@ -51,8 +53,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from rollmesh.config import ConfigError, load_experiment, to_toml
+    from rollmesh.config import ConfigError, load_experiment, reference_markdown, to_toml
 
+    if args.reference:
+        print(reference_markdown())
+        return 0
+    if not args.path:
+        print("rollmesh config: give an experiment file (or --reference)", file=sys.stderr)
+        return 2
     try:
         cfg = load_experiment(args.path, overrides=args.overrides)
     except ConfigError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -167,7 +168,16 @@ class StalenessConfig:
         1,
         ge=0,
     )
-    sync_mode: bool = _field("pause rollout while the trainer steps (debugging)", False)
+    sync_mode: bool = _field(
+        "the synchronous on-policy baseline: max_staleness is taken as 0, so the rollout "
+        "generates exactly one batch per weight version and idles while the trainer steps",
+        False,
+    )
+
+    def __post_init__(self) -> None:
+        # One switch selects the baseline users compare asynchronous training against.
+        if self.sync_mode:
+            self.max_staleness = 0
 
 
 @dataclass(kw_only=True)
@@ -1131,3 +1141,22 @@ def field_reference(cls: type, prefix: str = "") -> list[dict[str, Any]]:
         if dataclasses.is_dataclass(inner):
             rows.extend(field_reference(inner, f"{key}.<name>" if get_origin(tp) is dict else key))
     return rows
+
+
+def reference_markdown() -> str:
+    """The configuration reference (README), generated from the dataclasses' `help`."""
+
+    def show(v: Any) -> str:
+        if v is MISSING:
+            return "required"
+        return f"`{json.dumps(v) if not isinstance(v, str) else repr(v)}`"
+
+    out = []
+    for title, cls in (("Experiment file (`configs/*.toml`)", ExperimentConfig),
+                       ("Cluster file (`launch/*.toml`)", ClusterConfig)):
+        out += [f"#### {title}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for row in field_reference(cls):
+            meaning = row["help"].replace("|", "\\|")
+            out.append(f"| `{row['key']}` | {row['expected']} | {show(row['default'])} | {meaning} |")
+        out.append("")
+    return "\n".join(out)

@@ -47,3 +47,23 @@ def test_launch_dry_run_prints_the_command_per_host_and_starts_nothing(tmp_path)
 def test_role_command_rejects_a_bad_spec():
     out = rollmesh("role", "--spec", '{"role": "x", "entry": "a:b", "control": "tcp://127.0.0.1:1", "bogus": 1}')
     assert out.returncode != 0 and "unknown key(s) ['bogus']" in out.stderr
+
+
+def test_gpu_example_dry_run_plans_sglang_engines_and_fsdp_ranks_over_ssh(tmp_path):
+    out = rollmesh("launch", "launch/gsm8k_gpu.example.toml", "--dry-run",
+                   "--run-dir", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("-m sglang.launch_server --model-path /models/Qwen2.5-1.5B-Instruct") == 4
+    assert "CUDA_VISIBLE_DEVICES=3" in out.stdout and "--tp-size 1" in out.stdout
+    assert out.stdout.count("over ssh") == 2 and "BatchMode=yes" in out.stdout
+    assert out.stdout.count("specs/trainer[") == 4
+    assert not (tmp_path / "r").exists()
+
+
+def test_readme_configuration_reference_is_in_step_with_the_dataclasses():
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+    documented = readme[readme.index(start) + len(start): readme.index(end)].strip()
+    generated = rollmesh("config", "--reference").stdout.strip()
+    assert documented == generated, "README's reference is stale: regenerate it with " \
+        "`rollmesh config --reference`"
