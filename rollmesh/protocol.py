@@ -278,6 +278,44 @@ class Resume:
     version: int
 
 
+# -- weight sync: trainer rank 0 <-> synchronizer (request-reply) --------------------------------
+
+
+@record
+class SyncRequest:
+    """Trainer rank 0 -> synchronizer: `version` is trained, pause rollout so it can be broadcast.
+
+    Answered with SyncGo once the rollouter has paused (nothing in flight): the answer is the
+    synchronizer's "broadcast now". The trainer then broadcasts and reports with SyncDone.
+    """
+
+    version: int
+    step: int = 0
+
+
+@record
+class SyncGo:
+    """Synchronizer -> trainer rank 0: rollout is paused; broadcast `version` to the engines."""
+
+    version: int
+    pause_s: float  # Pause sent -> Paused received
+    cancel_queue: int = 0  # interrupted trajectories waiting to resume
+
+
+@record
+class SyncDone:
+    """Trainer rank 0 -> synchronizer: the engines hold `version` (ok), or the broadcast failed.
+
+    Answered with Ok once the MessageQueue knows the version and the rollouter has resumed.
+    """
+
+    version: int
+    ok: bool = True
+    error: str = ""
+    broadcast_s: float = 0.0
+    bytes: int = 0
+
+
 # -- MessageQueue (request-reply) ----------------------------------------------------------------
 
 

@@ -352,12 +352,16 @@ class EngineClient:
     def start_update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
         weight_version: str, group_name: str = "weight_update_group", flush_cache: bool = True,
-        abort_all_requests: bool = False,
+        abort_all_requests: bool = False, load_format: str | None = None,
     ) -> asyncio.Task:
-        """Fire /update_weights_from_distributed; broadcast in `names` order, then await."""
+        """Fire /update_weights_from_distributed; broadcast in `names` order, then await.
+        `load_format="flattened_bucket"`: the tensors travel as one broadcast of their bytes
+        back to back (SGLang's format; the built-in engine receives per tensor)."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
                 "weight_version": weight_version}
+        if load_format is not None:
+            body["load_format"] = load_format
         calls = [self._call(s, "POST", "/update_weights_from_distributed", body,
                             self.control_timeout_s) for s in self.servers]
         return asyncio.create_task(self._checked("update_weights_from_distributed", calls))

@@ -1,0 +1,283 @@
+"""Benchmark of the weight sync: the bucketed broadcast against its floor, and the pause window.
+
+    python benchmarks/weight_sync.py [--dtype bfloat16|float32] [--layers 24]
+        [--buckets 16,64,256,1024] [--repeats 3] [--receivers 2] [--no-load] [--skip-pause]
+        [--pause-trials 5]
+
+1. Broadcast, over gloo on this host, of a list of tensors shaped like Qwen2.5-0.5B's (vocab
+   151936, hidden 896, intermediate 4864, 24 layers, 14 query / 2 key-value heads, tied
+   embeddings: 494M parameters; bfloat16 by default, 0.99 GB) from a trainer-like process
+   (rank 0) to --receivers engine-like processes, in one weight-update group built as the
+   engines build it (`rollmesh.weights.init_weight_update_group`):
+     floor     one raw `torch.distributed.broadcast` of a single flat buffer of the same bytes,
+               prepared beforehand (nothing else timed);
+     flattened `rollmesh.weight_buckets.send_bucket(load_format="flattened_bucket")` for each
+               bucket size of --buckets (MiB): the tensors are copied into a bucket buffer, one
+               broadcast per bucket; receivers view the tensors out of it;
+     tensor    one broadcast per tensor (the contract's form, what the built-in engine does);
+               the bucket size only changes how many HTTP calls announce them, not the
+               transport, so it is run once.
+   Receivers "load" like an engine: each received tensor is copied into a preallocated model
+   tensor (--no-load: received and dropped). Each run ends with a barrier, so the time is until
+   every receiver holds every tensor. Reported: median seconds over --repeats, GB/s of payload,
+   and the ratio to the floor.
+2. The rollout pause window: the real rollout side (built-in engine with the tiny model,
+   MessageQueue, rollouter, agent and reward workers, as tests/rollout_stack.py starts them)
+   generating long responses; the time from Pause sent to Paused received (every in-flight
+   generation aborted and back in the cancel queue), then Resume, --pause-trials times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rollmesh.weight_buckets import (  # noqa: E402
+    WeightSpec, plan_buckets, receive_bucket, send_bucket,
+)
+from rollmesh.weights import (  # noqa: E402
+    destroy_weight_update_group, dtype_from_name, init_weight_update_group,
+)
+
+GROUP = "weight_update_group"
+
+
+def qwen25_05b_specs(dtype: torch.dtype, layers: int = 24) -> list[WeightSpec]:
+    vocab, hidden, inter, heads, kv_heads = 151936, 896, 4864, 14, 2
+    head = hidden // heads
+    specs = [WeightSpec("model.embed_tokens.weight", dtype, (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            WeightSpec(p + "self_attn.q_proj.weight", dtype, (heads * head, hidden)),
+            WeightSpec(p + "self_attn.q_proj.bias", dtype, (heads * head,)),
+            WeightSpec(p + "self_attn.k_proj.weight", dtype, (kv_heads * head, hidden)),
+            WeightSpec(p + "self_attn.k_proj.bias", dtype, (kv_heads * head,)),
+            WeightSpec(p + "self_attn.v_proj.weight", dtype, (kv_heads * head, hidden)),
+            WeightSpec(p + "self_attn.v_proj.bias", dtype, (kv_heads * head,)),
+            WeightSpec(p + "self_attn.o_proj.weight", dtype, (hidden, heads * head)),
+            WeightSpec(p + "mlp.gate_proj.weight", dtype, (inter, hidden)),
+            WeightSpec(p + "mlp.up_proj.weight", dtype, (inter, hidden)),
+            WeightSpec(p + "mlp.down_proj.weight", dtype, (hidden, inter)),
+            WeightSpec(p + "input_layernorm.weight", dtype, (hidden,)),
+            WeightSpec(p + "post_attention_layernorm.weight", dtype, (hidden,)),
+        ]
+    specs.append(WeightSpec("model.norm.weight", dtype, (hidden,)))
+    return specs
+
+
+def experiments(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """(mode, bucket MiB) in the order every process runs them."""
+    runs = [("floor", 0.0)]
+    runs += [("flattened_bucket", float(b)) for b in args.buckets]
+    runs.append(("tensor", 0.0))
+    return runs
+
+
+def barrier(group: dist.ProcessGroup) -> None:
+    dist.all_reduce(torch.zeros(1), group=group)
+
+
+# -- receiver -------------------------------------------------------------------------------------
+
+
+def receiver(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dtype = dtype_from_name(args.dtype)
+    specs = qwen25_05b_specs(dtype, args.layers)
+    total = sum(s.nbytes for s in specs)
+    model = {} if args.no_load else {s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs}
+    group = init_weight_update_group("127.0.0.1", args.port, args.rank, args.receivers + 1, GROUP,
+                                     "gloo", 600)
+    for mode, bucket_mb in experiments(args):
+        # The floor's buffer exists (and is paged in) before the clock starts: pure transport.
+        flat = torch.zeros(total, dtype=torch.uint8) if mode == "floor" else None
+        # A receive buffer reused bucket after bucket, as the sender's (`buffer=`).
+        reuse = (torch.zeros(min(total, int(bucket_mb * 2**20)), dtype=torch.uint8)
+                 if mode == "flattened_bucket" else None)
+        for _ in range(args.repeats):
+            barrier(group)
+            if flat is not None:
+                dist.broadcast(flat, src=0, group=group)
+            else:
+                size = int(bucket_mb * 2**20) if mode != "tensor" else total
+                for bucket in plan_buckets(specs, size):
+                    names = [s.name for s in bucket]
+                    got = receive_bucket(group, names, [args.dtype] * len(bucket),
+                                         [list(s.shape) for s in bucket], mode, buffer=reuse)
+                    for name, t in got:
+                        if model:
+                            model[name].copy_(t)
+                    del got
+            barrier(group)
+        del flat, reuse
+    destroy_weight_update_group(group)
+    os._exit(0)  # skip gloo's teardown (it can abort at interpreter exit)
+
+
+# -- sender ---------------------------------------------------------------------------------------
+
+
+def sender(args: argparse.Namespace) -> list[dict]:
+    torch.set_num_threads(1)
+    dtype = dtype_from_name(args.dtype)
+    specs = qwen25_05b_specs(dtype, args.layers)
+    total = sum(s.nbytes for s in specs)
+    gen = torch.Generator().manual_seed(0)
+    params = {s.name: torch.randn(s.shape, generator=gen).to(s.dtype) for s in specs}
+    print(f"{len(specs)} tensors, {sum(t.numel() for t in params.values()) / 1e6:.1f}M parameters, "
+          f"{total / 1e9:.3f} GB in {args.dtype}, {args.receivers} receivers over gloo", flush=True)
+    from rollmesh.transport import free_port
+
+    port = free_port()
+    cmd = [sys.executable, __file__, "--receiver-rank", "0", "--port", str(port),
+           "--dtype", args.dtype, "--layers", str(args.layers), "--repeats", str(args.repeats),
+           "--receivers", str(args.receivers),
+           "--buckets", ",".join(str(b) for b in args.buckets)] + (["--no-load"] if args.no_load
+                                                                    else [])
+    procs = []
+    for r in range(1, args.receivers + 1):
+        cmd[3] = str(r)
+        procs.append(subprocess.Popen(list(cmd), env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    group = init_weight_update_group("127.0.0.1", port, 0, args.receivers + 1, GROUP, "gloo", 600)
+    results = []
+    for mode, bucket_mb in experiments(args):
+        flat = None
+        if mode == "floor":
+            flat = torch.empty(total, dtype=torch.uint8)
+            offset = 0
+            for s in specs:
+                flat[offset:offset + s.nbytes] = params[s.name].reshape(-1).view(torch.uint8)
+                offset += s.nbytes
+        reuse = (torch.zeros(min(total, int(bucket_mb * 2**20)), dtype=torch.uint8)
+                 if mode == "flattened_bucket" else None)
+        times, broadcasts = [], 0
+        for _ in range(args.repeats):
+            barrier(group)
+            start = time.perf_counter()
+            if flat is not None:
+                dist.broadcast(flat, src=0, group=group)
+                broadcasts = 1
+            else:
+                size = int(bucket_mb * 2**20) if mode != "tensor" else total
+                buckets = plan_buckets(specs, size)
+                for bucket in buckets:
+                    send_bucket(group, bucket, (params[s.name] for s in bucket), mode,
+                                buffer=reuse)
+                broadcasts = len(buckets) if mode != "tensor" else len(specs)
+            barrier(group)
+            times.append(time.perf_counter() - start)
+        del flat, reuse
+        seconds = statistics.median(times)
+        results.append({"mode": mode, "bucket_mb": bucket_mb, "seconds": seconds,
+                        "gb_per_s": total / seconds / 1e9, "broadcasts": broadcasts,
+                        "times": times})
+        floor = results[0]["seconds"]
+        label = {"floor": "floor (1 flat buffer)", "tensor": "tensor (per tensor)"}.get(
+            mode, f"flattened, {bucket_mb:g} MiB buckets")
+        print(f"  {label:32s} {seconds:8.3f} s  {total / seconds / 1e9:6.2f} GB/s  "
+              f"{broadcasts:4d} broadcasts  x{seconds / floor:5.2f} of floor  "
+              f"(runs: {', '.join(f'{t:.3f}' for t in times)})", flush=True)
+    destroy_weight_update_group(group)
+    for p in procs:
+        if p.wait(120) != 0:
+            raise RuntimeError(f"receiver exited with {p.returncode}")
+    return results
+
+
+# -- pause window ---------------------------------------------------------------------------------
+
+
+async def pause_window(trials: int) -> list[dict]:
+    from rollmesh.engine.client import EngineClient
+    from rollmesh.protocol import Pause, Resume, WeightVersion
+    from rollmesh.transport import Transport
+    from tests.rollout_stack import experiment, start_stack, stop_stack, write_dataset
+
+    rows = [{"prompt": f"Tell a long story about the number {i}.", "label": str(i)}
+            for i in range(64)]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp, Transport() as t:
+        tmp = Path(tmp)
+        exp = experiment(write_dataset(tmp / "d.jsonl", rows), "rollout.max_new_tokens=320",
+                         "rollout.max_concurrent=8", "rollout.batch_groups=4",
+                         "staleness.max_staleness=4", "model.max_context=512")
+        stack = await start_stack(t, tmp, exp)
+        d = stack.driver
+        try:
+            async with EngineClient([stack.engine.url]) as engines:
+                for i in range(trials):
+                    await d.wait_for(lambda s: s["rollouter"]["running_groups"] > 0,
+                                     what="generation running")
+                    await asyncio.sleep(0.3)  # let generations get under way
+                    running = stack.engine.stats()["running_requests"]
+                    start = time.perf_counter()
+                    paused = await d.rollouter.request(Pause(mode="abort"))
+                    pause_s = time.perf_counter() - start
+                    # what the synchronizer does after the broadcast: new version, resume
+                    d.version += 1
+                    await engines.update_weight_version(str(d.version))
+                    await d.mq.request(WeightVersion(version=d.version))
+                    start = time.perf_counter()
+                    await d.rollouter.request(Resume(version=d.version))
+                    resume_s = time.perf_counter() - start
+                    out.append({"pause_s": pause_s, "resume_s": resume_s,
+                                "interrupted": paused.cancel_queue, "engine_running": running})
+                    print(f"  trial {i}: Pause -> Paused {pause_s * 1000:7.1f} ms with {running} "
+                          f"generations running on the engine ({paused.cancel_queue} "
+                          f"trajectories interrupted), Resume {resume_s * 1000:5.1f} ms",
+                          flush=True)
+        finally:
+            await stop_stack(stack)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--buckets", default="16,64,256,1024",
+                   type=lambda s: [float(x) for x in s.split(",")])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--receivers", type=int, default=2)
+    p.add_argument("--no-load", action="store_true")
+    p.add_argument("--skip-pause", action="store_true")
+    p.add_argument("--pause-trials", type=int, default=5)
+    p.add_argument("--receiver-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.receiver_rank is not None:
+        args.rank = args.receiver_rank
+        receiver(args)
+        return 0
+    print("1. weight broadcast", flush=True)
+    results = sender(args)
+    pauses = []
+    if not args.skip_pause:
+        print("2. rollout pause window (tiny model, built-in engine, 8 groups x 2 generating)",
+              flush=True)
+        pauses = asyncio.run(pause_window(args.pause_trials))
+        ps = [x["pause_s"] for x in pauses]
+        print(f"  Pause -> Paused: median {statistics.median(ps) * 1000:.1f} ms, "
+              f"max {max(ps) * 1000:.1f} ms", flush=True)
+    print(json.dumps({"broadcast": results, "pause": pauses}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

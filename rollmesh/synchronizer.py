@@ -1,0 +1,185 @@
+"""The parameter synchronizer role (a singleton): one weight sync at a time, in order.
+
+The message flow of one sync (architecture.md, "One weight sync, step by step"); every arrow is
+a request that the callee answers, and nobody waits on a request to itself:
+
+    trainer rank 0                synchronizer                 rollouter       MessageQueue
+    SyncRequest(v+1) ---------->  Pause(mode) ---------------> (drain)
+                                  <------------------------- Paused
+    <-------------------------- SyncGo(v+1, pause_s)          "broadcast now"
+    (rank 0: /update_weights_from_distributed fired at every engine, buckets broadcast over
+     the weight-update group, replies collected; the first sync builds the group)
+    SyncDone(v+1, ok) --------->  WeightVersion(v+1) ------------------------------> (drops stale)
+                                  Resume(v+1) -------------> (cancel queue first)
+    <-------------------------- Ok
+
+The answer to SyncRequest is the synchronizer's "broadcast" to the trainer: the trainer needs
+no server of its own, and the broadcast runs while no RPC is outstanding on the synchronizer's
+side, so neither can wait on the other. The trainer is idle from SyncRequest to the Ok.
+
+Failure: SyncDone(ok=False) resumes rollout at the old version (the trainer fails loudly, the
+engines' weights are suspect); a trainer that never reports back within `sync.timeout_s` after
+SyncGo gets the same (rollout must not stay paused forever). A repeated SyncRequest for the
+version in progress is answered like the first; one for a version at or below the published
+one is refused. Versions need not be consecutive: a trainer resumed from a checkpoint continues
+its own sequence.
+
+Timings of each sync (pause, broadcast, resume, trainer idle) are kept and answered to
+StatsRequest as Metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.protocol import (
+    Metrics, Ok, Pause, Paused, Resume, StatsRequest, SyncDone, SyncGo, SyncRequest,
+    WeightVersion,
+)
+from rollmesh.runtime import RoleContext
+from rollmesh.transport import RpcClient, RpcServer
+
+
+@dataclass
+class Sync:
+    version: int
+    requested: float
+    go: SyncGo | None = None
+    paused: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    watchdog: asyncio.Task | None = None
+
+
+class Synchronizer:
+    def __init__(self, ctx: RoleContext, exp: ExperimentConfig, rollouter: RpcClient,
+                 mq: RpcClient, version: int = 0):
+        self.ctx, self.log = ctx, ctx.log
+        self.exp = exp
+        self.rollouter, self.mq = rollouter, mq
+        self.version = version  # the version the engines serve
+        self.current: Sync | None = None
+        self.lock = asyncio.Lock()  # one sync at a time, start to finish
+        self.history: list[dict[str, Any]] = []
+        self.failures = 0
+
+    async def request(self, msg: SyncRequest) -> SyncGo:
+        current = self.current
+        if current is not None and current.version == msg.version:
+            return await asyncio.shield(current.paused)  # a retry of the sync in progress
+        if msg.version <= self.version:
+            raise ValueError(f"version {msg.version} is not newer than the published "
+                             f"version {self.version}")
+        await self.lock.acquire()
+        sync = self.current = Sync(msg.version, time.monotonic())
+        try:
+            started = time.monotonic()
+            paused: Paused = await self.rollouter.request(
+                Pause(mode=self.exp.sync.pause_mode), timeout_s=self.exp.sync.timeout_s)
+            sync.go = SyncGo(version=msg.version, pause_s=time.monotonic() - started,
+                             cancel_queue=paused.cancel_queue)
+        except BaseException as e:
+            self.current = None
+            self.lock.release()
+            sync.paused.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            sync.paused.exception()  # retrieved: no "never retrieved" warning
+            raise
+        sync.paused.set_result(sync.go)
+        sync.watchdog = asyncio.create_task(self._watchdog(sync))
+        self.log.info("sync_paused", version=msg.version, pause_s=round(sync.go.pause_s, 4),
+                      cancel_queue=paused.cancel_queue)
+        return sync.go
+
+    async def done(self, msg: SyncDone) -> Ok:
+        sync = self.current
+        if sync is None or sync.version != msg.version:
+            raise ValueError(f"SyncDone for version {msg.version}, but the sync in progress is "
+                             f"{sync.version if sync else 'none'}")
+        if sync.watchdog is not None:
+            sync.watchdog.cancel()
+        await self._finish(sync, msg)
+        return Ok(message=f"version {self.version}")
+
+    async def _watchdog(self, sync: Sync) -> None:
+        await asyncio.sleep(self.exp.sync.timeout_s)
+        self.log.error("sync_timed_out", version=sync.version, timeout_s=self.exp.sync.timeout_s)
+        await self._finish(sync, SyncDone(version=sync.version, ok=False,
+                                          error="the trainer did not report back in time"))
+
+    async def _finish(self, sync: Sync, msg: SyncDone) -> None:
+        """Publish the version (if the broadcast worked) and resume rollout, whatever happened."""
+        if self.current is not sync:
+            return
+        self.current = None
+        started = time.monotonic()
+        try:
+            if msg.ok:
+                await self.mq.request(WeightVersion(version=msg.version))
+                self.version = msg.version
+            else:
+                self.failures += 1
+                self.log.error("sync_failed", version=msg.version, error=msg.error)
+            await self.rollouter.request(Resume(version=self.version))
+        finally:
+            self.lock.release()
+        now = time.monotonic()
+        assert sync.go is not None
+        timings = {"version": msg.version, "ok": msg.ok, "pause_s": sync.go.pause_s,
+                   "broadcast_s": msg.broadcast_s, "resume_s": now - started,
+                   "trainer_idle_s": now - sync.requested, "bytes": msg.bytes,
+                   "cancel_queue": sync.go.cancel_queue}
+        self.history.append(timings)
+        del self.history[:-1000]
+        self.log.info("sync_done", **{k: (round(v, 4) if isinstance(v, float) else v)
+                                      for k, v in timings.items()})
+
+    def stats(self) -> dict[str, Any]:
+        ok = [h for h in self.history if h["ok"]]
+
+        def mean(key: str) -> float:
+            return sum(h[key] for h in ok) / len(ok) if ok else 0.0
+
+        last = self.history[-1] if self.history else None
+        if last is not None:
+            last = {**last, "total_s": last["pause_s"] + last["broadcast_s"] + last["resume_s"]}
+        return {"version": self.version, "syncs": len(ok), "failures": self.failures,
+                "in_progress": self.current.version if self.current else None,
+                "last": last, "last_sync": last,
+                "mean_pause_s": mean("pause_s"), "mean_broadcast_s": mean("broadcast_s"),
+                "mean_resume_s": mean("resume_s"), "mean_trainer_idle_s": mean("trainer_idle_s")}
+
+
+async def main(ctx: RoleContext) -> None:
+    """Role entry. config: experiment, bind (RPC), rollouter (RPC), message_queue (RPC),
+    version (the engines' version at start, default 0)."""
+    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "synchronizer spec")
+    rollouter = RpcClient(ctx.transport, ctx.config["rollouter"], timeout_s=exp.sync.timeout_s,
+                          retries=0, name="rollouter")
+    mq = RpcClient(ctx.transport, ctx.config["message_queue"], timeout_s=30, name="message queue")
+    sync = Synchronizer(ctx, exp, rollouter, mq, int(ctx.config.get("version", 0)))
+
+    async def on_request(msg: SyncRequest, peer: bytes) -> SyncGo:
+        return await sync.request(msg)
+
+    async def on_done(msg: SyncDone, peer: bytes) -> Ok:
+        return await sync.done(msg)
+
+    async def on_stats(msg: StatsRequest, peer: bytes) -> Metrics:
+        return Metrics(role="synchronizer", host=ctx.spec.host, values=sync.stats())
+
+    server = RpcServer(ctx.transport, ctx.config.get("bind", "tcp://127.0.0.1:0"),
+                       {SyncRequest: on_request, SyncDone: on_done, StatsRequest: on_stats},
+                       name="synchronizer")
+    serving = asyncio.create_task(server.serve())
+    ctx.set_status(sync.stats)
+    await ctx.ready(rpc=server.address)
+    await ctx.stopping.wait()
+    serving.cancel()
+    ctx.log.info("stats", **{k: v for k, v in sync.stats().items()
+                             if k not in ("last", "last_sync")})
+    for c in (rollouter, mq):
+        c.close()
+    server.close()

@@ -1,0 +1,532 @@
+"""The trainer role: batches in, policy updates, weights out to the engines, checkpoints.
+
+One step, as `train` runs it: get a batch from the MessageQueue -> old log-probs (recomputed
+with the current parameters, or the engine's behaviour log-probs as they are: "bypass") and
+reference log-probs -> advantages -> `trainer.mini_batches` optimizer updates, each accumulated
+over micro-batches -> metrics -> every `sync.sync_every` steps a weight sync -> now and then a
+checkpoint.
+
+Versions: the trainer's version is the number of weight syncs it has published (the engines
+start at version 0 = the initial weights). It asks for batches at its version; a sync publishes
+version + 1 (protocol in `rollmesh.synchronizer`). A resumed trainer continues the sequence.
+
+Ranks: K processes (role instances 0..K-1), each its own role process, join the trainer's own
+process group at `rendezvous` (rank 0 hosts the TCPStore): gloo on CPU, nccl on GPUs. The model
+is sharded with FSDP2 (`fully_shard` per decoder layer, then the root) on both: FSDP2 trains on
+CPU ranks over gloo (2 CPU ranks match 1 rank within ~1e-6 after two steps). Rank 0 alone
+talks to the other roles; it sends each batch and each decision (train, sync, stop) to the
+other ranks as msgpack bytes (`rollmesh.ranks`). Every rank holds the whole batch and computes
+what is cheap on it (advantages, normalisers, every rank's micro-batch plan); forward and
+backward passes run only on its share of the sequences. Old and reference log-probs are
+computed on the shares and summed across ranks, so every rank has them for the whole batch.
+Weight syncs: `rollmesh.publish`; checkpoints: `rollmesh.checkpoint`.
+
+Gradient accumulation: each micro-batch's loss is normalised by the token (or sequence) count
+of its whole mini-batch over all ranks (`global_tokens`), so summing micro-batches gives the
+loss and gradient of one big batch; FSDP averages gradients over the K ranks, so each rank's
+loss is multiplied by K.
+
+The role's config (every rank gets the same, `instance` is the rank): `experiment`,
+`message_queue` (RPC), `synchronizer` (RPC; without it nothing is synced), `engines` (URLs) and
+`engine_tp_sizes`, `weight_sync_address` (where engines reach rank 0, default 127.0.0.1),
+`rendezvous` (tcp://host:port, K > 1), `bind` (rank 0's stats RPC), `metrics_path` (one JSON
+line per step), `checkpoint_dir` (else trainer.checkpoint_dir; the latest checkpoint there is
+resumed), `export_dir` (a Hugging Face export after every sync, `version_<v>`),
+`final_export_dir` (one export when training ends), `rollouter` (RPC, for the data cursor saved
+with checkpoints and the latest evaluation), `threads` (torch threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rollmesh import checkpoint, packing, protocol
+from rollmesh.algorithms import (
+    aggregate, compute_advantages, entropy_from_logits, kl_estimate, lr_lambda, policy_loss,
+    token_logprobs,
+)
+from rollmesh.config import AlgorithmConfig, ExperimentConfig, parse_config
+from rollmesh.engine.models import load_model, resolve_device
+from rollmesh.packing import BatchData
+from rollmesh.protocol import Batch, GetBatch, Metrics, StatsRequest
+from rollmesh.publish import Publisher, sync_weights
+from rollmesh.ranks import Ranks, close_ranks, full_tensor, init_ranks
+from rollmesh.runtime import RoleContext
+from rollmesh.transport import RpcClient, RpcServer
+from rollmesh.weights import dtype_from_name
+
+run = asyncio.to_thread  # torch work leaves the event loop free for heartbeats and stats
+
+
+# -- state -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    exp: ExperimentConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    tokenizer: Any
+    ranks: Ranks = field(default_factory=Ranks)
+    device: torch.device = torch.device("cpu")
+    ref_model: torch.nn.Module | None = None
+    autocast: bool = False  # one rank on CUDA in bf16/fp16 (several ranks: FSDP's policy)
+    step: int = 0
+    version: int = 0
+    samples_consumed: int = 0
+
+    @property
+    def temperature(self) -> float:
+        # Log-probs must be those of the sampling distribution the engines used.
+        return self.exp.rollout.temperature or 1.0
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.exp.model.dtype)
+
+
+def check_supported(exp: ExperimentConfig) -> None:
+    if exp.algorithm.advantage == "gae":
+        raise ValueError("algorithm.advantage = 'gae' needs a critic (value model), which this "
+                         "trainer does not train; use grpo, grpo_mean_only, rloo or reinforce_pp")
+
+
+def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device,
+          compute_dtype: torch.dtype) -> torch.nn.Module:
+    """FSDP2 over the trainer's ranks: each decoder layer, then the root (K = 1: as it is)."""
+    if ranks.world == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh(device.type, (ranks.world,))}
+    if device.type == "cuda" and compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                                   reduce_dtype=torch.float32)
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
+                device: torch.device = torch.device("cpu")) -> TrainState:
+    """Policy (float32 master weights), optional frozen reference, AdamW, warm-up + schedule."""
+    check_supported(exp)
+    t = exp.trainer
+    seed = (t.seed if t.seed is not None else exp.seed) + ranks.rank
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    model, tokenizer = load_model(exp.model.path, device, torch.float32)
+    model.config.architectures = [type(model).__name__]  # before FSDP renames the class
+    model.train()
+    model.requires_grad_(True)
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    compute_dtype = dtype_from_name(exp.model.dtype)
+    model = shard(model, ranks, device, compute_dtype)
+    ref_model = None
+    if exp.algorithm.use_reference:
+        ref_model, _ = load_model(exp.model.path, device, torch.float32)
+        ref_model.requires_grad_(False)
+        ref_model = shard(ref_model, ranks, device, compute_dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
+                                  weight_decay=t.weight_decay)
+    # The schedule is in trainer steps: every mini-batch update of one step has the same rate.
+    schedule = functools.partial(_lr_multiplier, mini_batches=t.mini_batches,
+                                 warmup_steps=t.warmup_steps, total_steps=t.total_steps,
+                                 schedule=t.lr_schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    autocast = device.type == "cuda" and compute_dtype != torch.float32 and ranks.world == 1
+    return TrainState(exp, model, optimizer, scheduler, tokenizer, ranks, device, ref_model,
+                      autocast)
+
+
+def _lr_multiplier(update: int, *, mini_batches: int, warmup_steps: int, total_steps: int,
+                   schedule: str) -> float:
+    return lr_lambda(update // mini_batches, warmup_steps, total_steps, schedule)
+
+
+# -- forward passes --------------------------------------------------------------------------------
+
+
+def _to(mb: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+
+
+def _idle_micro_batch(data: BatchData) -> dict[str, Tensor]:
+    """Two tokens that count for nothing: a rank with less work still joins every collective."""
+    zeros = torch.zeros(1, 2)
+    mb = {k: zeros.clone() for k in ("mask", "behaviour", "old", "ref", "advantages")}
+    mb.update(tokens=torch.zeros(1, 2, dtype=torch.long),
+              versions=torch.full((1, 2), -1, dtype=torch.long),
+              attention_mask=torch.ones(1, 2, dtype=torch.long))
+    return mb
+
+
+def _forward(state: TrainState, model: torch.nn.Module, mb: dict[str, Tensor]) -> Tensor:
+    autocast = (torch.autocast(state.device.type, dtype=state.compute_dtype) if state.autocast
+                else contextlib.nullcontext())
+    with autocast:
+        return model(input_ids=mb["tokens"], attention_mask=mb["attention_mask"]).logits
+
+
+def _my_micro_batches(state: TrainState, data: BatchData, index: list[int]) -> list[list[int]]:
+    plan = packing.plan(data.lengths.tolist(), index, state.ranks.world,
+                        state.exp.trainer.micro_batch_tokens)
+    return plan[state.ranks.rank]
+
+
+@torch.no_grad()
+def batch_logprobs(state: TrainState, data: BatchData, model: torch.nn.Module) -> Tensor:
+    """log p(token) under `model` for the whole batch [B, T]: each rank its share, then summed."""
+    out = torch.zeros(data.tokens.shape, dtype=torch.float32)
+    for rows in _my_micro_batches(state, data, list(range(data.size))):
+        mb = _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
+        logits = _forward(state, model, mb)
+        logp = token_logprobs(logits, mb["tokens"], state.temperature, shift=True)
+        if rows:
+            out[rows, :logp.shape[1]] = logp.float().cpu() * data.mask[rows, :logp.shape[1]]
+    return state.ranks.sum_(out)
+
+
+def old_logprobs(state: TrainState, data: BatchData) -> Tensor:
+    if state.exp.algorithm.old_logprobs == "bypass":
+        return data.behaviour.clone()
+    return batch_logprobs(state, data, state.model)
+
+
+def reference_logprobs(state: TrainState, data: BatchData) -> Tensor | None:
+    if state.ref_model is None:
+        return None
+    return batch_logprobs(state, data, state.ref_model)
+
+
+def batch_advantages(algo: AlgorithmConfig, data: BatchData) -> Tensor:
+    """Advantages of the whole batch; a KL penalty in the reward is folded in first."""
+    rewards, kl = data.rewards, None
+    if algo.kl_in_reward and algo.kl_coef > 0:
+        kl = kl_estimate(data.old, data.ref, algo.kl_estimator) * data.mask
+        if algo.advantage in ("grpo", "grpo_mean_only", "rloo"):
+            # Outcome estimators take one reward per sequence: the penalty summed over it.
+            rewards, kl = rewards - algo.kl_coef * kl.sum(dim=1), None
+    advantages, _ = compute_advantages(
+        algo.advantage, mask=data.mask, rewards=rewards, group_index=data.group_index, kl=kl,
+        kl_coef=algo.kl_coef, gamma=algo.gamma, lam=algo.lam)
+    return advantages
+
+
+# -- the update ------------------------------------------------------------------------------------
+
+PARTS = ("loss", "pg_loss", "kl_loss", "tokens", "clip_frac", "approx_kl", "entropy",
+         "behaviour_weight_mean")
+
+
+def micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, float],
+                     ) -> tuple[Tensor, dict[str, float]]:
+    """This micro-batch's share of its mini-batch's loss, and its metric partial sums."""
+    algo = state.exp.algorithm
+    logits = _forward(state, state.model, mb)
+    logp = token_logprobs(logits, mb["tokens"], state.temperature, shift=True)
+    mask = mb["mask"]
+    pg, stats = policy_loss(
+        algo.loss, logp, mb["old"], mb["advantages"], mask, behaviour_logprobs=mb["behaviour"],
+        clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+        behaviour_cap=algo.behaviour_cap, tis_cap=algo.tis_cap, agg=algo.loss_agg, **norm)
+    # Position t predicts token t + 1: shift the entropy to align it with the tokens.
+    entropy = entropy_from_logits(logits if algo.entropy_coef > 0 else logits.detach(),
+                                  state.temperature)
+    entropy = torch.cat([entropy.new_zeros(entropy.shape[0], 1), entropy[:, :-1]], dim=1)
+    loss = pg
+    if algo.entropy_coef > 0:
+        loss = loss - algo.entropy_coef * aggregate(entropy, mask, algo.loss_agg, **norm)
+    kl_loss = torch.zeros(())
+    if algo.kl_coef > 0 and not algo.kl_in_reward:
+        kl_loss = aggregate(kl_estimate(logp, mb["ref"], algo.kl_estimator), mask,
+                            algo.loss_agg, **norm)
+        loss = loss + algo.kl_coef * kl_loss
+    n = float(mask.sum())
+    parts = {"loss": float(loss.detach()), "pg_loss": float(pg.detach()),
+             "kl_loss": float(kl_loss.detach()), "tokens": n,
+             "clip_frac": float(stats["clip_frac"]) * n, "approx_kl": float(stats["approx_kl"]) * n,
+             "entropy": float((entropy.detach() * mask).sum()),
+             "behaviour_weight_mean": float(stats.get("behaviour_weight_mean", 1.0)) * n}
+    return loss, parts
+
+
+def update_policy(state: TrainState, data: BatchData) -> dict[str, float]:
+    """`trainer.mini_batches` optimizer updates over the batch; returns the step's metrics."""
+    t, ranks = state.exp.trainer, state.ranks
+    state.model.train()
+    order = torch.randperm(data.size, generator=torch.Generator().manual_seed(
+        (t.seed or 0) * 1_000_003 + state.step))  # the same on every rank and after a resume
+    totals = torch.zeros(len(PARTS), dtype=torch.float64)
+    grad_norms, lrs = [], []
+    minis = [m.tolist() for m in torch.tensor_split(order, min(t.mini_batches, data.size))]
+    for mini in minis:
+        mini = sorted(mini)
+        norm = {"global_tokens": max(float(data.mask[mini].sum()), 1.0),
+                "global_seqs": max(float((data.mask[mini].sum(dim=1) > 0).sum()), 1.0)}
+        for rows in _my_micro_batches(state, data, mini):
+            mb = _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
+            loss, parts = micro_batch_loss(state, mb, norm)
+            (loss * ranks.world).backward()
+            totals += torch.tensor([parts[k] for k in PARTS], dtype=torch.float64)
+        grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), t.grad_clip)
+        grad_norms.append(float(full_tensor(grad_norm)))
+        lrs.append(state.scheduler.get_last_lr()[0])
+        state.optimizer.step()
+        state.scheduler.step()
+        state.optimizer.zero_grad(set_to_none=True)
+    ranks.sum_(totals)
+    tokens = max(float(totals[PARTS.index("tokens")]), 1.0)
+    out = {k: float(totals[i]) / (len(minis) if k.endswith("loss") else tokens)
+           for i, k in enumerate(PARTS) if k != "tokens"}
+    out.update(grad_norm=float(np.mean(grad_norms)), lr=lrs[-1], loss_tokens=tokens)
+    return out
+
+
+@torch.no_grad()
+def evaluate_loss(state: TrainState, data: BatchData) -> float:
+    """The step's objective on `data` with the current parameters (no update): tests, probes."""
+    norm = {"global_tokens": max(float(data.mask.sum()), 1.0),
+            "global_seqs": max(float((data.mask.sum(dim=1) > 0).sum()), 1.0)}
+    total = 0.0
+    for rows in _my_micro_batches(state, data, list(range(data.size))):
+        mb = _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
+        total += micro_batch_loss(state, mb, norm)[1]["loss"]
+    return float(state.ranks.sum_(torch.tensor([total], dtype=torch.float64)))
+
+
+def prepare(state: TrainState, data: BatchData) -> BatchData:
+    """Old and reference log-probs, then advantages (every rank, the whole batch)."""
+    data.old = old_logprobs(state, data)
+    data.ref = reference_logprobs(state, data)
+    data.advantages = batch_advantages(state.exp.algorithm, data)
+    return data
+
+
+def step_metrics(state: TrainState, data: BatchData, stats: dict[str, float],
+                 seconds: float) -> dict[str, Any]:
+    stale = packing.staleness(data.versions, data.mask, state.version).float()
+    tokens = int(data.lengths.sum())
+    return {
+        "step": state.step, "version": state.version, **stats,
+        "batch_staleness_max": float(stale.max()), "batch_staleness_mean": float(stale.mean()),
+        "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "step_s": seconds,
+        "reward_mean": float(data.rewards.mean()), "samples": data.size,
+        "response_tokens_mean": float(data.mask.sum(dim=1).mean()),
+        "samples_consumed": state.samples_consumed,
+    }
+
+
+# -- rank 0's connections -----------------------------------------------------------------------
+
+
+class Link:
+    """Rank 0's connections to the other roles: queue, stats server, sync publisher, cursor."""
+
+    def __init__(self, ctx: RoleContext, state: TrainState):
+        self.ctx, self.state = ctx, state
+        config, t = ctx.config, ctx.transport
+        self.mq = RpcClient(t, config["message_queue"], timeout_s=60, name="message queue")
+        self.rollouter = (RpcClient(t, config["rollouter"], timeout_s=30, name="rollouter")
+                          if config.get("rollouter") else None)
+        self.publisher = (Publisher(t, config, state.exp.sync, state.device)
+                          if config.get("synchronizer") else None)
+        self.server = RpcServer(t, config.get("bind", "tcp://127.0.0.1:0"),
+                                {StatsRequest: self._stats}, name="trainer")
+        self._serving: asyncio.Task | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self.eval: dict[str, Any] | None = None  # the newest evaluation, for the monitor
+        metrics_path = config.get("metrics_path")
+        self.metrics_path = Path(metrics_path) if metrics_path else None
+
+    async def open(self) -> dict[str, str]:
+        if self.publisher is not None:
+            await self.publisher.open()
+        self._serving = asyncio.create_task(self.server.serve())
+        return {"rpc": self.server.address}
+
+    async def close(self) -> None:
+        if self._serving is not None:
+            self._serving.cancel()
+        if self.publisher is not None:
+            await self.publisher.close()
+        for client in (self.mq, self.rollouter):
+            if client is not None:
+                client.close()
+        self.server.close()
+
+    async def _stats(self, msg: StatsRequest, peer: bytes) -> Metrics:
+        s = self.state
+        return Metrics(role="trainer", host=self.ctx.spec.host, values={
+            "step": s.step, "version": s.version, "samples_consumed": s.samples_consumed,
+            "last": self.last_metrics})
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        self.last_metrics = metrics
+        self.ctx.log.info("step", **{k: (round(v, 6) if isinstance(v, float) else v)
+                                     for k, v in metrics.items()})
+        if self.metrics_path is not None:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+    async def data_cursor(self) -> dict[str, Any] | None:
+        if self.rollouter is None:
+            return None
+        return (await self.rollouter.request(StatsRequest())).values.get("cursor")
+
+    async def latest_eval(self) -> dict[str, Any] | None:
+        """The rollouter's newest finished evaluation of the held-out set, if any."""
+        if self.rollouter is None or not self.state.exp.rollout.eval_every:
+            return None
+        return (await self.rollouter.request(StatsRequest())).values.get("eval")
+
+
+# -- batches in ------------------------------------------------------------------------------------
+
+
+async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> Batch | None:
+    """Rank 0 pulls a batch at its version and shares it with every rank; None: stop."""
+    ranks = state.ranks
+    if not ranks.is_main:
+        while True:
+            order = await run(ranks.share)
+            if order["op"] == "stop":
+                return None
+            if order["op"] == "batch":
+                return protocol.decode(order["frames"], Batch)
+    assert link is not None
+    exp = state.exp
+    while True:
+        if ctx.stopping.is_set() or state.step >= exp.trainer.total_steps:
+            await run(ranks.share, {"op": "stop"})
+            return None
+        batch: Batch = await link.mq.request(
+            GetBatch(groups=exp.rollout.batch_groups, version=state.version, timeout_s=5.0),
+            timeout_s=65)
+        if batch.groups:
+            frames = [memoryview(f).tobytes() for f in protocol.encode(batch)]
+            await run(ranks.share, {"op": "batch", "frames": frames})
+            return batch
+        await run(ranks.share, {"op": "idle"})  # the other ranks wait in a collective: wake them
+
+
+# -- the role --------------------------------------------------------------------------------------
+
+
+async def save_checkpoint(ctx: RoleContext, state: TrainState, link: Link | None,
+                          directory: str | Path) -> None:
+    cursor = await link.data_cursor() if link is not None else None
+    path = await run(checkpoint.save, directory, model=state.model, optimizer=state.optimizer,
+                     scheduler=state.scheduler, step=state.step, version=state.version,
+                     ranks=state.ranks, tokenizer=state.tokenizer,
+                     samples_consumed=state.samples_consumed, data_cursor=cursor)
+    if path is not None:
+        ctx.log.info("checkpoint_saved", path=str(path), step=state.step, version=state.version)
+
+
+async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
+    """The loop: batch -> old/ref log-probs -> advantages -> updates -> metrics -> sync -> save."""
+    exp, config = state.exp, ctx.config
+    ckpt_dir = config.get("checkpoint_dir") or exp.trainer.checkpoint_dir
+    export_dir = config.get("export_dir")
+    every = exp.trainer.checkpoint_every
+    saved_at = state.step
+    reported_eval = None
+    while True:
+        waited = time.monotonic()
+        batch = await next_batch(ctx, state, link)
+        if batch is None:
+            break
+        started = time.monotonic()
+        data = packing.from_groups(batch.groups)
+        data.old = await run(old_logprobs, state, data)
+        data.ref = await run(reference_logprobs, state, data)
+        data.advantages = batch_advantages(exp.algorithm, data)
+        stats = await run(update_policy, state, data)
+        state.step += 1
+        state.samples_consumed += data.size
+        metrics = step_metrics(state, data, stats, time.monotonic() - started)
+        metrics["wait_s"] = started - waited
+        if state.step % exp.sync.sync_every == 0:
+            metrics.update(await sync_weights(state, link.publisher if link else None))
+            if export_dir:  # what the engines now serve, for evaluation and tests
+                await run(checkpoint.export_hf, Path(export_dir) / f"version_{state.version}",
+                          model=state.model, tokenizer=state.tokenizer,
+                          dtype=state.compute_dtype, ranks=state.ranks)
+        if ckpt_dir and every and state.step % every == 0:
+            await save_checkpoint(ctx, state, link, ckpt_dir)
+            saved_at = state.step
+        if link is not None:
+            latest = await link.latest_eval()
+            if latest and latest != reported_eval:  # each evaluation once, on the next step
+                metrics.update(eval_reward_mean=latest["reward_mean"],
+                               eval_version=latest["version"], eval_samples=latest["n"])
+                reported_eval = link.eval = latest
+            link.report(metrics)
+    if ckpt_dir and state.step != saved_at:
+        await save_checkpoint(ctx, state, link, ckpt_dir)
+    if config.get("final_export_dir"):  # the policy the run ends with, in Hugging Face format
+        await run(checkpoint.export_hf, Path(config["final_export_dir"]), model=state.model,
+                  tokenizer=state.tokenizer, dtype=state.compute_dtype, ranks=state.ranks)
+
+
+async def main(ctx: RoleContext) -> None:
+    """Role entry (one process per rank; instance = rank)."""
+    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "trainer spec")
+    check_supported(exp)
+    if ctx.config.get("threads"):
+        torch.set_num_threads(int(ctx.config["threads"]))
+    device = resolve_device(exp.trainer.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(ctx.config.get("device_index", 0)))
+    backend = exp.trainer.backend if exp.trainer.backend != "auto" else (
+        "nccl" if device.type == "cuda" else "gloo")
+    ranks = await run(init_ranks, ctx.config.get("rendezvous"), ctx.spec.instance,
+                      exp.trainer.ranks, backend)
+    link = None
+    try:
+        state = await run(build_state, exp, ranks, device)
+        ckpt_dir = ctx.config.get("checkpoint_dir") or exp.trainer.checkpoint_dir
+        resume = checkpoint.latest(ckpt_dir) if ckpt_dir else None
+        if resume is not None:
+            saved = await run(checkpoint.load, resume, model=state.model,
+                              optimizer=state.optimizer, scheduler=state.scheduler, ranks=ranks)
+            state.step, state.version = saved["step"], saved["version"]
+            state.samples_consumed = saved["samples_consumed"]
+            ctx.log.info("resumed", path=str(resume), step=state.step, version=state.version)
+        endpoints: dict[str, str] = {}
+        if ranks.is_main:
+            link = Link(ctx, state)
+            endpoints = await link.open()
+            ctx.set_status(lambda: {
+                "step": state.step, "version": state.version,
+                "samples_consumed": state.samples_consumed, **link.last_metrics,
+                **({"eval_reward_mean": link.eval["reward_mean"],
+                    "eval_version": link.eval["version"]} if link.eval else {})})
+        ctx.log.info("trainer_config", rank=ranks.rank, ranks=ranks.world, device=str(device),
+                     backend=backend, sharding="fsdp2" if ranks.world > 1 else "none",
+                     params=sum(math.prod(p.shape) for p in state.model.parameters()))
+        await ctx.ready(**endpoints)
+        await train(ctx, state, link)
+    finally:
+        if link is not None:
+            await link.close()
+        close_ranks(ranks)

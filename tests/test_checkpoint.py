@@ -1,0 +1,155 @@
+"""Checkpoints: a round trip in-process, atomic writes, kill-and-resume of a real trainer process,
+and the Hugging Face export loaded by transformers and by the built-in engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollmesh import checkpoint
+from rollmesh.packing import from_groups
+from rollmesh.trainer import build_state, prepare, update_policy
+from tests.engine.engine_harness import Engine, chat_prompt, greedy_decode
+from tests.test_trainer import (
+    experiment, make_groups, max_diff, params_of, put_groups, read_metrics, reference_run,
+    spawn_trainers, start_queue, torch_threads, wait_exit, with_supervisor,
+)
+
+
+def trained_state(*overrides: str):
+    exp = experiment("trainer.warmup_steps=3", 'trainer.lr_schedule="cosine"', *overrides)
+    with torch_threads(1):
+        state = build_state(exp)
+        update_policy(state, prepare(state, from_groups(make_groups(3))))
+    state.step, state.version, state.samples_consumed = 1, 1, 8
+    return exp, state
+
+
+def test_save_and_load_restore_model_optimizer_scheduler_and_rngs(tmp_path):
+    exp, state = trained_state()
+    torch.manual_seed(123)
+    np.random.seed(7)
+    random.seed(9)
+    path = checkpoint.save(tmp_path, model=state.model, optimizer=state.optimizer,
+                           scheduler=state.scheduler, step=state.step, version=state.version,
+                           tokenizer=state.tokenizer, samples_consumed=8,
+                           data_cursor={"epoch": 0, "position": 5, "order": [3, 1, 2]})
+    assert path == tmp_path / "step_00000001" and checkpoint.latest(tmp_path) == path
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    expected_rng = (torch.rand(3), np.random.rand(3), random.random())
+
+    fresh = build_state(exp)
+    saved = checkpoint.load(path, model=fresh.model, optimizer=fresh.optimizer,
+                            scheduler=fresh.scheduler)
+    assert (saved["step"], saved["version"], saved["samples_consumed"]) == (1, 1, 8)
+    assert saved["data_cursor"] == {"epoch": 0, "position": 5, "order": [3, 1, 2]}
+    assert max_diff(params_of(fresh), params_of(state)) == 0
+    for p, q in zip(state.model.parameters(), fresh.model.parameters()):
+        a, b = state.optimizer.state[p], fresh.optimizer.state[q]
+        assert sorted(a) == sorted(b) == ["exp_avg", "exp_avg_sq", "step"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert fresh.scheduler.state_dict()["last_epoch"] == state.scheduler.state_dict()["last_epoch"]
+    assert fresh.optimizer.param_groups[0]["lr"] == state.optimizer.param_groups[0]["lr"]
+    assert fresh.optimizer.param_groups[0]["betas"] == state.optimizer.param_groups[0]["betas"]
+    got_rng = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got_rng[0], expected_rng[0])
+    assert np.array_equal(got_rng[1], expected_rng[1]) and got_rng[2] == expected_rng[2]
+    # the checkpoint holds no pickle: safetensors, JSON and msgpack only
+    names = sorted(f.name for f in path.iterdir())
+    assert all(n.endswith((".safetensors", ".json", ".msgpack", ".jinja")) for n in names), names
+
+
+def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    exp, state = trained_state()
+    kw = dict(model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
+              tokenizer=state.tokenizer)
+    first = checkpoint.save(tmp_path, step=1, version=1, **kw)
+    real = checkpoint.save_file
+
+    def crash_on_optimizer(tensors, path, **k):
+        if str(path).endswith("optimizer.safetensors"):
+            raise OSError("disk full")
+        return real(tensors, path, **k)
+
+    monkeypatch.setattr(checkpoint, "save_file", crash_on_optimizer)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(tmp_path, step=2, version=2, **kw)
+    assert checkpoint.latest(tmp_path) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_killed_trainer_resumes_and_its_next_step_matches_an_uninterrupted_run(tmp_path, ranks):
+    """Trainer process(es): step 1, checkpoint, SIGKILL; new processes resume and run step 2.
+    Step 2's loss and parameters equal those of one uninterrupted one-rank run (fixed seeds):
+    bit for bit with one rank, within float rounding with two (sharded load)."""
+    batches = [make_groups(20), make_groups(21)]
+    # two mini-batches: step 2's loss includes an update made with the restored AdamW state,
+    # and the cosine warm-up makes the restored scheduler matter
+    common = ("trainer.total_steps=2", "trainer.mini_batches=2", "trainer.warmup_steps=2",
+              'trainer.lr_schedule="cosine"', "trainer.checkpoint_every=1", "trainer.lr=2e-4")
+    exp = experiment(f"trainer.ranks={ranks}", *common)
+    config = {"metrics_path": str(tmp_path / "metrics.jsonl"),
+              "checkpoint_dir": str(tmp_path / "ckpt")}
+
+    async def body(t, sup):
+        mq = await start_queue(sup, exp)
+        await put_groups(t, mq, batches[0])
+        first = spawn_trainers(sup, exp, {**config, "message_queue": mq})
+        deadline = time.monotonic() + 120
+        while checkpoint.latest(tmp_path / "ckpt") is None:
+            assert all(c.process.poll() is None for c in first) and time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):  # frozen first: no rank sees another die
+            for c in first:  # waiting for batch 2: killed mid-run
+                c.process.send_signal(sig)
+        for c in first:
+            c.process.wait()
+        second = spawn_trainers(sup, exp, {**config, "message_queue": mq})
+        # The dead trainer's last GetBatch (5 s long poll) is still open in the queue and would
+        # take batch 2 with it: put it after that poll has expired.
+        await asyncio.sleep(6)
+        await put_groups(t, mq, batches[1])
+        return [c.process.returncode for c in first], await wait_exit(second)
+
+    killed, codes = with_supervisor(tmp_path, body)
+    assert killed == [-signal.SIGKILL] * ranks and codes == [0] * ranks
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    state, stats = reference_run(experiment(*common), batches)
+    tolerance = 1e-7 if ranks == 1 else 1e-5
+    assert metrics[1]["loss"] == pytest.approx(stats[1]["loss"], abs=tolerance)
+    assert metrics[1]["lr"] == pytest.approx(stats[1]["lr"], rel=1e-9)
+    resumed = load_file(tmp_path / "ckpt/step_00000002/model.safetensors")
+    assert max_diff(resumed, params_of(state)) < tolerance
+    log = (tmp_path / "logs/trainer-0.log").read_text()
+    assert '"event": "resumed"' in log
+
+
+def test_export_loads_in_transformers_and_in_the_built_in_engine(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exp, state = trained_state()
+    out = checkpoint.export_hf(tmp_path / "export", model=state.model, tokenizer=state.tokenizer)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["dtype"] == "float32"
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert max_diff(dict(hf.named_parameters()), params_of(state)) == 0
+    prompt = chat_prompt(tok, "What is 2 plus 3?")
+    assert prompt == chat_prompt(state.tokenizer, "What is 2 plus 3?")
+    expected = greedy_decode(state.model.eval(), prompt, 8)
+    engine = Engine(tmp_path / "engine.log", model=str(out))
+    try:
+        got = engine.generate(prompt, max_new_tokens=8, temperature=0, ignore_eos=True)
+    finally:
+        engine.stop()
+    assert got["output_ids"] == expected
