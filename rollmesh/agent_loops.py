@@ -96,10 +96,14 @@ class LoopContext:
         self.active: set[str] = set()  # rids in flight, so a cancel can abort them
         self.generated_tokens = 0  # what the engines produced for this worker, all told
 
-    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+    def sampling_params(self, max_new_tokens: int, traj: Trajectory | None = None) -> dict[str, Any]:
+        """The rollout's sampling, with the trajectory's own overrides (e.g. greedy evaluation)."""
         r = self.rollout
-        return {"max_new_tokens": max_new_tokens, "temperature": r.temperature,
-                "top_p": r.top_p, "top_k": r.top_k}
+        params = {"max_new_tokens": max_new_tokens, "temperature": r.temperature,
+                  "top_p": r.top_p, "top_k": r.top_k}
+        if traj is not None:
+            params.update(traj.metadata.get("sampling") or {})
+        return params
 
     async def generate(self, traj: Trajectory, max_new_tokens: int) -> GenerateOutput:
         """Generate from everything the trajectory holds and append the result to it."""
@@ -112,7 +116,7 @@ class LoopContext:
         self.active.add(rid)
         try:
             out = await self.client.generate(traj.token_ids.tolist(),
-                                             self.sampling_params(max_new_tokens), rid=rid)
+                                             self.sampling_params(max_new_tokens, traj), rid=rid)
         finally:
             self.active.discard(rid)
         append_tokens(traj, out.output_ids, out.logprobs, parse_version(out.weight_version))

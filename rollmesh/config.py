@@ -154,7 +154,10 @@ class RolloutConfig:
     )
     reward: str = _field("reward function (entry point in `rollmesh.rewards`)", "exact_match")
     reward_timeout_s: float = _field("time limit for scoring one trajectory (seconds)", 30.0, gt=0)
-    eval_every: int = _field("evaluate every N trainer steps (0 = never)", 0, ge=0)
+    eval_every: int = _field(
+        "evaluate the held-out set (data.eval_path) every N weight versions, alongside training "
+        "(0 = never)", 0, ge=0)
+    eval_temperature: float = _field("sampling temperature of evaluation (0 = greedy)", 0.0, ge=0)
 
     def validate(self) -> None:
         if self.top_k != -1 and self.top_k < 1:

@@ -130,7 +130,7 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str) -> 
                         "synchronizer": _connect(sync.host, sync.proc.port),
                         "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
                         "engines": engine_urls, "metrics_path": f"{run_dir}/metrics.jsonl",
-                        "export_dir": f"{run_dir}/policy",
+                        "final_export_dir": f"{run_dir}/policy",
                         "checkpoint_dir": f"{run_dir}/checkpoints"}
     return plan
 

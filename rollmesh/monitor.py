@@ -44,7 +44,7 @@ TOPICS = ("launcher", "metrics.")
 NO_STATUS_ROLES = {"engine"}  # HTTP servers: their liveness is the launcher's word
 TRAINER_KEYS = ("step", "version", "loss", "pg_loss", "reward_mean", "tokens_per_s",
                 "samples_consumed", "batch_staleness_max", "clip_frac", "approx_kl", "entropy",
-                "grad_norm", "lr")
+                "grad_norm", "lr", "eval_reward_mean", "eval_version")
 SYNC_KEYS = ("version", "pause_s", "broadcast_s", "resume_s", "total_s", "trainer_idle_s")
 _HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
                      zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
@@ -471,7 +471,7 @@ def _trainer_panel(snap: dict[str, Any]) -> Panel:
     tr = snap.get("trainer") or {}
     spark = Text(sparkline(tr.get("reward_history") or []), "cyan")
     optional = ("pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
-                "samples_consumed")
+                "samples_consumed", "eval_reward_mean", "eval_version")
     return Panel(_fields(
         [("step", tr.get("step")), ("weight version", tr.get("version")),
          ("loss", tr.get("loss")), ("reward mean", tr.get("reward_mean")),

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from rollmesh.agent_loops import load_tokenizer, new_trajectory
 from rollmesh.config import ExperimentConfig, parse_config
-from rollmesh.data import PromptSource, render_prompt
+from rollmesh.data import Dataset, PromptSource, render_prompt
 from rollmesh.protocol import (
     Assign, Cancel, Group, Heartbeat, Metrics, Ok, Pause, Paused, PutGroup, Resume, Returned,
     Score, Scored, StatsRequest, Trajectory, WorkerHello,
@@ -101,6 +101,13 @@ class Rollouter:
         self.dropped: collections.Counter[str] = collections.Counter()  # reason -> samples
         self.changed = asyncio.Event()
         self.drained = asyncio.Event()
+        # Evaluation of the held-out set: outside the training accounting, one round per
+        # eval_every versions, dispatched after the cancel queue and before new prompts.
+        self.eval_rows = (Dataset.from_config(exp.data, eval=True).rows
+                          if exp.rollout.eval_every and exp.data.eval_path else [])
+        self.eval_queue: collections.deque[Trajectory] = collections.deque()
+        self.eval_runs: dict[int, dict[str, Any]] = {}
+        self.last_eval: dict[str, Any] | None = None
 
     # -- capacity and admission --------------------------------------------------------------
 
@@ -115,6 +122,51 @@ class Rollouter:
         staleness = (int((s.max_staleness + self.version + 1) * per_version * r.over_sampling)
                      - (self.counters["accepted_groups"] + self.running_groups))
         return min(concurrency, staleness)
+
+    def start_eval(self) -> None:
+        v, every = self.version, self.exp.rollout.eval_every
+        if not self.eval_rows or v % every or v in self.eval_runs:
+            return
+        self.eval_runs[v] = {"n": len(self.eval_rows), "rewards": [], "failed": 0}
+        for i, row in enumerate(self.eval_rows):
+            prompt = render_prompt(row, self.tokenizer, self.exp.data.system_prompt)
+            self.eval_queue.append(new_trajectory(
+                f"eval-v{v:06d}-{i:04d}", f"eval-v{v:06d}", i, prompt,
+                agent_loop=row.agent_loop or self.exp.data.default_agent_loop, label=row.label,
+                metadata={**row.metadata, "eval_version": v,
+                          "sampling": {"temperature": self.exp.rollout.eval_temperature}}))
+
+    @staticmethod
+    def is_eval(traj: Trajectory) -> bool:
+        return "eval_version" in traj.metadata
+
+    def eval_returned(self, traj: Trajectory) -> None:
+        if traj.status == "finished":
+            self.to_score.append(traj)
+        elif traj.status == "interrupted":  # restart from the prompt: one version per answer
+            n = traj.prompt_len
+            traj.token_ids, traj.logprobs = traj.token_ids[:n], traj.logprobs[:n]
+            traj.versions, traj.loss_mask = traj.versions[:n], traj.loss_mask[:n]
+            traj.loop_state, traj.status = {}, "running"
+            self.eval_queue.append(traj)
+        else:
+            self.eval_scored(traj)
+
+    def eval_scored(self, traj: Trajectory) -> None:
+        run = self.eval_runs.get(traj.metadata["eval_version"])
+        if run is None:
+            return
+        if traj.status == "finished" and traj.reward_status == "ok":
+            run["rewards"].append(traj.reward)
+        else:
+            run["failed"] += 1
+        if len(run["rewards"]) + run["failed"] == run["n"]:
+            v = traj.metadata["eval_version"]
+            rewards = run["rewards"]
+            self.last_eval = {"version": v, "n": len(rewards), "failed": run["failed"],
+                              "reward_mean": sum(rewards) / len(rewards) if rewards else None}
+            del self.eval_runs[v]
+            self.log.info("eval", **self.last_eval)
 
     def admit(self) -> None:
         while not self.paused and self.capacity() > 0:
@@ -144,11 +196,12 @@ class Rollouter:
 
     async def dispatch(self) -> None:
         self.admit()
-        while not self.paused and (self.cancel_queue or self.pending):
+        while not self.paused and (self.cancel_queue or self.eval_queue or self.pending):
             worker = self._free_worker("agent")
             if worker is None:
                 break
-            traj = self.cancel_queue.popleft() if self.cancel_queue else self.pending.popleft()
+            queue = self.cancel_queue or self.eval_queue or self.pending
+            traj = queue.popleft()
             await self._send(worker, traj, Assign(trajectory=traj))
         while self.to_score:
             worker = self._free_worker("reward")
@@ -180,7 +233,9 @@ class Rollouter:
         if worker.out.pop(traj.sample_id, None) is None:
             self.counters["unexpected_returns"] += 1  # e.g. from a worker declared dead earlier
             return
-        if traj.group_id not in self.groups:  # its group was already given up
+        if self.is_eval(traj):
+            self.eval_returned(traj)
+        elif traj.group_id not in self.groups:  # its group was already given up
             self.dropped["group_failed"] += 1
         elif traj.status == "finished":
             self.to_score.append(traj)
@@ -200,6 +255,9 @@ class Rollouter:
     def scored(self, worker: Worker, traj: Trajectory) -> None:
         if worker.out.pop(traj.sample_id, None) is None:
             self.counters["unexpected_returns"] += 1
+            return
+        if self.is_eval(traj):
+            self.eval_scored(traj)
             return
         state = self.groups.get(traj.group_id)
         if state is None:  # its group was already given up
@@ -263,6 +321,7 @@ class Rollouter:
     def resume(self, version: int) -> None:
         self.version = max(self.version, version)
         self.paused = False
+        self.start_eval()
         self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue))
         self.changed.set()
 
@@ -270,8 +329,11 @@ class Rollouter:
 
     def in_flight(self) -> int:
         """Samples this process holds right now, counted where they are."""
-        return (len(self.pending) + len(self.cancel_queue) + len(self.to_score)
-                + sum(len(w.out) for w in self.workers.values())
+        def train(ts: Any) -> int:
+            return sum(not self.is_eval(t) for t in ts)
+
+        return (len(self.pending) + train(self.cancel_queue) + train(self.to_score)
+                + sum(train(w.out.values()) for w in self.workers.values())
                 + sum(len(s.scored) for s in self.groups.values())
                 + sum(len(g.trajectories) for g in self.ready))
 
@@ -285,6 +347,7 @@ class Rollouter:
             "workers": {w.name: {"kind": w.kind, "credits": w.credits, "out": len(w.out)}
                         for w in self.workers.values()},
             "channel_protocol_errors": self.channel.protocol_errors,
+            "eval": self.last_eval, "eval_pending": len(self.eval_queue),
             "cursor": self.source.state(),
         }
 
@@ -379,6 +442,7 @@ async def main(ctx: RoleContext) -> None:
                         {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
     tasks = [asyncio.create_task(c) for c in (r.receive(), r.schedule(), r.heartbeats(),
                                               r.put_ready(), control.serve())]
+    r.start_eval()  # version 0: the policy before any training
     r.changed.set()
     ctx.set_status(lambda: {k: v for k, v in r.stats().items() if k != "cursor"})
     await ctx.ready(channel=channel.address, rpc=control.address)

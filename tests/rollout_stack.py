@@ -31,7 +31,7 @@ def experiment(dataset: Path, *overrides: str) -> ExperimentConfig:
             'data.prompt_key="prompt"', 'data.label_key="label"', "data.group_size=2",
             "rollout.max_new_tokens=32", "rollout.batch_groups=2", "rollout.max_concurrent=8",
             "staleness.max_staleness=1", "model.max_context=512", "data.max_prompt_tokens=128",
-            'rollout.reward="exact_match"']
+            'rollout.reward="exact_match"', "rollout.eval_every=0"]
     return load_experiment(ROOT / "configs/tiny_cpu.toml", overrides=[*base, *overrides])
 
 

@@ -1,0 +1,196 @@
+"""`rollmesh launch` for real: every role a process, on this machine and over SSH.
+
+The first test is the embedded CPU default end to end (the README's main command): it must learn,
+keep every step within the staleness bound, and account for every sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sshd import Sshd
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def launch(run_dir: Path, *args: str, cluster: str = "launch/local.toml") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rollmesh", "launch", cluster, "--quiet",
+                             "--run-dir", str(run_dir), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def rollmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollmesh", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
+    return out
+
+
+def check_accounting(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["admitted"] == (summary["consumed"] + summary["in_flight"]
+                                   + sum(summary["dropped"].values())), summary
+    return summary
+
+
+def test_embedded_default_learns_within_the_bound_and_accounts_for_everything(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir)
+    try:
+        # While it runs: the monitor attaches read-only, and `rollmesh status` answers.
+        wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "the first trainer steps")
+        snap = rollmesh("monitor", str(run_dir), "--json", "--once", "--wait", "20")
+        assert snap.returncode == 0, snap.stdout + snap.stderr
+        snapshot = json.loads(snap.stdout)
+        st = rollmesh("status", str(run_dir))
+        assert st.returncode == 0 and "rollouter[0]" in st.stdout, st.stdout
+    finally:
+        out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+
+    for key in ("roles", "trainer", "rollouter", "queue", "engines", "last_sync", "accounting"):
+        assert snapshot[key] is not None, key
+    roles = {r["role"] for r in snapshot["roles"]}
+    assert {"engine", "rollouter", "message_queue", "trainer", "synchronizer", "agent_worker",
+            "reward_worker"} <= roles
+    assert all(r["liveness"] == "alive" for r in snapshot["roles"]), snapshot["roles"]
+    assert snapshot["trainer"]["step"] is not None and snapshot["trainer"]["reward_history"]
+
+    rows = metrics(run_dir)
+    summary = check_accounting(run_dir)
+    bound = summary["max_staleness"]
+    for row in rows:
+        for key in ("step", "version", "reward_mean", "batch_staleness_max", "samples_consumed"):
+            assert key in row, key
+        assert row["batch_staleness_max"] <= bound, row
+    rewards = [r["reward_mean"] for r in rows]
+    fifth = len(rewards) // 5
+    first, last = sum(rewards[:fifth]) / fifth, sum(rewards[-fifth:]) / fifth
+    assert last >= first + 0.3, (first, last)
+    assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    policy = run_dir / "policy"
+    assert (policy / "config.json").exists() and list(policy.glob("*.safetensors"))
+
+
+def test_killed_agent_worker_is_restarted_and_the_run_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--set", "trainer.total_steps=40")
+    try:
+        wait_for(lambda: len(metrics(run_dir)) >= 5, 300, "training under way")
+        victim = next(p for p in status(run_dir)["processes"] if p["name"] == "agent_worker[0]")
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(lambda: next(p for p in status(run_dir)["processes"]
+                              if p["name"] == "agent_worker[0]")["restarts"] == 1, 120,
+                 "the worker's restart")
+    finally:
+        out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(metrics(run_dir)) == 40
+    check_accounting(run_dir)
+    final = status(run_dir)
+    assert next(p for p in final["processes"] if p["name"] == "agent_worker[0]")["restarts"] == 1
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "rollmesh stop"])
+def test_stopping_a_run_leaves_no_process_behind(tmp_path, how):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--set", "trainer.total_steps=100000")
+    try:
+        wait_for(lambda: status(run_dir).get("state") == "running"
+                 and all(p["pid"] for p in status(run_dir)["processes"]), 300, "the run")
+        pids = [p["pid"] for p in status(run_dir)["processes"]]
+        assert len(pids) == 8 and all(alive(p) for p in pids)
+        if how == "ctrl-c":
+            proc.send_signal(signal.SIGINT)
+        else:
+            stopped = rollmesh("stop", str(run_dir))
+            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    wait_for(lambda: not any(alive(p) for p in pids), 30, "every process to be gone")
+    assert rollmesh("status", str(run_dir)).returncode == 1  # the launcher is not running
+
+
+def test_ssh_mode_against_a_real_sshd(tmp_path):
+    reason = Sshd.unavailable()
+    if reason:
+        pytest.skip(reason)
+    try:
+        sshd = Sshd(tmp_path / "sshd")
+    except RuntimeError as e:
+        pytest.skip(f"sshd cannot start here: {e}")
+    # the launcher's machine runs the engine, queue and trainer; the workers run over SSH
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text("\n".join([
+        'name = "ssh_test"', f'experiment = "{ROOT / "configs/tiny_cpu.toml"}"',
+        "[hosts.local]", 'address = "127.0.0.1"', f'python = "{sys.executable}"',
+        f'workdir = "{ROOT}"', sshd.host_toml("remote"),
+        "[roles.engine]", 'host = "local"', "[roles.message_queue]", 'host = "local"',
+        "[roles.synchronizer]", 'host = "local"', "[roles.trainer]", 'host = "local"',
+        "[roles.rollouter]", 'host = "local"',
+        "[roles.agent_worker]", 'host = "remote"', "count = 2",
+        "[roles.reward_worker]", 'host = "remote"',
+        "[ports]", "base = 29100", ""]))
+    run_dir = tmp_path / "run"
+    plan = rollmesh("launch", str(cluster), "--dry-run", "--run-dir", str(run_dir))
+    assert plan.returncode == 0 and "over ssh" in plan.stdout, plan.stdout + plan.stderr
+    assert "BatchMode=yes" in plan.stdout and "StrictHostKeyChecking" not in plan.stdout
+    proc = launch(run_dir, "--set", "trainer.total_steps=8", cluster=str(cluster))
+    try:
+        out = finish(proc)
+    finally:
+        sshd.stop()
+    assert proc.returncode == 0, out[-3000:]
+    assert len(metrics(run_dir)) == 8
+    check_accounting(run_dir)
+    remote = [p for p in status(run_dir)["processes"] if p["host"] == "remote"]
+    assert len(remote) == 3 and all(p["exit_code"] == 0 for p in remote), remote
+    worker_log = (run_dir / "logs" / "agent_worker-1.log").read_text()
+    assert '"event": "ready"' in worker_log  # its output came back through ssh
