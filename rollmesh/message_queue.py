@@ -42,7 +42,9 @@ class MessageQueue:
     def __init__(self, capacity_groups: int, max_staleness: int):
         self.capacity = capacity_groups
         self.max_staleness = max_staleness
-        self.groups: collections.deque[Group] = collections.deque()
+        # (oldest generated version, group): computed once at put, not at every hand-out
+        self.groups: collections.deque[tuple[int | None, Group]] = collections.deque()
+        self.depth_samples = 0
         self.version = 0
         self.put_samples = 0
         self.consumed_samples = 0
@@ -51,20 +53,17 @@ class MessageQueue:
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self._consumed_times: collections.deque[tuple[float, int]] = collections.deque()
 
-    @property
-    def depth_samples(self) -> int:
-        return sum(len(g.trajectories) for g in self.groups)
-
     def put(self, group: Group) -> bool:
         if len(self.groups) >= self.capacity:
             self.rejected_puts += 1
             return False
-        self.groups.append(group)
+        self.groups.append((oldest_version(group), group))
         self.put_samples += len(group.trajectories)
+        self.depth_samples += len(group.trajectories)
         return True
 
-    def staleness(self, group: Group, version: int) -> int:
-        oldest = oldest_version(group)
+    @staticmethod
+    def staleness(oldest: int | None, version: int) -> int:
         return 0 if oldest is None else version - oldest
 
     def set_version(self, version: int) -> None:
@@ -72,14 +71,17 @@ class MessageQueue:
 
     def drop_stale(self, version: int) -> int:
         """Drop every group past the bound for a consumer at `version`; returns samples dropped."""
-        kept: collections.deque[Group] = collections.deque()
+        if all(self.staleness(o, version) <= self.max_staleness for o, _ in self.groups):
+            return 0
+        kept: collections.deque[tuple[int | None, Group]] = collections.deque()
         dropped = 0
-        for g in self.groups:
-            if self.staleness(g, version) > self.max_staleness:
+        for oldest, g in self.groups:
+            if self.staleness(oldest, version) > self.max_staleness:
                 dropped += len(g.trajectories)
             else:
-                kept.append(g)
+                kept.append((oldest, g))
         self.groups = kept
+        self.depth_samples -= dropped
         self.dropped["stale"] += dropped
         return dropped
 
@@ -92,12 +94,13 @@ class MessageQueue:
             return None
         out = [self.groups.popleft() for _ in range(n)]
         now = time.monotonic()
-        for g in out:
+        for oldest, g in out:
             k = len(g.trajectories)
             self.consumed_samples += k
-            self.staleness_hist[self.staleness(g, version)] += k
+            self.depth_samples -= k
+            self.staleness_hist[self.staleness(oldest, version)] += k
             self._consumed_times.append((now, k))
-        return out
+        return [g for _, g in out]
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
