@@ -356,6 +356,8 @@ class Link:
         self.eval: dict[str, Any] | None = None  # the newest evaluation, for the monitor
         metrics_path = config.get("metrics_path")
         self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.tensorboard = _tensorboard(self.metrics_path.parent / "tensorboard"
+                                        if self.metrics_path else None, ctx.log)
 
     async def open(self) -> dict[str, str]:
         if self.publisher is not None:
@@ -386,6 +388,11 @@ class Link:
         if self.metrics_path is not None:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, metrics["step"])
+            self.tensorboard.flush()
 
     async def data_cursor(self) -> dict[str, Any] | None:
         if self.rollouter is None:
@@ -397,6 +404,18 @@ class Link:
         if self.rollouter is None or not self.state.exp.rollout.eval_every:
             return None
         return (await self.rollouter.request(StatsRequest())).values.get("eval")
+
+
+def _tensorboard(directory: Path | None, log: Any) -> Any:
+    """A TensorBoard writer beside metrics.jsonl where the optional extra is installed."""
+    if directory is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the `tensorboard` extra is not installed: JSONL only
+        return None
+    log.info("tensorboard", logdir=str(directory))
+    return SummaryWriter(str(directory))
 
 
 # -- batches in ------------------------------------------------------------------------------------

@@ -282,3 +282,14 @@ def test_two_rank_training_equals_one_rank_training(tmp_path):
         for key in ("pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
                     "batch_staleness_mean", "tokens_per_s", "reward_mean", "version"):
             assert key in m
+
+
+def test_tensorboard_sink_writes_event_files_where_installed(tmp_path):
+    pytest.importorskip("tensorboard", reason="the optional `tensorboard` extra is not installed")
+    from rollmesh.log import get_logger
+    from rollmesh.trainer import _tensorboard
+
+    writer = _tensorboard(tmp_path / "tensorboard", get_logger())
+    writer.add_scalar("reward_mean", 0.5, 1)
+    writer.flush()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

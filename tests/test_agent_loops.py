@@ -1,0 +1,88 @@
+"""The pieces agent loops are made of: token bookkeeping, tool-call parsing, tools."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from rollmesh.agent_loops import (
+    append_observation, append_tokens, calculator, load_agent_loops, new_trajectory,
+    parse_tool_calls, parse_version, run_tool,
+)
+
+
+def test_token_rows_carry_mask_version_and_logprob():
+    t = new_trajectory("s-1", "g-1", 0, [5, 6, 7], agent_loop="single_turn")
+    append_tokens(t, [8, 9], [-0.5, -0.25], 3)
+    append_observation(t, [10])
+    append_tokens(t, [11], [-1.0], 4)
+    assert t.token_ids.tolist() == [5, 6, 7, 8, 9, 10, 11] and t.prompt_len == 3
+    assert t.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1]
+    assert t.versions.tolist() == [-1, -1, -1, 3, 3, -1, 4]
+    np.testing.assert_allclose(t.logprobs, [0, 0, 0, -0.5, -0.25, 0, -1.0])
+
+
+def test_weight_versions_must_be_integers():
+    assert parse_version("7") == 7
+    with pytest.raises(ValueError, match="start engines with --weight-version 0"):
+        parse_version("default")
+
+
+def test_tool_calls_are_parsed_in_order_and_malformed_ones_reported():
+    text = ('think <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}'
+            '</tool_call> and <tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}'
+            '</tool_call> <tool_call>{not json}</tool_call> <tool_call>{"arguments": {}}</tool_call>')
+    calls = parse_tool_calls(text)
+    assert calls[0] == {"name": "calculator", "arguments": {"expression": "2+3"}}
+    assert calls[1] == {"name": "search", "arguments": {"q": "x"}}
+    assert calls[2]["error"].startswith("malformed tool call:")
+    assert calls[3]["error"] == 'malformed tool call: expected {"name": str, "arguments": {...}}'
+    assert parse_tool_calls("no calls here") == []
+
+
+def test_every_tool_failure_is_a_message_for_the_model():
+    async def slow(x: int) -> str:
+        await asyncio.sleep(10)
+        return "late"
+
+    def broken() -> str:
+        raise KeyError("nope")
+
+    tools = {"calculator": calculator, "slow": slow, "broken": broken, "data": lambda: {"a": 1}}
+
+    async def main():
+        return await asyncio.gather(
+            run_tool(tools, {"name": "calculator", "arguments": {"expression": "(3+4)*2"}}, 1),
+            run_tool(tools, {"name": "slow", "arguments": {"x": 1}}, 0.2),
+            run_tool(tools, {"name": "broken", "arguments": {}}, 1),
+            run_tool(tools, {"name": "nosuch", "arguments": {}}, 1),
+            run_tool(tools, {"error": "malformed tool call: x"}, 1),
+            run_tool(tools, {"name": "calculator", "arguments": {"expr": "1"}}, 1),
+            run_tool(tools, {"name": "data", "arguments": {}}, 1))
+
+    start = time.monotonic()
+    out = asyncio.run(main())
+    assert time.monotonic() - start < 2  # the calls ran concurrently, the slow one timed out
+    assert out[0] == "14"
+    assert out[1] == "tool slow timed out after 0.2s"
+    assert out[2] == "tool broken failed: KeyError: 'nope'"
+    assert out[3] == "unknown tool 'nosuch' (available: broken, calculator, data, slow)"
+    assert out[4] == "malformed tool call: x"
+    assert out[5].startswith("tool calculator failed: TypeError")
+    assert out[6] == '{"a": 1}'
+
+
+def test_calculator_evaluates_arithmetic_and_nothing_else():
+    assert calculator("12 / 4 + 2 ** 3") == "11"
+    assert calculator("-7 // 2") == "-4"
+    for bad in ("__import__('os').system('true')", "x + 1", "2 ** 1000", "[1, 2]"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_builtin_loops_are_registered_as_entry_points():
+    loops = load_agent_loops()
+    assert {"single_turn", "tool_agent"} <= set(loops)
