@@ -35,7 +35,7 @@ from rollmesh.engine.sglang import EngineLaunch, engine_launch
 from rollmesh.hosts import Host, SshHost, make_host, terminal_echo
 from rollmesh.log import configure_logging, get_logger
 from rollmesh.plot import plot_metric
-from rollmesh.protocol import Metrics, Pause, StatsRequest
+from rollmesh.protocol import EnginesChanged, Metrics, Pause, StatsRequest
 from rollmesh.runtime import Child, RoleFailed, Supervisor
 from rollmesh.transport import CurveKeys, Publisher, RpcClient, StatusProxy, Transport
 
@@ -346,9 +346,16 @@ class Launcher:
         e.restarts += 1
         log.warning("engine_restart", engine=e.planned.proc.index, restarts=e.restarts)
         # It comes back with the initial weights, reported as version 0: its tokens are
-        # stamped as old and the staleness bound treats them so, until the next sync.
+        # stamped as old and the staleness bound treats them so, until the next sync, which
+        # rebuilds the weight-update group with it and sends it the current weights.
         self.start_engine(e)
         await self.wait_engines([e])
+        sync = next(p for p in self.plan if p.proc.role == "synchronizer")
+        client = RpcClient(self.sup.transport, _connect(sync.host, sync.proc.port), timeout_s=30)
+        try:
+            await client.request(EnginesChanged(reason=f"engine[{e.planned.proc.index}] restarted"))
+        finally:
+            client.close()
 
     async def shutdown(self) -> None:
         """Drain the rollouter for the summary, then stop roles (reverse order), then engines."""

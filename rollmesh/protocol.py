@@ -300,6 +300,15 @@ class SyncGo:
     version: int
     pause_s: float  # Pause sent -> Paused received
     cancel_queue: int = 0  # interrupted trajectories waiting to resume
+    rebuild_group: bool = False  # the engine set changed: build the weight-update group anew
+
+
+@record
+class EnginesChanged:
+    """Launcher -> synchronizer: an engine was restarted; the next sync rebuilds the group so
+    the new process receives the current weights."""
+
+    reason: str = ""
 
 
 @record
@@ -314,6 +323,7 @@ class SyncDone:
     error: str = ""
     broadcast_s: float = 0.0
     bytes: int = 0
+    retrying: bool = False  # failed, and the trainer tries again at once: keep rollout paused
 
 
 # -- MessageQueue (request-reply) ----------------------------------------------------------------

@@ -31,6 +31,7 @@ from rollmesh.weight_buckets import WeightSpec, plan_buckets, send_bucket, updat
 from rollmesh.weights import init_weight_update_group
 
 GROUP = "weight_update_group"
+SYNC_ATTEMPTS = 3  # broadcasts tried for one version before the trainer gives up
 
 
 def weight_specs(model: torch.nn.Module, dtype: torch.dtype) -> list[WeightSpec]:
@@ -92,6 +93,16 @@ class Publisher:
             weight_version=body["weight_version"], flush_cache=body["flush_cache"],
             load_format=body.get("load_format"))
 
+    def reset_group(self) -> None:
+        """Forget the weight-update group (an engine was restarted): the next broadcast builds
+        it anew with every engine, after destroying what the engines still hold."""
+        if self.group is not None:
+            try:
+                torch.distributed.destroy_process_group(self.group)
+            except Exception:  # a member is gone; the group is being replaced anyway
+                pass
+            self.group = None
+
     async def broadcast(self, model: torch.nn.Module, dtype: torch.dtype, version: int) -> int:
         """All buckets to every engine; returns the bytes sent."""
         if self.group is None:
@@ -122,39 +133,55 @@ async def sync_weights(state: Any, publisher: Publisher | None) -> dict[str, Any
     """Publish version + 1 (every rank calls; rank 0 talks, the others gather with it).
     `state` is the trainer's TrainState; returns rank 0's timings."""
     ranks, version = state.ranks, state.version + 1
-    if not ranks.is_main:
-        order = await asyncio.to_thread(ranks.share)
-        if order["op"] == "skip":
-            return {}
-        if order["op"] != "broadcast":
-            raise RuntimeError(f"rank 0 could not sync version {version}")
-        names = [s.name for s in weight_specs(state.model, state.compute_dtype)]
-        await asyncio.to_thread(lambda: [None for _ in gathered(state.model, names)])
-        state.version = version
-        return {}
+    if not ranks.is_main:  # gather with rank 0 once per broadcast attempt, until it says done
+        while True:
+            order = await asyncio.to_thread(ranks.share)
+            if order["op"] == "skip":
+                return {}
+            if order["op"] == "done":
+                state.version = version
+                return {}
+            if order["op"] != "broadcast":
+                raise RuntimeError(f"rank 0 could not sync version {version}")
+            names = [s.name for s in weight_specs(state.model, state.compute_dtype)]
+            await asyncio.to_thread(lambda: [None for _ in gathered(state.model, names)])
     if publisher is None:
         await asyncio.to_thread(ranks.share, {"op": "skip"})
         return {}
     started = time.monotonic()
-    try:
-        go: SyncGo = await publisher.synchronizer.request(
-            SyncRequest(version=version, step=state.step))
-    except BaseException:
-        await asyncio.to_thread(ranks.share, {"op": "abort"})
-        raise
-    await asyncio.to_thread(ranks.share, {"op": "broadcast"})
-    paused = time.monotonic()
-    try:
-        sent = await publisher.broadcast(state.model, state.compute_dtype, version)
-    except BaseException as e:
-        # Rollout resumes at the old version; this trainer stops (the engines' weights are
-        # suspect until the next successful sync).
-        await publisher.synchronizer.request(SyncDone(version=version, ok=False,
-                                                      error=str(e)[:2000]))
-        raise
+    for attempt in range(1, SYNC_ATTEMPTS + 1):
+        try:
+            go: SyncGo = await publisher.synchronizer.request(
+                SyncRequest(version=version, step=state.step))
+        except BaseException:
+            await asyncio.to_thread(ranks.share, {"op": "abort"})
+            raise
+        await asyncio.to_thread(ranks.share, {"op": "broadcast"})
+        paused = time.monotonic()
+        if go.rebuild_group or attempt > 1:
+            publisher.reset_group()
+        try:
+            sent = await publisher.broadcast(state.model, state.compute_dtype, version)
+            break
+        except BaseException as e:
+            # An engine died mid-sync (the launcher restarts it): keep rollout paused, build
+            # the group anew once every engine answers, and send the whole weights again.
+            # After the last attempt rollout resumes at the old version and this trainer stops.
+            # (With several ranks a failed broadcast leaves the others inside the parameter
+            # gather, so only a single-rank trainer retries for now.)
+            retrying = (attempt < SYNC_ATTEMPTS and isinstance(e, Exception)
+                        and ranks.world == 1)
+            await publisher.synchronizer.request(SyncDone(version=version, ok=False,
+                                                          error=str(e)[:2000],
+                                                          retrying=retrying))
+            if not retrying:
+                await asyncio.to_thread(ranks.share, {"op": "abort"})
+                raise
+            await publisher.engines.wait_healthy(publisher.sync.timeout_s)
     broadcast = time.monotonic()
     await publisher.synchronizer.request(SyncDone(version=version, broadcast_s=broadcast - paused,
                                                   bytes=sent))
+    await asyncio.to_thread(ranks.share, {"op": "done"})
     done = time.monotonic()
     state.version = version
     return {"published_version": version, "sync_pause_s": go.pause_s,

@@ -37,7 +37,7 @@ from typing import Any
 
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.protocol import (
-    Metrics, Ok, Pause, Paused, Resume, StatsRequest, SyncDone, SyncGo, SyncRequest,
+    EnginesChanged, Metrics, Ok, Pause, Paused, Resume, StatsRequest, SyncDone, SyncGo, SyncRequest,
     WeightVersion,
 )
 from rollmesh.runtime import RoleContext
@@ -65,6 +65,7 @@ class Synchronizer:
         self.lock = asyncio.Lock()  # one sync at a time, start to finish
         self.history: list[dict[str, Any]] = []
         self.failures = 0
+        self.rebuild = False  # an engine was restarted since the last successful sync
 
     async def request(self, msg: SyncRequest) -> SyncGo:
         current = self.current
@@ -80,7 +81,7 @@ class Synchronizer:
             paused: Paused = await self.rollouter.request(
                 Pause(mode=self.exp.sync.pause_mode), timeout_s=self.exp.sync.timeout_s)
             sync.go = SyncGo(version=msg.version, pause_s=time.monotonic() - started,
-                             cancel_queue=paused.cancel_queue)
+                             cancel_queue=paused.cancel_queue, rebuild_group=self.rebuild)
         except BaseException as e:
             self.current = None
             self.lock.release()
@@ -119,10 +120,16 @@ class Synchronizer:
             if msg.ok:
                 await self.mq.request(WeightVersion(version=msg.version))
                 self.version = msg.version
+                if sync.go is not None and sync.go.rebuild_group:
+                    self.rebuild = False  # every engine, the restarted ones too, is current
             else:
                 self.failures += 1
-                self.log.error("sync_failed", version=msg.version, error=msg.error)
-            await self.rollouter.request(Resume(version=self.version))
+                self.log.error("sync_failed", version=msg.version, error=msg.error,
+                               retrying=msg.retrying)
+            if msg.ok or not msg.retrying:
+                # After a failure the engines may hold part of the new weights: when the
+                # trainer retries, rollout stays paused until a broadcast completes.
+                await self.rollouter.request(Resume(version=self.version))
         finally:
             self.lock.release()
         now = time.monotonic()
@@ -170,9 +177,14 @@ async def main(ctx: RoleContext) -> None:
     async def on_stats(msg: StatsRequest, peer: bytes) -> Metrics:
         return Metrics(role="synchronizer", host=ctx.spec.host, values=sync.stats())
 
+    async def on_engines_changed(msg: EnginesChanged, peer: bytes) -> Ok:
+        sync.rebuild = True
+        ctx.log.info("engines_changed", reason=msg.reason)
+        return Ok()
+
     server = RpcServer(ctx.transport, ctx.config.get("bind", "tcp://127.0.0.1:0"),
-                       {SyncRequest: on_request, SyncDone: on_done, StatsRequest: on_stats},
-                       name="synchronizer")
+                       {SyncRequest: on_request, SyncDone: on_done, StatsRequest: on_stats,
+                        EnginesChanged: on_engines_changed}, name="synchronizer")
     serving = asyncio.create_task(server.serve())
     ctx.set_status(sync.stats)
     await ctx.ready(rpc=server.address)

@@ -135,6 +135,31 @@ def test_killed_agent_worker_is_restarted_and_the_run_completes(tmp_path):
     assert next(p for p in final["processes"] if p["name"] == "agent_worker[0]")["restarts"] == 1
 
 
+def test_killed_engine_is_restarted_and_rejoins_at_the_current_weight_version(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--set", "trainer.total_steps=60")
+    try:
+        wait_for(lambda: len(metrics(run_dir)) >= 5, 300, "training under way")
+        engine = next(p for p in status(run_dir)["processes"] if p["role"] == "engine")
+        os.kill(engine["pid"], signal.SIGKILL)
+        wait_for(lambda: next(p for p in status(run_dir)["processes"]
+                              if p["role"] == "engine")["restarts"] == 1, 120, "the restart")
+
+        def caught_up():
+            # the engine serves the weights the trainer published last (after the rebuild)
+            load = status(run_dir).get("engines") or [{}]
+            served = load[0].get("weight_version")
+            latest = metrics(run_dir)[-1]["version"]
+            return served not in (None, "0") and int(served) >= latest - 1 and latest > 10
+
+        wait_for(caught_up, 120, "the restarted engine to hold the current weights")
+    finally:
+        out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(metrics(run_dir)) == 60
+    check_accounting(run_dir)
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "rollmesh stop"])
 def test_stopping_a_run_leaves_no_process_behind(tmp_path, how):
     run_dir = tmp_path / "run"
