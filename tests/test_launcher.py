@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,6 +192,23 @@ def test_ssh_mode_against_a_real_sshd(tmp_path):
         sshd = Sshd(tmp_path / "sshd")
     except RuntimeError as e:
         pytest.skip(f"sshd cannot start here: {e}")
+    run_dir = tmp_path / f"ssh-run-{os.getpid()}-{time.time_ns()}"
+    try:
+        out, proc = _run_over_ssh(tmp_path, sshd, run_dir)
+    finally:
+        sshd.stop()  # whatever failed: no sshd left behind
+        # the "remote" side kept its keys and specs under its work directory (this checkout)
+        shutil.rmtree(ROOT / "runs" / run_dir.name, ignore_errors=True)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(metrics(run_dir)) == 8
+    check_accounting(run_dir)
+    remote = [p for p in status(run_dir)["processes"] if p["host"] == "remote"]
+    assert len(remote) == 3 and all(p["exit_code"] == 0 for p in remote), remote
+    worker_log = (run_dir / "logs" / "agent_worker-1.log").read_text()
+    assert '"event": "ready"' in worker_log  # its output came back through ssh
+
+
+def _run_over_ssh(tmp_path: Path, sshd: Sshd, run_dir: Path) -> tuple[str, subprocess.Popen]:
     # the launcher's machine runs the engine, queue and trainer; the workers run over SSH
     cluster = tmp_path / "cluster.toml"
     cluster.write_text("\n".join([
@@ -203,19 +221,8 @@ def test_ssh_mode_against_a_real_sshd(tmp_path):
         "[roles.agent_worker]", 'host = "remote"', "count = 2",
         "[roles.reward_worker]", 'host = "remote"',
         "[ports]", "base = 29100", ""]))
-    run_dir = tmp_path / "run"
     plan = rollmesh("launch", str(cluster), "--dry-run", "--run-dir", str(run_dir))
     assert plan.returncode == 0 and "over ssh" in plan.stdout, plan.stdout + plan.stderr
     assert "BatchMode=yes" in plan.stdout and "StrictHostKeyChecking" not in plan.stdout
     proc = launch(run_dir, "--set", "trainer.total_steps=8", cluster=str(cluster))
-    try:
-        out = finish(proc)
-    finally:
-        sshd.stop()
-    assert proc.returncode == 0, out[-3000:]
-    assert len(metrics(run_dir)) == 8
-    check_accounting(run_dir)
-    remote = [p for p in status(run_dir)["processes"] if p["host"] == "remote"]
-    assert len(remote) == 3 and all(p["exit_code"] == 0 for p in remote), remote
-    worker_log = (run_dir / "logs" / "agent_worker-1.log").read_text()
-    assert '"event": "ready"' in worker_log  # its output came back through ssh
+    return finish(proc), proc
