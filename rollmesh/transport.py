@@ -454,7 +454,30 @@ class RpcClient:
 # --------------------------------------------------------------------------------------------
 
 
-class Channel:
+class _Receiver:
+    """Records from `self.sock`; a malformed message is counted, logged sparsely, and skipped
+    (a peer flooding garbage must not flood the log either)."""
+
+    sock: zmq.Socket
+    where = "stream"
+    protocol_errors = 0
+
+    def _protocol_error(self, reason: str) -> None:
+        self.protocol_errors += 1
+        n = self.protocol_errors
+        if n & (n - 1) == 0 or n % 1000 == 0:
+            log.warning("protocol_error", where=self.where, reason=reason, count=n)
+
+    async def recv(self) -> Any:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                return protocol.decode(frames)
+            except ProtocolError as e:
+                self._protocol_error(str(e))
+
+
+class Channel(_Receiver):
     """The bound end of a work channel (ROUTER): receive from any peer, send to one peer.
 
     Used where the binder pushes work as well as receiving it (the rollouter dispatching
@@ -466,19 +489,15 @@ class Channel:
         self.sock = transport.socket(zmq.ROUTER, bind=bind, secure=secure, hwm=hwm)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its id back
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.name = name
-        self.protocol_errors = 0
+        self.name = self.where = name
 
-    async def recv(self) -> tuple[bytes, Any]:
+    async def recv(self) -> tuple[bytes, Any]:  # type: ignore[override]
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             try:
                 return frames[0].bytes, protocol.decode(frames[1:])
             except ProtocolError as e:
-                self.protocol_errors += 1
-                n = self.protocol_errors
-                if n & (n - 1) == 0 or n % 1000 == 0:
-                    log.warning("protocol_error", channel=self.name, reason=str(e), count=n)
+                self._protocol_error(str(e))
 
     async def send(self, peer: bytes, rec: Any) -> bool:
         """False if the peer is gone (its work must be re-queued by the caller)."""
@@ -493,26 +512,18 @@ class Channel:
         self.sock.close(0)
 
 
-class ChannelClient:
+class ChannelClient(_Receiver):
     """The connecting end of a work channel (DEALER)."""
+
+    where = "channel client"
 
     def __init__(self, transport: Transport, connect: str, *, identity: bytes | None = None,
                  secure: bool | None = None, hwm: int | None = None):
         self.sock = transport.socket(zmq.DEALER, connect=connect, secure=secure, hwm=hwm,
                                      identity=identity)
-        self.protocol_errors = 0
 
     async def send(self, rec: Any) -> None:
         await self.sock.send_multipart(protocol.encode(rec), copy=False)
-
-    async def recv(self) -> Any:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                return protocol.decode(frames)
-            except ProtocolError as e:
-                self.protocol_errors += 1
-                log.warning("protocol_error", channel="client", reason=str(e))
 
     def close(self) -> None:
         self.sock.close(0)
@@ -541,23 +552,14 @@ class Pusher:
         self.sock.close()
 
 
-class Puller:
+class Puller(_Receiver):
     """PULL end of a stream. Malformed messages are counted and skipped."""
+
+    where = "pull"
 
     def __init__(self, transport: Transport, *, bind: str | None = None,
                  connect: str | None = None, secure: bool | None = None, hwm: int | None = None):
         self.sock = transport.socket(zmq.PULL, bind=bind, connect=connect, secure=secure, hwm=hwm)
-        self.protocol_errors = 0
-
-    async def recv(self) -> Any:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                return protocol.decode(frames)
-            except ProtocolError as e:
-                self.protocol_errors += 1
-                log.warning("protocol_error", stream="pull", reason=str(e),
-                            count=self.protocol_errors)
 
     def close(self) -> None:
         self.sock.close()
@@ -619,25 +621,25 @@ class Publisher:
         self.sock.close(0)
 
 
-class Subscriber:
+class Subscriber(_Receiver):
     """Receives (topic, record) from the status hub for the given topic prefixes."""
+
+    where = "sub"
 
     def __init__(self, transport: Transport, hub: str, topics: Iterable[str] = ("",),
                  secure: bool | None = None):
         self.sock = transport.socket(zmq.SUB, connect=hub, secure=secure)
         for topic in topics:
             self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self.protocol_errors = 0
 
-    async def recv(self) -> tuple[str, Any]:
+    async def recv(self) -> tuple[str, Any]:  # type: ignore[override]
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             try:
                 topic = frames[0].bytes.decode("utf-8", "replace")
                 return topic, protocol.decode(frames[1:])
             except (ProtocolError, IndexError) as e:
-                self.protocol_errors += 1
-                log.warning("protocol_error", stream="sub", reason=str(e))
+                self._protocol_error(str(e))
 
     def close(self) -> None:
         self.sock.close(0)
