@@ -147,6 +147,10 @@ def test_failing_and_hanging_rewards_are_recorded_and_lose_nothing(tmp_path):
         d = stack.driver
         # version 0 admits 3 groups, one of each row: only the good one reaches the queue
         good = await d.take(1)
+        # the raising group fails at once, the hanging one after its 1 s time limit: wait for
+        # both to be recorded (while a hang runs its samples are in flight, and count as such)
+        await d.wait_for(lambda s: s["rollouter"]["dropped"].get("reward_failed", 0) >= 4,
+                         timeout_s=60, what="both failing groups recorded")
         stats = await settle(d, 2)
         return good, stats, [c.process.poll() for c in stack.rewards]
 
