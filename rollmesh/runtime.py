@@ -97,10 +97,25 @@ class RoleContext:
         return self.spec.config
 
     async def ready(self, **endpoints: str) -> None:
-        """Tell the parent this role serves, and where."""
-        await self.control.request(Ready(role=self.spec.role, host=self.spec.host,
-                                         pid=os.getpid(), instance=self.spec.instance,
-                                         endpoints=endpoints))
+        """Tell the parent this role serves, and where.
+
+        A stop that comes while the parent's answer is outstanding (the parent was killed just
+        after it saw Ready, or went silent) ends the wait: the role then finds `stopping` set
+        and winds down instead of failing on a parent that can no longer answer."""
+        request = asyncio.ensure_future(self.control.request(
+            Ready(role=self.spec.role, host=self.spec.host, pid=os.getpid(),
+                  instance=self.spec.instance, endpoints=endpoints)))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not request.done() or (self.stopping.is_set() and request.exception() is not None):
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+            self.log.info("ready_abandoned", reason="stopping before the parent answered")
+            return
+        request.result()
         self.is_ready = True
         self.log.info("ready", **endpoints)
 

@@ -224,7 +224,7 @@ def test_role_exits_when_its_parent_dies_or_goes_silent(how, tmp_path):
         assert not alive(child_pid), f"role survived its parent ({how})"
         events = [json.loads(line) for line in (tmp_path / "echo-0.log").read_text().splitlines()]
         last = events[-1]
-        assert last["event"] == "exit" and last["role"] == "echo"
+        assert last["event"] == "exit" and last["role"] == "echo", events[-4:]
         # killed: PDEATHSIG delivers SIGTERM at once; frozen: the unanswered heartbeats tell
         assert last["parent_lost"] is (how == "freeze")
         if how == "freeze":
@@ -251,3 +251,34 @@ def test_hello_with_another_protocol_version_is_refused():
     assert err.code == "handler"
     assert f"protocol version {PROTOCOL_VERSION + 1}, parent speaks {PROTOCOL_VERSION}" in err.message
     assert isinstance(ok, Ok)
+
+
+def test_ready_gives_up_on_a_parent_that_stops_answering_only_when_asked_to_stop():
+    """The parent can die between seeing Ready and answering it: the role must wind down on
+    its stop signal then, not fail on a PeerTimeout; without a stop the timeout is an error."""
+    from rollmesh.log import get_logger
+    from rollmesh.runtime import RoleContext, RoleSpec
+    from rollmesh.transport import PeerTimeout
+
+    async def main(stop_after: float | None):
+        with Transport() as t:
+            silent = t.sync_ctx.socket(zmq.ROUTER)  # a parent that reads and never answers
+            port = silent.bind_to_random_port("tcp://127.0.0.1")
+            spec = RoleSpec(role="echo", entry="tests.roles:echo",
+                            control=f"tcp://127.0.0.1:{port}")
+            control = RpcClient(t, spec.control, timeout_s=1.0, retries=0, name="parent")
+            ctx = RoleContext(spec, t, control, get_logger("test"))
+            if stop_after is not None:
+                asyncio.get_running_loop().call_later(stop_after, ctx.stopping.set)
+            started = time.monotonic()
+            try:
+                await ctx.ready(rpc="tcp://127.0.0.1:1")
+                return ctx.is_ready, time.monotonic() - started
+            finally:
+                control.close()
+                silent.close(0)
+
+    is_ready, took = asyncio.run(main(stop_after=0.1))
+    assert not is_ready and took < 0.9, took
+    with pytest.raises(PeerTimeout):
+        asyncio.run(main(stop_after=None))
