@@ -28,6 +28,9 @@ import zmq
 from rollmesh.protocol import Trajectory, decode, encode
 from rollmesh.transport import RpcClient, RpcServer, Transport, free_port
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.results import row, write  # noqa: E402
+
 
 def sample(n: int) -> Trajectory:
     rng = np.random.default_rng(0)
@@ -137,6 +140,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--serve", nargs=2, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--json", help="also write the comparisons here (benchmarks/results.py rows)")
     args = p.parse_args()
     if args.serve:
         serve(*args.serve)
@@ -152,6 +156,9 @@ def main() -> None:
     print(f"{'codec (one sample)':40s} {'us/sample':>12s} {'vs rollmesh':>12s}")
     for name, secs in rows:
         print(f"{name:40s} {secs * 1e6:12.1f} {secs / base:11.1f}x")
+    out = [row(f"codec: encode+decode of one {n}-token sample", base * 1e6, secs * 1e6, "us",
+               baseline_name=name, higher_is_better=False)
+           for name, secs in rows[1:]]
 
     raw_port, rpc_port = free_port(), free_port()
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(raw_port), str(rpc_port)],
@@ -169,6 +176,12 @@ def main() -> None:
         p99 = float(np.percentile(lat, 99))
         print(f"{name:40s} {p50 * 1e6:10.1f} {p99 * 1e6:10.1f} {1 / statistics.mean(lat):10.0f} "
               f"{p50 / floor:8.2f}x")
+    rpc = statistics.median(next(lat for name, lat in results if "rollmesh" in name))
+    out.append(row("request-reply round trip to a second process, p50", rpc * 1e6, floor * 1e6,
+                   "us", baseline_name="raw ZeroMQ frames, same bytes (floor)",
+                   higher_is_better=False,
+                   note="the cost of the codec, handler dispatch and asyncio on both sides"))
+    write(args.json, out)
 
 
 if __name__ == "__main__":

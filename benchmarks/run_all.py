@@ -1,0 +1,144 @@
+"""Run every benchmark and write benchmarks/RESULTS.md: figure, rollmesh, baseline, ratio, command.
+
+    .venv/bin/python benchmarks/run_all.py [--only e2e,queue,...] [--out benchmarks/RESULTS.md]
+
+Each benchmark is its own script (see benchmarks/README.md), run here as a subprocess with
+`--json`; every comparison in it is measured side by side in that one run. A benchmark that
+fails is reported in the file with its exit code and the tail of its output, and the others go
+on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> the arguments of benchmarks/<script> (sizes chosen to run in minutes on 2 cores)
+BENCHMARKS: dict[str, list[str]] = {
+    "e2e": ["benchmarks/e2e.py"],
+    "queue": ["benchmarks/queue.py", "--samples", "2000"],
+    "weight_sync": ["benchmarks/weight_sync.py"],
+    "partial_rollout": ["benchmarks/partial_rollout.py"],
+    "engine": ["benchmarks/engine.py"],
+    "wire": ["benchmarks/wire.py"],
+    "simulate": ["benchmarks/simulate.py"],
+}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kib / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import torch
+        gpu = (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
+               else ", no GPU")
+        tv = f", torch {torch.__version__}"
+    except ImportError:
+        gpu, tv = "", ""
+    return (f"{cpu}, {os.cpu_count()} cores{mem}{gpu}; Python {platform.python_version()}{tv}; "
+            f"{platform.system()} {platform.release()}")
+
+
+def fmt(x: float | None) -> str:
+    if x is None or x != x:
+        return "-"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    if abs(x) >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def verdict(r: dict) -> str:
+    if r.get("target") is None:
+        return ""
+    sign = ">=" if r["higher_is_better"] else "<="
+    return f"{'met' if r['met'] else 'MISSED'} ({sign} {r['target']:g}x)"
+
+
+def render(results: dict[str, dict], started: str, took_s: float) -> str:
+    out = ["# rollmesh benchmark results", "",
+           f"Machine: {machine()}.", f"Run: {started}, {took_s / 60:.1f} min, "
+           "`.venv/bin/python benchmarks/run_all.py`.", "",
+           "Ratio: rollmesh / baseline (for costs such as seconds, lower is better and a target "
+           "is a ceiling). Every row's two figures come from one run of its command.", "",
+           "| figure | rollmesh | baseline | ratio | target | command |",
+           "|---|---|---|---|---|---|"]
+    notes = []
+    for name, res in results.items():
+        if res["rows"] is None:
+            out.append(f"| {name}: did not run (exit {res['code']}) | - | - | - | - | "
+                       f"`{res['command']}` |")
+            notes.append(f"- **{name}** exited with {res['code']}:\n\n```\n{res['tail']}\n```")
+            continue
+        for r in res["rows"]:
+            out.append(f"| {r['figure']} | {fmt(r['rollmesh'])} {r['unit']} | "
+                       f"{fmt(r['baseline'])} {r['unit']} ({r['baseline_name']}) | "
+                       f"{fmt(r['ratio'])}x | {verdict(r)} | `{r['command']}` |")
+            if r.get("note"):
+                notes.append(f"- {r['figure']}: {r['note']}")
+    if notes:
+        out += ["", "## Notes", "", *notes]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/RESULTS.md"))
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
+    a = p.parse_args()
+    names = a.only.split(",") if a.only else list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
+    started, t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.monotonic()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            args = BENCHMARKS[name]
+            command = ".venv/bin/python " + " ".join(args)
+            path = Path(tmp) / f"{name}.json"
+            print(f"== {name}: {command}", flush=True)
+            try:
+                proc = subprocess.run([sys.executable, *args, "--json", str(path)], cwd=ROOT,
+                                      capture_output=True, text=True, timeout=a.timeout)
+                code, output = proc.returncode, proc.stdout + proc.stderr
+            except subprocess.TimeoutExpired as e:
+                code = "timeout"
+                output = (e.stdout or b"").decode(errors="replace") if isinstance(
+                    e.stdout, bytes) else (e.stdout or "")
+            print(output[-4000:], flush=True)
+            rows = json.loads(path.read_text()) if code == 0 and path.exists() else None
+            for r in rows or []:  # the command a reader can paste, not the temporary --json
+                r["command"] = command
+            results[name] = {"rows": rows, "code": code, "command": command,
+                             "tail": "\n".join(output.strip().splitlines()[-15:])}
+    Path(a.out).write_text(render(results, started, time.monotonic() - t0))
+    print(f"wrote {a.out}")
+    return 0 if all(r["rows"] is not None for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
