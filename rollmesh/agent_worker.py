@@ -21,7 +21,7 @@ from rollmesh.engine.client import EngineClient
 from rollmesh.protocol import (
     Assign, Cancel, Heartbeat, Metrics, Returned, StatsRequest, Trajectory, WorkerHello,
 )
-from rollmesh.runtime import RoleContext
+from rollmesh.runtime import RoleContext, rejoin_when_silent
 from rollmesh.transport import ChannelClient
 
 
@@ -70,24 +70,35 @@ class AgentWorker:
                 "generated_tokens": self.loop_ctx.generated_tokens}
 
     async def serve(self, credits: int) -> None:
-        await self.channel.send(WorkerHello(worker=self.name, kind="agent", credits=credits))
+        async def hello() -> None:
+            await self.channel.send(WorkerHello(worker=self.name, kind="agent", credits=credits))
+
+        await hello()
+        heard = time.monotonic()
+        spec = self.ctx.spec  # a restarted rollouter does not know us: say hello again
+        rejoin = asyncio.create_task(rejoin_when_silent(hello, lambda: heard, spec.heartbeat_s,
+                                                        spec.liveness, self.log))
         cancelling: asyncio.Task | None = None
-        while True:
-            msg = await self.channel.recv()
-            if isinstance(msg, Assign):
-                traj = msg.trajectory
-                if cancelling is not None and not cancelling.done():
-                    await cancelling  # a resume after a cancel: finish shipping partials first
-                self.running[traj.sample_id] = asyncio.create_task(self.run_one(traj))
-            elif isinstance(msg, Cancel):
-                cancelling = asyncio.create_task(self.cancel(msg.reason))
-            elif isinstance(msg, Heartbeat):
-                await self.channel.send(Heartbeat(sender=self.name, seq=msg.seq))
-            elif isinstance(msg, StatsRequest):
-                await self.channel.send(Metrics(role="agent_worker", host=self.ctx.spec.host,
-                                                values=self.stats()))
-            else:
-                self.log.warning("unexpected_message", type=type(msg).__name__)
+        try:
+            while True:
+                msg = await self.channel.recv()
+                heard = time.monotonic()
+                if isinstance(msg, Assign):
+                    traj = msg.trajectory
+                    if cancelling is not None and not cancelling.done():
+                        await cancelling  # a resume after a cancel: ship the partials first
+                    self.running[traj.sample_id] = asyncio.create_task(self.run_one(traj))
+                elif isinstance(msg, Cancel):
+                    cancelling = asyncio.create_task(self.cancel(msg.reason))
+                elif isinstance(msg, Heartbeat):
+                    await self.channel.send(Heartbeat(sender=self.name, seq=msg.seq))
+                elif isinstance(msg, StatsRequest):
+                    await self.channel.send(Metrics(role="agent_worker", host=spec.host,
+                                                    values=self.stats()))
+                else:
+                    self.log.warning("unexpected_message", type=type(msg).__name__)
+        finally:
+            rejoin.cancel()
 
 
 async def main(ctx: RoleContext) -> None:

@@ -24,11 +24,15 @@ import collections
 import importlib.metadata
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
+
+import msgpack
 
 from rollmesh.agent_loops import load_tokenizer, new_trajectory
 from rollmesh.config import ExperimentConfig, parse_config
-from rollmesh.data import Dataset, PromptSource, render_prompt
+from rollmesh.data import Dataset, PromptGroup, PromptSource, render_prompt
+from rollmesh.durable_log import DurableLog
 from rollmesh.protocol import (
     Assign, Cancel, Group, Heartbeat, Metrics, Ok, Pause, Paused, PutGroup, Resume, Returned,
     Score, Scored, StatsRequest, Trajectory, WorkerHello,
@@ -58,6 +62,124 @@ def get_group_filter(name: str) -> Callable[[Group], bool]:
     return filters[name]
 
 
+
+# -- durable state -------------------------------------------------------------------------------
+
+
+@dataclass
+class OpenGroup:
+    row: int  # the dataset row's index
+    size: int
+    version: int
+    dropped: int = 0  # samples already dropped (a dropped group's stragglers come back later)
+    done: bool = False  # queued, or dropped as a whole
+
+
+class Journal:
+    """The rollouter's state on disk, so that a restarted rollouter (kill -9, or
+    `rollmesh launch --resume`) goes on where this one stood: an append-only log
+    (`rollmesh.durable_log`) of msgpack records
+
+        admit   group id, row, size, version, the prompt cursor after it
+        queued  group id (the MessageQueue accepted it)
+        drop    group id, reason, samples
+        version the weight version a Resume brought
+
+    Replayed, it gives the cursor, the counters of the accounting identity and the groups that
+    were admitted but neither queued nor dropped: those were in flight in the lost process and
+    are generated again from their prompts, under the same group ids, so each is counted once.
+    A group queued but not yet journaled as such when the process died is generated again too;
+    the MessageQueue drops the second copy by its group id. Compaction: past `compact_bytes` the
+    log is rewritten as one snapshot record (cursor, version, counters, the open groups).
+    """
+
+    def __init__(self, path: str | Path, log: Any, compact_bytes: int = 8 << 20):
+        self.file, records = DurableLog.open(path, fsync_interval_s=1.0, log=log)
+        self.compact_bytes = compact_bytes
+        self.cursor: dict[str, Any] | None = None
+        self.version = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.groups: dict[str, OpenGroup] = {}
+        for raw in records:
+            self._apply(msgpack.unpackb(raw, raw=False))
+        self.replayed = len(records)
+
+    def _apply(self, r: dict[str, Any]) -> None:
+        kind = r["k"]
+        if kind == "snapshot":
+            self.cursor, self.version = r["cursor"], r["version"]
+            self.counters = collections.Counter(r["counters"])
+            self.dropped = collections.Counter(r["dropped"])
+            self.groups = {gid: OpenGroup(*g) for gid, g in r["groups"].items()}
+        elif kind == "admit":
+            self.groups[r["g"]] = OpenGroup(r["row"], r["n"], r["v"])
+            self.cursor = r["cursor"]
+            self.counters["admitted_groups"] += 1
+            self.counters["admitted_samples"] += r["n"]
+        elif kind == "queued":
+            self.groups.pop(r["g"], None)
+            self.counters["accepted_groups"] += 1
+            self.counters["queued_groups"] += 1
+            self.counters["queued_samples"] += r["n"]
+        elif kind == "drop":
+            self.dropped[r["reason"]] += r["n"]
+            g = self.groups.get(r["g"])
+            if g is not None:
+                g.dropped += r["n"]
+                if r.get("whole"):
+                    g.done = True
+                    self.counters["rejected_groups"] += 1
+                if g.done and g.dropped >= g.size:
+                    del self.groups[r["g"]]
+        elif kind == "version":
+            self.version = max(self.version, r["v"])
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._apply(record)
+        self.file.append(msgpack.packb(record, use_bin_type=True))
+        if self.file.size > self.compact_bytes:
+            self.compact()
+
+    def admitted(self, group: PromptGroup, cursor: dict[str, Any], version: int) -> None:
+        self._write({"k": "admit", "g": group.group_id, "row": group.row.index,
+                     "n": group.group_size, "v": version, "cursor": cursor})
+
+    def queued(self, group_id: str, samples: int) -> None:
+        self._write({"k": "queued", "g": group_id, "n": samples})
+
+    def drop(self, group_id: str, reason: str, samples: int, whole: bool = False) -> None:
+        if samples or whole:
+            self._write({"k": "drop", "g": group_id, "reason": reason, "n": samples,
+                         "whole": whole})
+
+    def new_version(self, version: int) -> None:
+        if version > self.version:
+            self._write({"k": "version", "v": version})
+
+    def recover(self) -> tuple[list[tuple[str, OpenGroup]], int]:
+        """After a replay: the open groups to generate again, and the samples of dropped
+        groups that were still out with workers in the lost process (now dropped for good)."""
+        lost = 0
+        for gid, g in list(self.groups.items()):
+            if g.done:  # dropped whole; its stragglers died with the old process
+                lost += g.size - g.dropped
+                self.drop(gid, "group_failed", g.size - g.dropped)
+                self.groups.pop(gid, None)
+        return [(gid, g) for gid, g in self.groups.items()], lost
+
+    def compact(self) -> None:
+        """Rewrite the log as one snapshot of everything a replay would build."""
+        snapshot = {"k": "snapshot", "cursor": self.cursor, "version": self.version,
+                    "counters": dict(self.counters), "dropped": dict(self.dropped),
+                    "groups": {gid: [g.row, g.size, g.version, g.dropped, g.done]
+                               for gid, g in self.groups.items()}}
+        self.file.rewrite([msgpack.packb(snapshot, use_bin_type=True)])
+
+    def close(self) -> None:
+        self.file.close()
+
+
 # -- state ---------------------------------------------------------------------------------------
 
 
@@ -83,8 +205,9 @@ class GroupState:
 
 class Rollouter:
     def __init__(self, ctx: RoleContext, exp: ExperimentConfig, source: PromptSource,
-                 tokenizer: Any, channel: Channel, mq: RpcClient):
+                 tokenizer: Any, channel: Channel, mq: RpcClient, journal: Journal | None = None):
         self.ctx, self.log, self.exp = ctx, ctx.log, exp
+        self.journal = journal
         self.source, self.tokenizer = source, tokenizer
         self.channel, self.mq = channel, mq
         self.group_filter = get_group_filter(exp.rollout.group_filter)
@@ -175,17 +298,46 @@ class Rollouter:
             if len(prompt) > self.exp.data.max_prompt_tokens:
                 self.counters["skipped_prompts"] += 1
                 continue
-            loop = group.row.agent_loop or self.exp.data.default_agent_loop
-            meta = {**group.row.metadata, "row": group.row.index}
-            if group.row.tools is not None:
-                meta["tools"] = group.row.tools
-            for i in range(group.group_size):
-                self.pending.append(new_trajectory(
-                    f"{group.group_id}-{i:03d}", group.group_id, i, prompt, agent_loop=loop,
-                    label=group.row.label, metadata=meta))
-            self.groups[group.group_id] = GroupState(group.group_size, self.version)
+            self._start_group(group, prompt, self.version)
             self.counters["admitted_groups"] += 1
             self.counters["admitted_samples"] += group.group_size
+            if self.journal is not None:
+                self.journal.admitted(group, self.source.state(), self.version)
+
+    def _start_group(self, group: PromptGroup, prompt: list[int], version: int) -> None:
+        loop = group.row.agent_loop or self.exp.data.default_agent_loop
+        meta = {**group.row.metadata, "row": group.row.index}
+        if group.row.tools is not None:
+            meta["tools"] = group.row.tools
+        for i in range(group.group_size):
+            self.pending.append(new_trajectory(
+                f"{group.group_id}-{i:03d}", group.group_id, i, prompt, agent_loop=loop,
+                label=group.row.label, metadata=meta))
+        self.groups[group.group_id] = GroupState(group.group_size, version)
+
+    def restore(self) -> None:
+        """Go on from the journal of a previous rollouter of this run, if there is one."""
+        j = self.journal
+        if j is None or not j.replayed:
+            return
+        if j.cursor is not None:
+            self.source.restore(j.cursor)
+        self.version = j.version
+        for key in ("admitted_groups", "admitted_samples", "accepted_groups", "queued_groups",
+                    "queued_samples", "rejected_groups"):
+            self.counters[key] = j.counters[key]
+        reopen, lost = j.recover()
+        self.dropped = collections.Counter(j.dropped)
+        rows = {row.index: row for row in self.source.rows}
+        for gid, g in reopen:  # in flight in the lost process: generate them again
+            row = rows[g.row]
+            prompt = render_prompt(row, self.tokenizer, self.exp.data.system_prompt)
+            self._start_group(PromptGroup(gid, row, g.size, 0), prompt, g.version)
+        self.counters["restored_groups"] = len(reopen)
+        self.log.warning("restored", records=j.replayed, version=self.version,
+                         cursor=j.cursor, regenerated_groups=len(reopen),
+                         stragglers_dropped=lost, admitted=self.counters["admitted_samples"],
+                         queued=self.counters["queued_samples"], dropped=dict(self.dropped))
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -236,7 +388,7 @@ class Rollouter:
         if self.is_eval(traj):
             self.eval_returned(traj)
         elif traj.group_id not in self.groups:  # its group was already given up
-            self.dropped["group_failed"] += 1
+            self._drop_straggler(traj)
         elif traj.status == "finished":
             self.to_score.append(traj)
         elif traj.status == "interrupted":
@@ -261,7 +413,7 @@ class Rollouter:
             return
         state = self.groups.get(traj.group_id)
         if state is None:  # its group was already given up
-            self.dropped["group_failed"] += 1
+            self._drop_straggler(traj)
             return
         state.scored.append(traj)
         if len(state.scored) == state.size:
@@ -275,6 +427,11 @@ class Rollouter:
             else:
                 self.finish_group(traj.group_id, group, None)
 
+    def _drop_straggler(self, traj: Trajectory) -> None:
+        self.dropped["group_failed"] += 1
+        if self.journal is not None:
+            self.journal.drop(traj.group_id, "group_failed", 1)
+
     def finish_group(self, group_id: str, group: Group | None, reason: str | None,
                      extra: list[Trajectory] = ()) -> None:
         """A group leaves the running set: accepted (to the queue) or dropped with a reason."""
@@ -285,15 +442,18 @@ class Rollouter:
             return
         # Dropped: the scored ones and the failed ones are in hand; the rest are still out
         # somewhere and are dropped when they come back (see scored / returned).
-        self.dropped[reason] += len(state.scored) + len(extra)
+        n = len(state.scored) + len(extra)
         self.counters["rejected_groups"] += 1
         # Its samples still queued here go with it; those out with workers are dropped when
         # they come back (reason "group_failed").
         for q in (self.pending, self.cancel_queue, self.to_score):
             keep = [t for t in q if t.group_id != group_id]
-            self.dropped[reason] += len(q) - len(keep)
+            n += len(q) - len(keep)
             q.clear()
             q.extend(keep)
+        self.dropped[reason] += n
+        if self.journal is not None:
+            self.journal.drop(group_id, reason, n, whole=True)
 
     # -- pause / resume ----------------------------------------------------------------------
 
@@ -320,6 +480,8 @@ class Rollouter:
 
     def resume(self, version: int) -> None:
         self.version = max(self.version, version)
+        if self.journal is not None:
+            self.journal.new_version(self.version)
         self.paused = False
         self.start_eval()
         self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue))
@@ -408,6 +570,8 @@ class Rollouter:
                 continue
             if reply.accepted:
                 group = self.ready.popleft()
+                if self.journal is not None:
+                    self.journal.queued(group.group_id, len(group.trajectories))
                 self.counters["queued_samples"] += len(group.trajectories)
                 self.counters["queued_groups"] += 1
                 delay = 0.01
@@ -425,7 +589,10 @@ async def main(ctx: RoleContext) -> None:
     tokenizer = load_tokenizer(exp.model.path)
     channel = Channel(ctx.transport, ctx.config["bind"], name="rollouter")
     mq = RpcClient(ctx.transport, ctx.config["message_queue"], timeout_s=30, name="message queue")
-    r = Rollouter(ctx, exp, source, tokenizer, channel, mq)
+    state_dir = ctx.config.get("state_dir")
+    journal = Journal(Path(state_dir) / "rollouter.log", ctx.log) if state_dir else None
+    r = Rollouter(ctx, exp, source, tokenizer, channel, mq, journal)
+    r.restore()
 
     async def pause(msg: Pause, peer: bytes) -> Paused:
         return await r.pause(msg.mode)
@@ -453,6 +620,8 @@ async def main(ctx: RoleContext) -> None:
             raise t.exception()
         t.cancel()
     ctx.log.info("stats", **{k: v for k, v in r.stats().items() if k != "workers"})
+    if journal is not None:
+        journal.close()
     channel.close()
     control.close()
     mq.close()

@@ -132,6 +132,24 @@ def _die_with_parent(parent_pid: int) -> None:
         raise SystemExit(EXIT_PARENT_LOST)
 
 
+async def rejoin_when_silent(hello: Callable[[], Awaitable[Any]], heard: Callable[[], float],
+                             interval_s: float, liveness: int, log: Any,
+                             peer: str = "rollouter") -> None:
+    """A worker's side of a restarted peer: the peer heartbeats every `interval_s`; when nothing
+    came from it for `liveness` intervals (it died and came back without knowing this worker,
+    or is gone), introduce this worker again, and again every `liveness` intervals."""
+    last_hello = time.monotonic()
+    while True:
+        await asyncio.sleep(interval_s)
+        now = time.monotonic()
+        limit = interval_s * liveness
+        if now - heard() > limit and now - last_hello > limit:
+            log.warning("peer_silent", peer=peer, silent_s=round(now - heard(), 2),
+                        action="hello again")
+            await hello()
+            last_hello = now
+
+
 def _load_entry(entry: str) -> Callable[[RoleContext], Awaitable[None]]:
     module, _, func = entry.partition(":")
     if not func:
