@@ -2,7 +2,7 @@
 
     python benchmarks/weight_sync.py [--dtype bfloat16|float32] [--layers 24]
         [--buckets 16,64,256,1024] [--repeats 3] [--receivers 2] [--no-load] [--skip-pause]
-        [--pause-trials 5]
+        [--pause-trials 5] [--json PATH]
 
 1. Broadcast, over gloo on this host, of a list of tensors shaped like Qwen2.5-0.5B's (vocab
    151936, hidden 896, intermediate 4864, 24 layers, 14 query / 2 key-value heads, tied
@@ -11,16 +11,20 @@
    engines build it (`rollmesh.weights.init_weight_update_group`):
      floor     one raw `torch.distributed.broadcast` of a single flat buffer of the same bytes,
                prepared beforehand (nothing else timed);
-     flattened `rollmesh.weight_buckets.send_bucket(load_format="flattened_bucket")` for each
-               bucket size of --buckets (MiB): the tensors are copied into a bucket buffer, one
-               broadcast per bucket; receivers view the tensors out of it;
+     flattened `rollmesh.weight_buckets.send_buckets(load_format="flattened_bucket")` for each
+               bucket size of --buckets (MiB), pipelined as `rollmesh.publish` sends them: bucket
+               i+1 is copied into one of two bucket buffers while bucket i is on the wire
+               (`async_op=True`), a one-tensor bucket is sent as it is; receivers load as the
+               built-in engine does (`receive_bucket_into`): the first run leaves each bucket's
+               tensors as views of its receive buffer, later runs receive into them directly;
      tensor    one broadcast per tensor (the contract's form, what the built-in engine does);
                the bucket size only changes how many HTTP calls announce them, not the
                transport, so it is run once.
-   Receivers "load" like an engine: each received tensor is copied into a preallocated model
-   tensor (--no-load: received and dropped). Each run ends with a barrier, so the time is until
+   Receivers "load" like an engine: flattened as above, per tensor each received tensor is
+   copied into a preallocated model tensor (--no-load: received into a reused buffer and
+   dropped). Each run ends with a barrier, so the time is until
    every receiver holds every tensor. Reported: median seconds over --repeats, GB/s of payload,
-   and the ratio to the floor.
+   and the ratio to the floor. `--json PATH` writes the rows of benchmarks/results.py.
 2. The rollout pause window: the real rollout side (built-in engine with the tiny model,
    MessageQueue, rollouter, agent and reward workers, as tests/rollout_stack.py starts them)
    generating long responses; the time from Pause sent to Paused received (every in-flight
@@ -29,13 +33,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,8 +51,9 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results import row, write  # noqa: E402
 from rollmesh.weight_buckets import (  # noqa: E402
-    WeightSpec, plan_buckets, receive_bucket, send_bucket,
+    BucketSender, WeightSpec, plan_buckets, receive_bucket, receive_bucket_into, send_buckets,
 )
 from rollmesh.weights import (  # noqa: E402
     destroy_weight_update_group, dtype_from_name, init_weight_update_group,
@@ -108,7 +114,7 @@ def receiver(args: argparse.Namespace) -> None:
         flat = torch.zeros(total, dtype=torch.uint8) if mode == "floor" else None
         # A receive buffer reused bucket after bucket, as the sender's (`buffer=`).
         reuse = (torch.zeros(min(total, int(bucket_mb * 2**20)), dtype=torch.uint8)
-                 if mode == "flattened_bucket" else None)
+                 if mode == "flattened_bucket" and not model else None)
         for _ in range(args.repeats):
             barrier(group)
             if flat is not None:
@@ -117,8 +123,13 @@ def receiver(args: argparse.Namespace) -> None:
                 size = int(bucket_mb * 2**20) if mode != "tensor" else total
                 for bucket in plan_buckets(specs, size):
                     names = [s.name for s in bucket]
-                    got = receive_bucket(group, names, [args.dtype] * len(bucket),
-                                         [list(s.shape) for s in bucket], mode, buffer=reuse)
+                    dtypes = [args.dtype] * len(bucket)
+                    shapes = [list(s.shape) for s in bucket]
+                    if model and mode == "flattened_bucket":  # what the built-in engine does
+                        receive_bucket_into(group, model, names, dtypes, shapes, mode,
+                                            scratch=reuse)
+                        continue
+                    got = receive_bucket(group, names, dtypes, shapes, mode, buffer=reuse)
                     for name, t in got:
                         if model:
                             model[name].copy_(t)
@@ -163,8 +174,7 @@ def sender(args: argparse.Namespace) -> list[dict]:
             for s in specs:
                 flat[offset:offset + s.nbytes] = params[s.name].reshape(-1).view(torch.uint8)
                 offset += s.nbytes
-        reuse = (torch.zeros(min(total, int(bucket_mb * 2**20)), dtype=torch.uint8)
-                 if mode == "flattened_bucket" else None)
+        sender = None
         times, broadcasts = [], 0
         for _ in range(args.repeats):
             barrier(group)
@@ -175,13 +185,15 @@ def sender(args: argparse.Namespace) -> list[dict]:
             else:
                 size = int(bucket_mb * 2**20) if mode != "tensor" else total
                 buckets = plan_buckets(specs, size)
-                for bucket in buckets:
-                    send_bucket(group, bucket, (params[s.name] for s in bucket), mode,
-                                buffer=reuse)
+                # pipelined, as rollmesh.publish does it (its two buffers kept across syncs)
+                sender = sender or BucketSender(group, mode, capacity=max(
+                    (sum(s.nbytes for s in b) for b in buckets if len(b) > 1), default=0))
+                send_buckets(group, buckets, (params[s.name] for s in specs), mode,
+                             sender=sender)
                 broadcasts = len(buckets) if mode != "tensor" else len(specs)
             barrier(group)
             times.append(time.perf_counter() - start)
-        del flat, reuse
+        del flat, sender
         seconds = statistics.median(times)
         results.append({"mode": mode, "bucket_mb": bucket_mb, "seconds": seconds,
                         "gb_per_s": total / seconds / 1e9, "broadcasts": broadcasts,
@@ -258,6 +270,8 @@ def main() -> int:
     p.add_argument("--no-load", action="store_true")
     p.add_argument("--skip-pause", action="store_true")
     p.add_argument("--pause-trials", type=int, default=5)
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the comparison rows (benchmarks/results.py) there")
     p.add_argument("--receiver-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -276,7 +290,35 @@ def main() -> int:
         print(f"  Pause -> Paused: median {statistics.median(ps) * 1000:.1f} ms, "
               f"max {max(ps) * 1000:.1f} ms", flush=True)
     print(json.dumps({"broadcast": results, "pause": pauses}))
+    write(args.json, rows(args, results, pauses))
     return 0
+
+
+def rows(args: argparse.Namespace, results: list[dict], pauses: list[dict]) -> list[dict]:
+    floor = next(r for r in results if r["mode"] == "floor")
+    flattened = [r for r in results if r["mode"] == "flattened_bucket"]
+    out = []
+    if flattened:
+        best = min(flattened, key=lambda r: r["seconds"])
+        out.append(row(
+            "weight sync, flattened best bucket vs floor", best["seconds"], floor["seconds"],
+            "s", baseline_name="floor: one raw broadcast of the same bytes, prepared beforehand",
+            higher_is_better=False, target=1.3,
+            note=f"{args.layers} layers {args.dtype}, {args.receivers} receivers over gloo on one "
+                 f"host, median of {args.repeats}; best bucket {best['bucket_mb']:g} MiB "
+                 f"({best['broadcasts']} broadcasts); receivers load into the model "
+                 f"(steady state: the buckets land in the model's storage)"
+                 + (" (--no-load)" if args.no_load else "")))
+    if pauses:
+        median_ms = statistics.median(p["pause_s"] for p in pauses) * 1000
+        out.append(row(
+            "rollout pause window", median_ms, floor["seconds"] * 1000, "ms",
+            baseline_name="the floor broadcast time of the weights (what a sync costs anyway)",
+            higher_is_better=False,
+            note=f"median Pause -> Paused over {len(pauses)} trials (tiny model on the built-in "
+                 "engine, generations running, every one aborted and queued); the baseline is "
+                 "not a pause: it puts the pause beside the broadcast it precedes"))
+    return out
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ A checkpoint is one directory `step_<N>` under the checkpoint directory:
                              `<name>.step`
     trainer_state.json       step, version, samples consumed, optimizer hyper-parameters,
                              scheduler state, data cursor (opaque plain data), world size
+                             (and, with a critic, its optimizer hyper-parameters and scheduler)
     rng.msgpack              every rank's RNG states: torch (and CUDA), numpy, python
+    critic.safetensors, critic_optimizer.safetensors
+                             GAE only: the critic's parameters (decoder + `value_head`) and its
+                             AdamW state, as the policy's
 
 It is written into a temporary directory next to it and renamed into place, then the `latest`
 file is replaced (also by rename): a crash leaves the previous checkpoint whole. Every tensor is
@@ -155,15 +159,26 @@ def _write_hf_files(path: Path, model: torch.nn.Module, tokenizer: Any) -> None:
         tokenizer.save_pretrained(path)
 
 
+def _scheduler_state(scheduler: Any) -> dict[str, Any]:
+    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
 def save(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: Any, step: int, version: int, ranks: Ranks = Ranks(),
          tokenizer: Any = None, samples_consumed: int = 0,
          data_cursor: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+         critic: torch.nn.Module | None = None,
+         critic_optimizer: torch.optim.Optimizer | None = None, critic_scheduler: Any = None,
          ) -> Path | None:
     """Write checkpoint `step` under `directory` (every rank calls; rank 0 writes and returns
-    its path, the others return None)."""
+    its path, the others return None). A `critic` comes with its optimizer and scheduler."""
+    if critic is not None and (critic_optimizer is None or critic_scheduler is None):
+        raise ValueError("a critic is saved with its optimizer and scheduler")
     params = full_state_dict(model, ranks)
     optim = _optimizer_tensors(model, optimizer, ranks)
+    if critic is not None:
+        critic_params = full_state_dict(critic, ranks)
+        critic_optim = _optimizer_tensors(critic, critic_optimizer, ranks)
     rngs = ranks.gather_bytes(msgpack.packb(rng_state(), use_bin_type=True))
     if not ranks.is_main:
         return None
@@ -176,13 +191,19 @@ def save(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.opti
         save_file(params, tmp / "model.safetensors", metadata={"format": "pt"})
         save_file(optim, tmp / "optimizer.safetensors", metadata={"format": "pt"})
         _write_hf_files(tmp, model, tokenizer)
-        sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
         state = {
             "format": FORMAT, "step": step, "version": version,
             "samples_consumed": samples_consumed, "world_size": ranks.world,
-            "optimizer": {"param_groups": _hyper(optimizer)}, "scheduler": sched,
+            "optimizer": {"param_groups": _hyper(optimizer)},
+            "scheduler": _scheduler_state(scheduler),
             "data_cursor": data_cursor, "extra": extra or {},
         }
+        if critic is not None:
+            save_file(critic_params, tmp / "critic.safetensors", metadata={"format": "pt"})
+            save_file(critic_optim, tmp / "critic_optimizer.safetensors",
+                      metadata={"format": "pt"})
+            state["critic"] = {"optimizer": {"param_groups": _hyper(critic_optimizer)},
+                               "scheduler": _scheduler_state(critic_scheduler)}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         (tmp / "rng.msgpack").write_bytes(msgpack.packb({"ranks": rngs}, use_bin_type=True))
         for f in tmp.iterdir():
@@ -214,44 +235,70 @@ def _like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, mesh, target.placements, src_data_rank=None)
 
 
+def _load_parameters(file: Path, model: torch.nn.Module) -> None:
+    named = _named_parameters(model)
+    with safe_open(file, framework="pt") as f:
+        missing = [n for n, _ in named if n not in f.keys()]
+        if missing:
+            raise ValueError(f"{file}: lacks {missing[:5]}")
+        for name, p in named:
+            p.copy_(_like(f.get_tensor(name), p))
+
+
+def _load_optimizer(file: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    groups: list[dict[str, Any]]) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{file}: {len(groups)} optimizer param groups, the optimizer has "
+                         f"{len(optimizer.param_groups)}")
+    for saved, group in zip(groups, optimizer.param_groups):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+    with safe_open(file, framework="pt") as f:
+        entries: dict[str, list[str]] = {}
+        for full_key in f.keys():
+            entries.setdefault(full_key.rsplit(".", 1)[0], []).append(full_key)
+        for name, p in _named_parameters(model):
+            st = {}
+            for full_key in entries.get(name, []):
+                key, t = full_key.rsplit(".", 1)[1], f.get_tensor(full_key)
+                # `step` is a plain scalar tensor even for sharded parameters.
+                st[key] = t if key == "step" else _like(t, p)
+            if st:
+                optimizer.state[p] = st
+
+
+def _load_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
+    scheduler.load_state_dict({**saved, "lr_lambdas": [None] * len(
+        getattr(scheduler, "lr_lambdas", [None]))})
+
+
 @torch.no_grad()
 def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-         scheduler: Any, ranks: Ranks = Ranks()) -> dict[str, Any]:
-    """Restore a checkpoint into `model`, `optimizer`, `scheduler` and this rank's RNGs; returns
-    trainer_state.json (step, version, samples_consumed, data_cursor, ...)."""
+         scheduler: Any, ranks: Ranks = Ranks(), critic: torch.nn.Module | None = None,
+         critic_optimizer: torch.optim.Optimizer | None = None, critic_scheduler: Any = None,
+         ) -> dict[str, Any]:
+    """Restore a checkpoint into `model`, `optimizer`, `scheduler`, the `critic` with its
+    optimizer and scheduler when given (the checkpoint must hold one), and this rank's RNGs;
+    returns trainer_state.json (step, version, samples_consumed, data_cursor, ...)."""
     path = Path(path)
     state = json.loads((path / "trainer_state.json").read_text())
     if state.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, expected {FORMAT}")
-    named = _named_parameters(model)
-    with safe_open(path / "model.safetensors", framework="pt") as f:
-        missing = [n for n, _ in named if n not in f.keys()]
-        if missing:
-            raise ValueError(f"{path}: model.safetensors lacks {missing[:5]}")
-        for name, p in named:
-            p.copy_(_like(f.get_tensor(name), p))
+    if critic is not None and "critic" not in state:
+        raise ValueError(f"{path}: the checkpoint holds no critic (it was saved by a run without "
+                         "algorithm.advantage = 'gae'); a GAE run cannot resume from it")
+    _load_parameters(path / "model.safetensors", model)
     if optimizer is not None:
-        groups = state["optimizer"]["param_groups"]
-        if len(groups) != len(optimizer.param_groups):
-            raise ValueError(f"{path}: {len(groups)} optimizer param groups, the optimizer has "
-                             f"{len(optimizer.param_groups)}")
-        for saved, group in zip(groups, optimizer.param_groups):
-            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
-        with safe_open(path / "optimizer.safetensors", framework="pt") as f:
-            entries: dict[str, list[str]] = {}
-            for full_key in f.keys():
-                entries.setdefault(full_key.rsplit(".", 1)[0], []).append(full_key)
-            for name, p in named:
-                st = {}
-                for full_key in entries.get(name, []):
-                    key, t = full_key.rsplit(".", 1)[1], f.get_tensor(full_key)
-                    # `step` is a plain scalar tensor even for sharded parameters.
-                    st[key] = t if key == "step" else _like(t, p)
-                if st:
-                    optimizer.state[p] = st
+        _load_optimizer(path / "optimizer.safetensors", model, optimizer,
+                        state["optimizer"]["param_groups"])
     if scheduler is not None:
-        scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * len(
-            getattr(scheduler, "lr_lambdas", [None]))})
+        _load_scheduler(scheduler, state["scheduler"])
+    if critic is not None:
+        _load_parameters(path / "critic.safetensors", critic)
+        if critic_optimizer is not None:
+            _load_optimizer(path / "critic_optimizer.safetensors", critic, critic_optimizer,
+                            state["critic"]["optimizer"]["param_groups"])
+        if critic_scheduler is not None:
+            _load_scheduler(critic_scheduler, state["critic"]["scheduler"])
     rngs = msgpack.unpackb((path / "rng.msgpack").read_bytes(), raw=False)["ranks"]
     set_rng_state(msgpack.unpackb(rngs[ranks.rank if ranks.rank < len(rngs) else 0], raw=False))
     return state

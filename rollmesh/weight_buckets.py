@@ -10,24 +10,28 @@ order of the announced names:
 - "flattened_bucket": one broadcast of a uint8 buffer holding the bucket's tensors back to back,
   each tensor's raw bytes at its offset, no padding: the layout of SGLang's
   FlattenedTensorBucket, which SGLang receives when the body says
-  `"load_format": "flattened_bucket"`. The receiver allocates the same buffer and views the
-  tensors out of it (`receive_bucket`). The built-in engine does not read `load_format` yet.
+  `"load_format": "flattened_bucket"`. The built-in engine receives it with
+  `receive_bucket_into`: the buffer becomes the model's storage for those tensors, so that the
+  next sync receives straight into the model (no copy); `receive_bucket` views the tensors out
+  of a buffer.
 
-Sender memory: "tensor" holds one gathered tensor at a time; "flattened_bucket" one bucket
-buffer (reusable across buckets and syncs) plus the tensor being copied into it.
+Sender (`BucketSender`): "tensor" holds one gathered tensor at a time; "flattened_bucket" packs
+bucket i+1 while bucket i is on the wire (`async_op=True`), in two reusable bucket buffers, so
+rank 0's extra memory is at most two buckets (a one-tensor bucket is sent as that tensor).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rollmesh.weights import dtype_from_name, dtype_name
+from rollmesh.weights import WeightUpdateError, dtype_from_name, dtype_name
 
 LOAD_FORMATS = ("tensor", "flattened_bucket")
 
@@ -75,32 +79,142 @@ def _flat(nbytes: int, buffer: torch.Tensor | None, device: torch.device | str) 
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def _specs(names: Sequence[str], dtypes: Sequence[str],
+           shapes: Sequence[Sequence[int]]) -> list[WeightSpec]:
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise WeightUpdateError("names, dtypes and shapes differ in length "
+                                f"({len(names)}, {len(dtypes)}, {len(shapes)})")
+    return [WeightSpec(n, dtype_from_name(d), tuple(int(x) for x in s))
+            for n, d, s in zip(names, dtypes, shapes)]
+
+
+def _view(flat: torch.Tensor, offset: int, spec: WeightSpec) -> tuple[torch.Tensor, bool]:
+    """The spec's tensor at `offset` of the uint8 `flat`: a view, or (at an offset its dtype
+    cannot be viewed at) a copy. The flag says whether it is a view."""
+    raw = flat[offset:offset + spec.nbytes]
+    try:
+        return raw.view(spec.dtype).view(spec.shape), True
+    except RuntimeError:  # storage offset not a multiple of the element size
+        return raw.clone().view(spec.dtype).view(spec.shape), False
+
+
+class BucketSender:
+    """Rank 0's side of a sync, pipelined: `pack` builds bucket i+1 while bucket i's broadcast
+    (started by `start`, `async_op=True`) is on the wire; `wait` waits for all of them.
+
+    "flattened_bucket": a bucket of several tensors is copied into one of `slots` reusable
+    buffers of `capacity` bytes (allocated on first use); a bucket of one tensor is broadcast
+    as that tensor, no copy. At most `slots` broadcasts are in flight, so rank 0's extra memory
+    is at most `slots` buffers (plus, for a one-tensor bucket, that tensor when the model's own
+    cannot be sent as it is: a gathered shard or another dtype). "tensor": one blocking
+    broadcast per tensor in `start`, one tensor in memory at a time (the contract's form)."""
+
+    def __init__(self, group: dist.ProcessGroup, load_format: str = "flattened_bucket",
+                 device: torch.device | str = "cpu", capacity: int = 0, slots: int = 2,
+                 buffers: Sequence[torch.Tensor] = ()):
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
+        self.group, self.load_format, self.device = group, load_format, device
+        self.capacity = capacity
+        self.buffers: list[torch.Tensor | None] = list(buffers) + [None] * (slots - len(buffers))
+        self.inflight: list[tuple[Any, int | None, Any]] = []  # (work, slot, what it sends)
+        self.next_slot = 0
+
+    def _retire(self, upto: int) -> None:
+        """Wait for the oldest `upto` broadcasts in flight."""
+        while upto > 0 and self.inflight:
+            work, _, _ = self.inflight.pop(0)
+            work.wait()
+            upto -= 1
+
+    def pack(self, bucket: Sequence[WeightSpec], tensors: Iterable[torch.Tensor]) -> Any:
+        """The bucket ready to send (consumes `tensors`, one tensor at a time, bucket order)."""
+        if self.load_format == "tensor":
+            return ("tensor", bucket, tensors)
+        if len(bucket) == 1:
+            (spec,) = bucket
+            t = self._cast(spec, next(iter(tensors)))
+            return ("one", bucket, t)
+        nbytes = sum(s.nbytes for s in bucket)
+        slot = self.next_slot
+        self.next_slot = (slot + 1) % len(self.buffers)
+        # the slot's previous bucket must be off the wire before it is overwritten
+        for i, (_, used, _) in enumerate(self.inflight):
+            if used == slot:
+                self._retire(i + 1)
+                break
+        if self.buffers[slot] is None and nbytes <= self.capacity:
+            self.buffers[slot] = torch.empty(self.capacity, dtype=torch.uint8,
+                                             device=self.device)
+        flat = _flat(nbytes, self.buffers[slot], self.device)
+        offset = 0
+        for spec, tensor in zip(bucket, tensors, strict=True):
+            t = self._cast(spec, tensor)
+            flat[offset:offset + spec.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            offset += spec.nbytes
+            del t
+        return ("flat", bucket, flat, slot)
+
+    def _cast(self, spec: WeightSpec, tensor: torch.Tensor) -> torch.Tensor:
+        t = tensor.detach().to(device=self.device, dtype=spec.dtype).contiguous()
+        if tuple(t.shape) != spec.shape:
+            raise ValueError(f"{spec.name}: shape {tuple(t.shape)}, announced {spec.shape}")
+        return t
+
+    def start(self, packed: Any) -> int:
+        """Broadcast a packed bucket (asynchronously unless "tensor"); returns its bytes."""
+        kind, bucket = packed[0], packed[1]
+        if kind == "tensor":
+            self.wait()
+            sent = 0
+            for spec, tensor in zip(bucket, packed[2], strict=True):
+                t = self._cast(spec, tensor)
+                dist.broadcast(t, src=0, group=self.group)
+                sent += spec.nbytes
+                del t
+            return sent
+        payload, slot = (packed[2], None) if kind == "one" else (packed[2], packed[3])
+        self._retire(len(self.inflight) - len(self.buffers) + 1)
+        self.inflight.append((dist.broadcast(payload, src=0, group=self.group, async_op=True),
+                              slot, payload))
+        return sum(s.nbytes for s in bucket)
+
+    def wait(self) -> None:
+        """Until every broadcast started is done (raises the first failure)."""
+        try:
+            self._retire(len(self.inflight))
+        finally:
+            self.inflight.clear()
+
+
 def send_bucket(group: dist.ProcessGroup, bucket: Sequence[WeightSpec],
                 tensors: Iterable[torch.Tensor], load_format: str = "tensor",
                 device: torch.device | str = "cpu", buffer: torch.Tensor | None = None) -> int:
     """Rank 0: broadcast the bucket's tensors (given in bucket order, any dtype: each is cast
-    to its spec's dtype). Returns the bytes sent. `tensors` may be a generator that gathers
-    each tensor just in time; it is consumed one tensor at a time. `buffer`: a uint8 tensor
-    to build flattened buckets in."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
-    flat = None
-    if load_format == "flattened_bucket":
-        flat = _flat(sum(s.nbytes for s in bucket), buffer, device)
-    offset = 0
-    for spec, tensor in zip(bucket, tensors, strict=True):
-        t = tensor.detach().to(device=device, dtype=spec.dtype).contiguous()
-        if tuple(t.shape) != spec.shape:
-            raise ValueError(f"{spec.name}: shape {tuple(t.shape)}, announced {spec.shape}")
-        if flat is None:
-            dist.broadcast(t, src=0, group=group)
-        else:
-            flat[offset:offset + spec.nbytes].copy_(t.reshape(-1).view(torch.uint8))
-        offset += spec.nbytes
-        del t
-    if flat is not None:
-        dist.broadcast(flat, src=0, group=group)
-    return offset
+    to its spec's dtype) and wait. Returns the bytes sent. `tensors` may be a generator that
+    gathers each tensor just in time; it is consumed one tensor at a time. `buffer`: a uint8
+    tensor to build flattened buckets in."""
+    sender = BucketSender(group, load_format, device, slots=1,
+                          buffers=[buffer] if buffer is not None else ())
+    sent = sender.start(sender.pack(bucket, tensors))
+    sender.wait()
+    return sent
+
+
+def send_buckets(group: dist.ProcessGroup, buckets: Sequence[Sequence[WeightSpec]],
+                 tensors: Iterable[torch.Tensor], load_format: str = "flattened_bucket",
+                 device: torch.device | str = "cpu", sender: BucketSender | None = None) -> int:
+    """Rank 0: every bucket, pipelined (bucket i+1 packed while bucket i is on the wire), with
+    no announcement in between (the caller announced them all, or the receivers know them).
+    `tensors`: every bucket's tensors in order."""
+    sender = sender or BucketSender(group, load_format, device, capacity=max(
+        (sum(s.nbytes for s in b) for b in buckets if len(b) > 1), default=0))
+    it = iter(tensors)
+    sent = 0
+    for bucket in buckets:
+        sent += sender.start(sender.pack(bucket, islice(it, len(bucket))))
+    sender.wait()
+    return sent
 
 
 def receive_bucket(group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[str],
@@ -109,8 +223,7 @@ def receive_bucket(group: dist.ProcessGroup, names: Sequence[str], dtypes: Seque
                    ) -> list[tuple[str, torch.Tensor]]:
     """Engine side: the tensors of one announced bucket (flattened: views into one buffer,
     `buffer` when given and large enough; load them before the next bucket reuses it)."""
-    specs = [WeightSpec(n, dtype_from_name(d), tuple(s)) for n, d, s in zip(names, dtypes, shapes,
-                                                                              strict=True)]
+    specs = _specs(names, dtypes, shapes)
     if load_format == "tensor":
         out = []
         for spec in specs:
@@ -124,10 +237,82 @@ def receive_bucket(group: dist.ProcessGroup, names: Sequence[str], dtypes: Seque
     dist.broadcast(flat, src=0, group=group)
     out, offset = [], 0
     for spec in specs:
-        view = flat[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-        out.append((spec.name, view))
+        out.append((spec.name, _view(flat, offset, spec)[0]))
         offset += spec.nbytes
     return out
+
+
+def _region(targets: Sequence[torch.Tensor], specs: Sequence[WeightSpec],
+            device: torch.device) -> torch.Tensor | None:
+    """A uint8 tensor over the bytes that `targets` occupy when they lie back to back in one
+    storage exactly as the flattened bucket `specs` (what `receive_bucket_into` leaves after
+    rebinding): receiving into it loads them with no copy. None otherwise."""
+    first = targets[0]
+    storage = first.untyped_storage()
+    base = first.data_ptr()
+    offset = 0
+    for t, spec in zip(targets, specs):
+        if (t.dtype != spec.dtype or t.device != device or not t.is_contiguous()
+                or tuple(t.shape) != spec.shape or t.untyped_storage().data_ptr()
+                != storage.data_ptr() or t.data_ptr() != base + offset):
+            return None
+        offset += spec.nbytes
+    start = base - storage.data_ptr()
+    if start + offset > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (offset,))
+
+
+@torch.no_grad()
+def receive_bucket_into(group: dist.ProcessGroup, targets: Mapping[str, torch.Tensor],
+                        names: Sequence[str], dtypes: Sequence[str],
+                        shapes: Sequence[Sequence[int]], load_format: str = "flattened_bucket",
+                        device: torch.device | str = "cpu",
+                        scratch: torch.Tensor | None = None) -> int:
+    """Engine side: receive one announced bucket straight into the model's tensors `targets`
+    (by name; check the announcement against them first). Returns the tensors loaded.
+
+    Flattened, the received buffer becomes the model's storage: each target whose dtype, device
+    and shape match is rebound (`.data`) to its view of the buffer, the others are copied
+    (cast) into. After that the bucket's targets lie back to back as on the wire, and the next
+    sync of the same bucket is received into them directly: no copy, no extra memory.
+    `scratch`: a uint8 buffer to receive in when no target can be rebound (reused). A broadcast
+    that fails midway leaves that bucket's tensors partly written."""
+    device = torch.device(device)
+    specs = _specs(names, dtypes, shapes)
+    dest = [targets[s.name] for s in specs]
+    if load_format == "tensor":
+        for spec, target in zip(specs, dest):
+            direct = (target.dtype == spec.dtype and target.device == device
+                      and target.is_contiguous() and tuple(target.shape) == spec.shape)
+            t = target if direct else torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            dist.broadcast(t, src=0, group=group)
+            if not direct:
+                target.copy_(t)
+        return len(specs)
+    if load_format != "flattened_bucket":
+        raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
+    if not specs:
+        return 0
+    region = _region(dest, specs, device)
+    if region is not None:
+        dist.broadcast(region, src=0, group=group)
+        return len(specs)
+    total = sum(s.nbytes for s in specs)
+    rebind = [t.dtype == s.dtype and t.device == device and tuple(t.shape) == s.shape
+              for t, s in zip(dest, specs)]
+    flat = (torch.empty(total, dtype=torch.uint8, device=device) if any(rebind)
+            else _flat(total, scratch, device))
+    dist.broadcast(flat, src=0, group=group)
+    offset = 0
+    for spec, target, rb in zip(specs, dest, rebind):
+        view, is_view = _view(flat, offset, spec)
+        if rb and is_view:
+            target.data = view
+        else:
+            target.copy_(view)
+        offset += spec.nbytes
+    return len(specs)
 
 
 def update_body(bucket: Sequence[WeightSpec], *, weight_version: str, load_format: str,

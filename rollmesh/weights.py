@@ -47,11 +47,13 @@ class WeightUpdateError(ValueError):
 
 def dtype_from_name(name: str) -> torch.dtype:
     """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16."""
-    try:
-        return _DTYPES[name.removeprefix("torch.")]
-    except KeyError:
-        raise WeightUpdateError(
-            f"unknown dtype {name!r} (expected one of {sorted(_DTYPES)})") from None
+    if not isinstance(name, str):
+        raise WeightUpdateError(f"dtype {name!r}: expected a string such as 'bfloat16'")
+    key = name.removeprefix("torch.")
+    found = _DTYPES.get(key, getattr(torch, key, None) if key.isidentifier() else None)
+    if not isinstance(found, torch.dtype):
+        raise WeightUpdateError(f"unknown dtype {name!r} (expected one of {sorted(_DTYPES)})")
+    return found
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -168,11 +170,21 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def check_update(
-    model: torch.nn.Module, names: Sequence[str], shapes: Sequence[Sequence[int]]
+    model: torch.nn.Module,
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[str] | None = None,
 ) -> None:
-    """Raise WeightUpdateError unless every name is a model tensor of the announced shape."""
+    """Raise WeightUpdateError unless every name is a model tensor of the announced shape (and,
+    given `dtypes`, of a dtype that loads into it: a floating-point weight takes only
+    floating-point values; a cast between float widths is fine)."""
     targets = model_tensors(model)
-    for name, shape in zip(names, shapes):
+    if len(names) != len(shapes) or (dtypes is not None and len(dtypes) != len(names)):
+        raise WeightUpdateError(
+            "names, dtypes and shapes differ in length "
+            f"({len(names)}, {len(dtypes) if dtypes is not None else '-'}, {len(shapes)})"
+        )
+    for i, (name, shape) in enumerate(zip(names, shapes)):
         if name not in targets:
             raise WeightUpdateError(f"unknown weight {name!r}")
         if tuple(targets[name].shape) != tuple(shape):
@@ -180,6 +192,13 @@ def check_update(
                 f"weight {name!r}: shape {list(shape)} does not match the model's "
                 f"{list(targets[name].shape)}"
             )
+        if dtypes is not None:
+            dtype = dtype_from_name(dtypes[i])
+            if dtype.is_floating_point != targets[name].dtype.is_floating_point:
+                raise WeightUpdateError(
+                    f"weight {name!r}: dtype {dtype_name(dtype)} cannot load into the model's "
+                    f"{dtype_name(targets[name].dtype)}"
+                )
 
 
 @torch.no_grad()

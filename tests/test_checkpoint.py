@@ -19,7 +19,7 @@ from rollmesh.packing import from_groups
 from rollmesh.trainer import build_state, prepare, update_policy
 from tests.engine.engine_harness import Engine, chat_prompt, greedy_decode
 from tests.test_trainer import (
-    experiment, make_groups, max_diff, params_of, put_groups, read_metrics, reference_run,
+    GAE, experiment, make_groups, max_diff, params_of, put_groups, read_metrics, reference_run,
     spawn_trainers, start_queue, torch_threads, wait_exit, with_supervisor,
 )
 
@@ -67,6 +67,61 @@ def test_save_and_load_restore_model_optimizer_scheduler_and_rngs(tmp_path):
     assert all(n.endswith((".safetensors", ".json", ".msgpack", ".jinja")) for n in names), names
 
 
+def save_state(directory, state):
+    return checkpoint.save(directory, model=state.model, optimizer=state.optimizer,
+                           scheduler=state.scheduler, step=state.step, version=state.version,
+                           tokenizer=state.tokenizer, samples_consumed=state.samples_consumed,
+                           critic=state.critic, critic_optimizer=state.critic_optimizer,
+                           critic_scheduler=state.critic_scheduler)
+
+
+def load_state(path, state):
+    saved = checkpoint.load(path, model=state.model, optimizer=state.optimizer,
+                            scheduler=state.scheduler, critic=state.critic,
+                            critic_optimizer=state.critic_optimizer,
+                            critic_scheduler=state.critic_scheduler)
+    state.step, state.version = saved["step"], saved["version"]
+    state.samples_consumed = saved["samples_consumed"]
+    return saved
+
+
+def test_gae_checkpoint_restores_the_critic_and_the_next_step_matches_an_uninterrupted_run(
+        tmp_path):
+    """Step 1, save, a new trainer state loads it and runs step 2: the same value loss, policy
+    loss and parameters (policy and critic) as one uninterrupted run, bit for bit."""
+    batches = [make_groups(20), make_groups(21)]
+    # two mini-batches and a warm-up: step 2 uses the restored AdamW states and schedules
+    common = (*GAE, "trainer.mini_batches=2", "trainer.warmup_steps=2",
+              'trainer.lr_schedule="cosine"', "trainer.lr=2e-4")
+    exp = experiment(*common)
+    uninterrupted, expected = reference_run(exp, batches)
+    with torch_threads(1):
+        first = build_state(exp)
+        update_policy(first, prepare(first, from_groups(batches[0])))
+        first.step, first.version, first.samples_consumed = 1, 1, 8
+        path = save_state(tmp_path, first)
+        assert {"critic.safetensors", "critic_optimizer.safetensors"} <= {
+            f.name for f in path.iterdir()}
+        resumed = build_state(exp)
+        load_state(path, resumed)
+        assert max_diff(params_of(resumed, "critic"), params_of(first, "critic")) == 0
+        for p, q in zip(first.critic.parameters(), resumed.critic.parameters()):
+            a, b = first.critic_optimizer.state[p], resumed.critic_optimizer.state[q]
+            assert sorted(a) == sorted(b) == ["exp_avg", "exp_avg_sq", "step"]
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        assert resumed.critic_scheduler.last_epoch == first.critic_scheduler.last_epoch == 2
+        stats = update_policy(resumed, prepare(resumed, from_groups(batches[1])))
+    for key in ("value_loss", "loss", "critic_lr", "lr", "critic_grad_norm", "value_mean"):
+        assert stats[key] == pytest.approx(expected[1][key], abs=1e-7), key
+    assert max_diff(params_of(resumed), params_of(uninterrupted)) < 1e-7
+    assert max_diff(params_of(resumed, "critic"), params_of(uninterrupted, "critic")) < 1e-7
+    # a GAE run cannot resume from a checkpoint without a critic
+    _, policy_only = trained_state()
+    plain = save_state(tmp_path / "plain", policy_only)
+    with pytest.raises(ValueError, match="holds no critic"):
+        load_state(plain, build_state(exp))
+
+
 def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     exp, state = trained_state()
     kw = dict(model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
@@ -86,16 +141,20 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_killed_trainer_resumes_and_its_next_step_matches_an_uninterrupted_run(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,overrides", [
+    (1, ()), (2, ()), (2, (*GAE, "algorithm.critic_lr=2e-4"))], ids=["1", "2", "2-gae"])
+def test_killed_trainer_resumes_and_its_next_step_matches_an_uninterrupted_run(tmp_path, ranks,
+                                                                               overrides):
     """Trainer process(es): step 1, checkpoint, SIGKILL; new processes resume and run step 2.
     Step 2's loss and parameters equal those of one uninterrupted one-rank run (fixed seeds):
-    bit for bit with one rank, within float rounding with two (sharded load)."""
+    bit for bit with one rank, within float rounding with two (sharded load). With GAE the
+    sharded critic, its AdamW state and schedule are restored too."""
     batches = [make_groups(20), make_groups(21)]
     # two mini-batches: step 2's loss includes an update made with the restored AdamW state,
     # and the cosine warm-up makes the restored scheduler matter
     common = ("trainer.total_steps=2", "trainer.mini_batches=2", "trainer.warmup_steps=2",
-              'trainer.lr_schedule="cosine"', "trainer.checkpoint_every=1", "trainer.lr=2e-4")
+              'trainer.lr_schedule="cosine"', "trainer.checkpoint_every=1", "trainer.lr=2e-4",
+              *overrides)
     exp = experiment(f"trainer.ranks={ranks}", *common)
     config = {"metrics_path": str(tmp_path / "metrics.jsonl"),
               "checkpoint_dir": str(tmp_path / "ckpt")}
@@ -130,6 +189,10 @@ def test_killed_trainer_resumes_and_its_next_step_matches_an_uninterrupted_run(t
     assert metrics[1]["lr"] == pytest.approx(stats[1]["lr"], rel=1e-9)
     resumed = load_file(tmp_path / "ckpt/step_00000002/model.safetensors")
     assert max_diff(resumed, params_of(state)) < tolerance
+    if overrides:
+        assert metrics[1]["value_loss"] == pytest.approx(stats[1]["value_loss"], abs=tolerance)
+        critic = load_file(tmp_path / "ckpt/step_00000002/critic.safetensors")
+        assert max_diff(critic, params_of(state, "critic")) < tolerance
     log = (tmp_path / "logs/trainer-0.log").read_text()
     assert '"event": "resumed"' in log
 

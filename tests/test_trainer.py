@@ -16,12 +16,15 @@ import torch
 from safetensors.torch import load_file
 
 from rollmesh import packing
-from rollmesh.config import ExperimentConfig, apply_overrides, parse_config, to_dict
+from rollmesh.algorithms import gae_advantages
+from rollmesh.config import ConfigError, ExperimentConfig, apply_overrides, parse_config, to_dict
 from rollmesh.engine.models import build_tiny
 from rollmesh.packing import from_groups
 from rollmesh.protocol import Group, PutGroup, StatsRequest, Trajectory
 from rollmesh.runtime import Child, Supervisor
-from rollmesh.trainer import build_state, evaluate_loss, prepare, update_policy
+from rollmesh.trainer import (
+    build_state, evaluate_loss, evaluate_value_loss, old_values, prepare, update_policy,
+)
 from rollmesh.transport import RpcClient, Transport, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +94,9 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+GAE = ('algorithm.advantage="gae"', "algorithm.critic_lr=1e-3")
+
+
 def reference_run(exp: ExperimentConfig, batches: list[list[Group]]) -> tuple[Any, list[dict]]:
     """The uninterrupted one-rank run, in this process: (state, per-step stats)."""
     with torch_threads(1):
@@ -103,8 +109,8 @@ def reference_run(exp: ExperimentConfig, batches: list[list[Group]]) -> tuple[An
         return state, stats
 
 
-def params_of(state) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in state.model.named_parameters()}
+def params_of(state, model: str = "model") -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in getattr(state, model).named_parameters()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -175,7 +181,10 @@ def with_supervisor(tmp_path: Path, body):
     ("algorithm.use_reference=true", "algorithm.kl_coef=0.1", 'algorithm.kl_estimator="k2"'),
     ('algorithm.advantage="reinforce_pp"', "algorithm.use_reference=true", "algorithm.kl_coef=0.1",
      "algorithm.kl_in_reward=true"),
-], ids=["ppo", "decoupled_ppo", "tis_seq_mean", "rloo_bypass_entropy", "kl_loss", "kl_reward"])
+    (*GAE, "algorithm.gamma=0.99", "algorithm.lam=0.95", "algorithm.use_reference=true",
+     "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"),
+], ids=["ppo", "decoupled_ppo", "tis_seq_mean", "rloo_bypass_entropy", "kl_loss", "kl_reward",
+        "gae_kl_reward"])
 def test_one_optimisation_step_lowers_the_loss_on_a_fixed_batch(overrides):
     exp = experiment(*overrides)
     with torch_threads(2):
@@ -191,32 +200,41 @@ def test_one_optimisation_step_lowers_the_loss_on_a_fixed_batch(overrides):
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
-def test_micro_batches_accumulate_to_exactly_one_big_batch():
+@pytest.mark.parametrize("overrides", [(), GAE], ids=["grpo", "gae"])
+def test_micro_batches_accumulate_to_exactly_one_big_batch(overrides):
     """Gradients of each optimizer update are the same whether a mini-batch runs as many small
-    micro-batches or as one (global normalisers); so are the losses."""
+    micro-batches or as one (global normalisers); so are the losses. With GAE: the critic's too."""
     groups = make_groups(2, n_groups=3)
     results = []
     for budget in (64, 100_000):
         exp = experiment(f"trainer.micro_batch_tokens={budget}", "trainer.mini_batches=2",
-                         'algorithm.loss_agg="seq-mean-token-sum"')
+                         'algorithm.loss_agg="seq-mean-token-sum"', *overrides)
         with torch_threads(1):
             state = build_state(exp)
             grads = []
-            step = state.optimizer.step
 
-            def capture(*args, **kwargs):
-                grads.append({n: p.grad.clone() for n, p in state.model.named_parameters()})
-                return step(*args, **kwargs)
+            def capture(model, optimizer):
+                step = optimizer.step
 
-            state.optimizer.step = capture
+                def captured(*args, **kwargs):
+                    grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                    return step(*args, **kwargs)
+
+                optimizer.step = captured
+
+            capture(state.model, state.optimizer)
+            if state.critic is not None:
+                capture(state.critic, state.critic_optimizer)
             stats = update_policy(state, prepare(state, from_groups(groups)))
-        results.append((grads, stats["loss"]))
-    (small, small_loss), (big, big_loss) = results
-    assert len(small) == len(big) == 2
+        results.append((grads, stats["loss"], stats.get("value_loss")))
+    (small, small_loss, small_value), (big, big_loss, big_value) = results
+    assert len(small) == len(big) == (4 if overrides else 2)
     for a, b in zip(small, big):
         scale = max(float(g.abs().max()) for g in b.values())
         assert max_diff(a, b) < 1e-5 * scale
     assert small_loss == pytest.approx(big_loss, abs=1e-6)
+    if overrides:
+        assert small_value == pytest.approx(big_value, abs=1e-6) and small_value > 0
 
 
 def test_micro_batch_plan_covers_every_sequence_once_within_the_budget():
@@ -240,18 +258,142 @@ def test_staleness_is_trainer_version_minus_oldest_generated_version():
     assert packing.staleness(versions, mask, 6).tolist() == [3, 1, 0]
 
 
-def test_gae_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="critic"):
-        build_state(experiment('algorithm.advantage="gae"'))
+def test_gae_without_a_critic_learning_rate_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        experiment('algorithm.advantage="gae"')
+    assert str(err.value) == (
+        "tests/test_trainer.py: algorithm.critic_lr: missing required value (expected float > 0, "
+        "as advantage = 'gae' trains a critic)")
+    with pytest.raises(ConfigError, match="algorithm.value_clip: expected"):
+        experiment(*GAE, "algorithm.value_clip=0")
+
+
+# -- the critic (GAE) ------------------------------------------------------------------------------
+
+
+def hand_trajectory(prompt: list[int], response: list[int], reward: float, name: str) -> Group:
+    ids = np.array(prompt + response, np.int32)
+    mask = np.r_[np.zeros(len(prompt)), np.ones(len(response))].astype(np.uint8)
+    traj = Trajectory(
+        sample_id=name, group_id=name, token_ids=ids, logprobs=np.zeros(len(ids), np.float32),
+        versions=np.where(mask == 1, 0, -1).astype(np.int32), loss_mask=mask,
+        prompt_len=len(prompt), index=0, status="finished", reward=reward, reward_status="ok")
+    return Group(group_id=name, trajectories=[traj])
+
+
+def test_critic_values_line_up_with_token_positions():
+    """V_t, the value of token t, is the head on the hidden state of the prefix before token t:
+    computed here prefix by prefix, without padding, and compared with the padded batch."""
+    state = build_state(experiment(*GAE))
+    critic = state.critic.eval()
+    seqs = [[5, 9, 13, 2, 7, 11], [4, 8, 3]]
+    tokens = torch.tensor([seqs[0], seqs[1] + [0, 0, 0]])
+    attention = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    with torch.no_grad():
+        values = critic(input_ids=tokens, attention_mask=attention)
+        assert values.shape == (2, 6) and values.dtype == torch.float32
+        for i, seq in enumerate(seqs):
+            assert values[i, 0] == 0  # the first token has no state before it
+            for t in range(1, len(seq)):
+                prefix = torch.tensor([seq[:t]])
+                hidden = critic.model(input_ids=prefix).last_hidden_state[0, -1]
+                expected = critic.value_head(hidden)[0]
+                assert float(values[i, t]) == pytest.approx(float(expected), abs=1e-5), (i, t)
+        # token t itself does not move V_t (the value of choosing it), it moves V_{t+1}
+        changed = tokens.clone()
+        changed[0, 3] = 17
+        moved = critic(input_ids=changed, attention_mask=attention)
+    assert torch.equal(moved[0, :4], values[0, :4])
+    assert float((moved[0, 4:] - values[0, 4:]).abs().min()) > 0
+    # the batch path: each sequence's values on its generated tokens, 0 elsewhere
+    groups = [hand_trajectory(seqs[0][:3], seqs[0][3:], 1.0, "a"),
+              hand_trajectory(seqs[1][:1], seqs[1][1:], 0.0, "b")]
+    data = from_groups(groups)
+    batch_values = old_values(state, data)
+    torch.testing.assert_close(batch_values, values * data.mask, atol=1e-6, rtol=0)
+    assert float(batch_values[0, 3:].abs().min()) > 0
+
+
+def test_gae_step_matches_a_hand_computation():
+    """One sequence, 2 prompt + 3 response tokens, reward 1; the value head is set to a constant
+    0.5, so every V_t = 0.5 (t >= 1). gamma 0.9, lam 0.8:
+        delta = [0.9*0.5 - 0.5, 0.9*0.5 - 0.5, 1 - 0.5] = [-0.05, -0.05, 0.5]
+        A2 = 0.5;  A1 = -0.05 + 0.72*0.5 = 0.31;  A0 = -0.05 + 0.72*0.31 = 0.1732
+        R = A + V = [0.6732, 0.81, 1.0];   advantages = A whitened (unbiased std)
+    First (only) update: the ratio is 1 and V = old V, so pg_loss = -mean(advantages) and
+    value_loss = 0.5 * mean((0.5 - R)^2) = 0.5 * (0.1732^2 + 0.31^2 + 0.5^2) / 3."""
+    exp = experiment(*GAE, "algorithm.gamma=0.9", "algorithm.lam=0.8")
+    with torch_threads(1):
+        state = build_state(exp)
+        with torch.no_grad():
+            state.critic.value_head.weight.zero_()
+            state.critic.value_head.bias.fill_(0.5)
+        data = prepare(state, from_groups([hand_trajectory([7, 8], [20, 21, 22], 1.0, "h")]))
+        stats = update_policy(state, data)
+    adv = torch.tensor([0.1732, 0.31, 0.5])
+    whitened = (adv - adv.mean()) / (adv.std() + 1e-8)
+    torch.testing.assert_close(data.values, torch.tensor([[0, 0, 0.5, 0.5, 0.5]]))
+    torch.testing.assert_close(data.returns, torch.tensor([[0, 0, 0.6732, 0.81, 1.0]]))
+    torch.testing.assert_close(data.advantages[0, 2:], whitened)
+    assert data.advantages[0, :2].abs().sum() == 0
+    assert stats["pg_loss"] == pytest.approx(float(-whitened.mean()), abs=1e-6)
+    assert stats["value_loss"] == pytest.approx(0.5 * (0.1732**2 + 0.31**2 + 0.5**2) / 3, rel=1e-5)
+    assert stats["value_clip_frac"] == 0 and stats["critic_grad_norm"] > 0
+    assert stats["value_mean"] == pytest.approx(0.5)
+    assert stats["returns_mean"] == pytest.approx((0.6732 + 0.81 + 1.0) / 3)
+
+
+def test_gae_advantages_are_gae_of_the_critics_values_on_a_real_batch():
+    """prepare() on sampled groups: advantages and returns are gae_advantages of the sequence
+    rewards on their last generated tokens and the critic's values, computed per sequence."""
+    exp = experiment(*GAE, "algorithm.gamma=0.95", "algorithm.lam=0.9")
+    with torch_threads(2):
+        state = build_state(exp)
+        data = prepare(state, from_groups(make_groups(5)))
+        values = torch.zeros_like(data.mask)
+        critic = state.critic.eval()
+        with torch.no_grad():
+            for i in range(data.size):
+                n = int(data.lengths[i])
+                hidden = critic.model(input_ids=data.tokens[i:i + 1, :n]).last_hidden_state[0]
+                values[i, 1:n] = critic.value_head(hidden[:-1])[:, 0]  # V_t from position t-1
+    values = values * data.mask
+    last = (data.mask * torch.arange(data.mask.shape[1])).argmax(dim=1)
+    token_rewards = torch.zeros_like(data.mask)
+    token_rewards[torch.arange(data.size), last] = data.rewards
+    adv, returns = gae_advantages(token_rewards, values, data.mask, 0.95, 0.9)
+    torch.testing.assert_close(data.values, values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(data.returns, returns, atol=1e-5, rtol=0)
+    torch.testing.assert_close(data.advantages, adv, atol=1e-4, rtol=0)
+
+
+def test_one_critic_update_lowers_the_value_loss_on_a_fixed_batch():
+    exp = experiment(*GAE, "trainer.mini_batches=2", "algorithm.value_clip=0.05")
+    with torch_threads(2):
+        state = build_state(exp)
+        data = prepare(state, from_groups(make_groups(1)))
+        before = evaluate_value_loss(state, data)
+        critic_before = params_of(state, "critic")
+        stats = update_policy(state, data)
+        after = evaluate_value_loss(state, data)
+    assert after < before - 1e-3, (before, after)
+    assert max_diff(params_of(state, "critic"), critic_before) > 0
+    # the second mini-batch starts from the moved critic: a clip range this small bites there
+    assert 0 < stats["value_clip_frac"] < 1
+    assert stats["critic_grad_norm"] > 0 and stats["critic_lr"] == pytest.approx(1e-3)
+    assert stats["value_explained_var"] < 1 and "value_error" in stats
 
 
 # -- processes -------------------------------------------------------------------------------------
 
 
-def test_two_rank_training_equals_one_rank_training(tmp_path):
-    """Two trainer processes (FSDP2 over gloo) against the in-process one-rank run, 2 steps."""
+@pytest.mark.parametrize("overrides", [(), (*GAE, "algorithm.critic_lr=2e-4")],
+                         ids=["grpo", "gae"])
+def test_two_rank_training_equals_one_rank_training(tmp_path, overrides):
+    """Two trainer processes (FSDP2 over gloo) against the in-process one-rank run, 2 steps.
+    With GAE the critic is sharded too: its parameters and value loss match as well."""
     batches = [make_groups(10), make_groups(11)]
-    common = ("trainer.total_steps=2", "trainer.mini_batches=2", "trainer.lr=2e-4")
+    common = ("trainer.total_steps=2", "trainer.mini_batches=2", "trainer.lr=2e-4", *overrides)
     exp = experiment("trainer.ranks=2", *common)
 
     async def body(t, sup):
@@ -274,10 +416,19 @@ def test_two_rank_training_equals_one_rank_training(tmp_path):
     diff = max_diff(two, params_of(one_state))
     print("two-rank vs one-rank max abs diff", diff)
     assert diff < 1e-5, diff
+    if overrides:
+        two_critic = load_file(tmp_path / "ckpt/step_00000002/critic.safetensors")
+        initial = params_of(build_state(experiment(*common)), "critic")
+        assert max_diff(two_critic, initial) > 1e-4
+        diff = max_diff(two_critic, params_of(one_state, "critic"))
+        print("two-rank vs one-rank critic max abs diff", diff)
+        assert diff < 1e-5, diff
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     for m, ref in zip(metrics, one_stats):
         assert m["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        for key in ("value_loss", "value_explained_var", "critic_grad_norm") if overrides else ():
+            assert m[key] == pytest.approx(ref[key], abs=1e-5), key
         assert m["samples_consumed"] == 8 * m["step"] and m["batch_staleness_max"] == 0
         for key in ("pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
                     "batch_staleness_mean", "tokens_per_s", "reward_mean", "version"):
