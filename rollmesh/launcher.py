@@ -4,8 +4,9 @@
     run dir   runs/<name>-<timestamp>: keys (CURVE, 0600), resolved configs, specs, logs
     hub       the status proxy (always CURVE) that roles publish to and monitors attach to
     start     engines healthy -> message queue, synchronizer -> trainer -> rollouter -> workers
-    supervise restart crashed workers and engines (bounded, with back-off); any other role
-              that dies ends the run with its first failure, exit code and log
+    supervise restart crashed workers, the message queue (durable, same address) and engines
+              (bounded, with back-off); any other role that dies ends the run with its first
+              failure, exit code and log
     finish    when the trainer finishes: drain the rollouter, write summary.json, stop all
     stop      Ctrl-C / SIGTERM / `rollmesh stop RUN`: every process on every host, one deadline
 
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shlex
 import signal
 import sys
@@ -30,7 +32,7 @@ from typing import Any
 from rollmesh.config import (
     ClusterConfig, ConfigError, ExperimentConfig, Process, load_cluster, to_dict, to_toml,
 )
-from rollmesh.engine.client import EngineClient
+from rollmesh.engine.client import API_KEY_FILE, EngineClient
 from rollmesh.engine.sglang import EngineLaunch, engine_launch
 from rollmesh.hosts import Host, SshHost, make_host, terminal_echo
 from rollmesh.log import configure_logging, get_logger
@@ -51,7 +53,12 @@ ENTRIES = {
 }
 START_ORDER = ["message_queue", "synchronizer", "trainer", "rollouter", "agent_worker",
                "reward_worker"]
-RESTARTABLE = {"agent_worker", "reward_worker"}
+# The MessageQueue comes back at the same address with its state (its log in the run
+# directory); its clients' requests are retried (RpcClient), and re-sent puts are deduplicated.
+# The rollouter comes back from its journal (cursor, counters, the groups it had in flight, which
+# it generates again); the synchronizer holds no state beyond the sync in progress, which the
+# trainer retries. A trainer that dies ends the run: `rollmesh launch --resume RUN` goes on.
+RESTARTABLE = {"agent_worker", "reward_worker", "message_queue", "rollouter", "synchronizer"}
 MAX_RESTARTS = 5
 
 
@@ -82,7 +89,8 @@ def _connect(host: Host, port: int) -> str:
     return f"tcp://{host.address}:{port}"
 
 
-def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str) -> list[Planned]:
+def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
+               engine_key: str | None = None) -> list[Planned]:
     """Every process with the configuration it is handed. Ports: each process owns the block
     `[port, port + ports.per_process)` (see config.ClusterConfig.processes)."""
     exp = cluster.experiment_config
@@ -101,16 +109,23 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str) -> 
     engine_urls = []
     for p in by_role["engine"]:
         bind_host = p.host.address if p.host.local else "0.0.0.0"
+        keys = f"{run_dir}/keys" if p.host.local else f"runs/{Path(run_dir).name}/keys"
         p.engine = engine_launch(exp.engine, exp.model, bind_host, p.proc.port, gpus=p.proc.gpus,
-                                 seed=exp.seed, weight_version="0", python=p.host.python())
+                                 seed=exp.seed, weight_version="0", python=p.host.python(),
+                                 api_key=engine_key,
+                                 api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None)
         engine_urls.append(f"http://{p.host.address}:{p.proc.port}")
     rollouter_channel = _connect(rollouter.host, rollouter.proc.port)
     for p in plan:
         role, port, host = p.proc.role, p.proc.port, p.host
         if role == "message_queue":
-            p.config = {"experiment": spec, "bind": _bind(host, port)}
-        elif role == "rollouter":
+            # durable: its groups, uncommitted hand-outs and counters outlive a restart
+            run_here = run_dir if host.local else f"runs/{Path(run_dir).name}"
             p.config = {"experiment": spec, "bind": _bind(host, port),
+                        "state_dir": f"{run_here}/message_queue"}
+        elif role == "rollouter":
+            run_here = run_dir if host.local else f"runs/{Path(run_dir).name}"
+            p.config = {"experiment": spec, "bind": _bind(host, port), "state_dir": f"{run_here}/rollouter",
                         "control": _bind(host, port + 1),
                         "message_queue": _connect(mq.host, mq.proc.port)}
         elif role == "agent_worker":
@@ -169,13 +184,20 @@ class EngineProc:
 
 
 class Launcher:
-    def __init__(self, cluster: ClusterConfig, run_dir: Path, echo: bool = True):
+    def __init__(self, cluster: ClusterConfig, run_dir: Path, echo: bool = True,
+                 resume: bool = False):
         self.cluster = cluster
+        self.resume = resume
         self.exp: ExperimentConfig = cluster.experiment_config  # type: ignore[assignment]
         self.run_dir = run_dir
         self.echo = terminal_echo() if echo else None
         self.hosts = {name: make_host(name, cfg) for name, cfg in cluster.hosts.items()}
-        self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()))
+        # The engines' HTTP API key (the CURVE keys guard the ZeroMQ sockets; this guards the
+        # engines' routes, weight updates included): one per run, kept in its keys directory.
+        key_file = run_dir / "keys" / API_KEY_FILE
+        self.engine_key = (key_file.read_text().strip() if resume and key_file.exists()
+                           else secrets.token_urlsafe(32))
+        self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()), self.engine_key)
         self.engines: list[EngineProc] = []
         self.children: dict[str, Child] = {}
         self.state = "starting"
@@ -192,13 +214,31 @@ class Launcher:
         return self.cluster.launcher_address or os.uname().nodename
 
     def prepare_run_dir(self) -> CurveKeys:
-        if self.run_dir.exists():
-            raise RuntimeError(f"run directory {self.run_dir} already exists: pick another "
-                               "--run-dir (a run never writes over another's files)")
-        self.run_dir.mkdir(parents=True)
-        (self.run_dir / "cluster.toml").write_text(to_toml(self.cluster))
+        if self.resume:  # the run's own keys, configs and state: the trainer's checkpoints,
+            # the queue's log and the rollouter's journal are picked up by the roles themselves
+            keys = CurveKeys.load(self.run_dir / "keys")
+            log.info("resuming", run_dir=str(self.run_dir),
+                     checkpoints=sorted(p.name for p in (self.run_dir / "checkpoints").glob("*"))
+                     if (self.run_dir / "checkpoints").is_dir() else [])
+        else:
+            if self.run_dir.exists():
+                raise RuntimeError(f"run directory {self.run_dir} already exists: pick another "
+                                   "--run-dir, or go on with it: --resume "
+                                   f"{self.run_dir} (a run never writes over another's files)")
+            self.run_dir.mkdir(parents=True)
+            keys = CurveKeys.generate(self.run_dir / "keys")
+        key_file = self.run_dir / "keys" / API_KEY_FILE
+        if not key_file.exists():
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.engine_key + "\n")
+        # the resolved configs, the cluster file naming the experiment file beside it: what
+        # `--resume` loads (overrides given then are applied on top and saved again)
+        cluster = to_toml(self.cluster).replace(
+            f"experiment = {json.dumps(self.cluster.experiment)}",
+            'experiment = "experiment.toml"', 1)
+        (self.run_dir / "cluster.toml").write_text(cluster)
         (self.run_dir / "experiment.toml").write_text(to_toml(self.exp))
-        keys = CurveKeys.generate(self.run_dir / "keys")
         for host in self.hosts.values():
             if not host.local:
                 assert isinstance(host, SshHost)
@@ -279,7 +319,7 @@ class Launcher:
         urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in engines]
         if not urls:
             return
-        async with EngineClient(urls) as client:
+        async with EngineClient(urls, api_key=self.engine_key) as client:
             waiting = asyncio.create_task(client.wait_healthy(self.exp.engine.startup_timeout_s))
             while not waiting.done():
                 dead = [e for e in engines if e.process.poll() is not None]
@@ -440,7 +480,7 @@ class Launcher:
     async def poll_engines(self) -> None:
         urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
         load = []
-        async with EngineClient(urls, retries=0) as client:
+        async with EngineClient(urls, retries=0, api_key=self.engine_key) as client:
             for url, info in zip(urls, await client.server_info_each(timeout_s=2)):
                 state = ((info or {}).get("internal_states") or [{}])[0]
                 load.append({"url": url, "healthy": info is not None,
@@ -510,7 +550,11 @@ class Launcher:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollmesh launch")
-    p.add_argument("cluster", help="cluster file (launch/*.toml)")
+    p.add_argument("cluster", nargs="?", help="cluster file (launch/*.toml)")
+    p.add_argument("--resume", metavar="RUN",
+                   help="go on with the run in this directory after it stopped (a trainer "
+                        "that died, Ctrl-C, a lost machine): its configs and keys, the "
+                        "trainer's latest checkpoint, the queue's log, the rollouter's journal")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a cluster or experiment key, e.g. staleness.max_staleness=0")
     p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
@@ -518,20 +562,35 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quiet", action="store_true", help="do not echo the roles' logs")
     args = p.parse_args(argv)
     configure_logging("launcher", stream=sys.stderr)
+    if (args.cluster is None) == (args.resume is None):
+        p.error("give a cluster file, or --resume RUN (not both)")
+    if args.resume and args.run_dir:
+        p.error("--resume RUN is the run directory: --run-dir does not go with it")
     try:
-        cluster = load_cluster(args.cluster, overrides=args.overrides)
+        if args.resume:
+            run_dir = _run_dir(args.resume)
+            pid = json.loads((run_dir / "launcher.json").read_text()).get("pid")
+            if pid and pid != os.getpid() and _pid_alive(pid):
+                print(f"rollmesh launch: {run_dir} is still running (launcher pid {pid}): "
+                      f"stop it first (rollmesh stop {run_dir})", file=sys.stderr)
+                return 2
+            cluster = load_cluster(run_dir / "cluster.toml", overrides=args.overrides)
+        else:
+            cluster = load_cluster(args.cluster, overrides=args.overrides)
     except ConfigError as e:
         print(f"rollmesh launch: {e}", file=sys.stderr)
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(args.run_dir or Path(cluster.run_dir) / f"{cluster.name}-{stamp}")
+    if not args.resume:
+        run_dir = Path(args.run_dir or Path(cluster.run_dir) / f"{cluster.name}-{stamp}")
     if args.dry_run:
         hosts = {n: make_host(n, c) for n, c in cluster.hosts.items()}
-        print_plan(cluster, build_plan(cluster, hosts, str(run_dir)), str(run_dir))
+        print_plan(cluster, build_plan(cluster, hosts, str(run_dir),
+                                       engine_key="<the run's engine key>"), str(run_dir))
         return 0
     log.info("config", cluster=to_dict(cluster), experiment=to_dict(cluster.experiment_config))
     print(f"rollmesh: run directory {run_dir}")
-    launcher = Launcher(cluster, run_dir, echo=not args.quiet)
+    launcher = Launcher(cluster, run_dir, echo=not args.quiet, resume=bool(args.resume))
     return asyncio.run(launcher.run())
 
 

@@ -2,64 +2,361 @@
 
 It owns the queued groups, the staleness bound at hand-out, back-pressure to the rollouter, and
 its share of the accounting: every sample put is eventually consumed or dropped with a reason,
-and until then it is counted in `depth`.
+and until then it is counted in `depth` (put = consumed + dropped + depth).
 
 Staleness of a group handed to a trainer at version v: v minus the oldest weight version among
 the group's generated tokens. A group past `max_staleness` is dropped at hand-out and counted
 (reason "stale"): the bound holds even for trajectories resumed across many syncs. Groups are
 kept whole (GRPO needs the n samples of a prompt together), so one stale sample drops its group.
+
+Durability (role config `state_dir`; without it the queue lives in memory only). Every change
+is first appended to `<state_dir>/queue.log` (`rollmesh.durable_log`: length + crc32 framed
+records, torn tail discarded on open), then applied, then acknowledged; on start the log is
+replayed, so a MessageQueue killed at any moment comes back with its groups, its hand-outs not
+yet committed, its counters (put, consumed, dropped by reason, rejected, staleness histogram) and
+its version. Entries are msgpack lists; a group travels as the wire codec's own frames
+(`protocol.encode(Group)`), never pickle:
+
+    ["put", seq, [frame, ...]]           a group queued (seq: the queue's own serial)
+    ["take", step, version, [seq, ...]]  groups handed out to a trainer at `version` for `step`
+                                         (step 0: untracked, gone once handed out)
+    ["drop", reason, [seq, ...]]         groups dropped (stale)
+    ["commit", committed_step]           hand-outs for steps <= committed_step are forgotten
+    ["forget", step]                     one uncommitted hand-out evicted (max_pending_batches)
+    ["version", v]                       the weight version
+    ["state", {counters}]                absolute counters: the last record of a compacted log
+
+Compaction: when the file exceeds max(2 x live bytes, `compact_floor_bytes`) it is rewritten as
+the live records only (puts of queued and pending groups, takes of the pending hand-outs, then
+the counters), so disk use stays within about max(2 x live, floor) + one record.
+
+Hand-out with acknowledgement (issue 9): `GetBatch.step` is the trainer step the batch is for
+(state.step + 1) and `committed_step` the step of its latest checkpoint. A batch handed out for
+a step is kept (durably) until a GetBatch arrives with committed_step >= that step; a GetBatch
+for a step already handed out and not yet committed (the trainer restarted from its checkpoint,
+or a retried request) gets exactly the same groups again, counted once. step = 0 keeps the old
+behaviour: a batch handed out is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgpack
+import numpy as np
+
+from rollmesh import protocol
 from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.durable_log import HEADER, DurableLog
+from rollmesh.log import get_logger
 from rollmesh.protocol import (
     Batch, GetBatch, Group, Metrics, Ok, PutGroup, PutReply, StatsRequest, WeightVersion,
 )
 from rollmesh.runtime import RoleContext
 from rollmesh.transport import RpcServer
 
+LOG_NAME = "queue.log"
+COMPACT_FLOOR_BYTES = 64 << 20
+MAX_PENDING_BATCHES = 256
+MAX_WAIT_S = 300.0  # the longest a GetBatch may wait for groups (the trainer asks for seconds)
+_STATE_OVERHEAD = 4096  # the counters record of a compacted log, roughly
+
+
+class QueueLogError(RuntimeError):
+    """A whole (checksummed) log record that cannot be understood: a format mismatch, fatal."""
+
 
 def oldest_version(group: Group) -> int | None:
     """The oldest weight version that produced a token of this group (None: nothing generated)."""
     oldest = None
     for t in group.trajectories:
-        generated = t.versions[t.versions >= 0]
-        if generated.size:
-            v = int(generated.min())
-            oldest = v if oldest is None else min(oldest, v)
+        v = t.versions
+        if v.size:  # the smallest version >= 0 (-1: prompt tokens), without copying the array
+            none = np.iinfo(v.dtype).max
+            low = int(np.min(v, where=v >= 0, initial=none))
+            if low != none:
+                oldest = low if oldest is None else min(oldest, low)
     return oldest
 
 
-class MessageQueue:
-    """The queue's state and rules, without sockets (the role below serves it)."""
+# -- log entries -------------------------------------------------------------------------------
 
-    def __init__(self, capacity_groups: int, max_staleness: int):
+
+def encode_entry(entry: list[Any]) -> bytes:
+    if entry[0] == "put":
+        frames = [memoryview(f).tobytes() for f in protocol.encode(entry[2])]
+        entry = ["put", entry[1], frames]
+    return msgpack.packb(entry, use_bin_type=True)
+
+
+def _ints(v: Any) -> list[int]:
+    if type(v) is not list or not all(type(x) is int for x in v):
+        raise QueueLogError(f"expected a list of ints, got {v!r:.80}")
+    return v
+
+
+def decode_entry(payload: bytes) -> list[Any]:
+    """Bytes -> a validated entry (groups decoded by the wire codec, strictly)."""
+    try:
+        e = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except Exception as err:
+        raise QueueLogError(f"undecodable entry: {type(err).__name__}: {err}") from None
+    if type(e) is not list or not e or type(e[0]) is not str:
+        raise QueueLogError(f"entry is not [kind, ...]: {e!r:.80}")
+    kind, n = e[0], len(e)
+    if kind == "put" and n == 3 and type(e[1]) is int and type(e[2]) is list:
+        return ["put", e[1], protocol.decode(e[2], Group)]
+    if kind == "take" and n == 4 and type(e[1]) is int and type(e[2]) is int:
+        return ["take", e[1], e[2], _ints(e[3])]
+    if kind == "drop" and n == 3 and type(e[1]) is str:
+        return ["drop", e[1], _ints(e[2])]
+    if kind in ("commit", "forget", "version") and n == 2 and type(e[1]) is int:
+        return e
+    if kind == "state" and n == 2 and type(e[1]) is dict:
+        return e
+    raise QueueLogError(f"unknown or malformed entry {kind!r:.40} ({n} fields)")
+
+
+@dataclass
+class Pending:
+    """A batch handed out for a trainer step and not yet covered by a checkpoint."""
+
+    step: int
+    version: int
+    seqs: list[int]
+    groups: list[Group]
+    samples: int
+    nbytes: int  # its take record on disk
+
+
+class MessageQueue:
+    """The queue's state and rules, without sockets (the role below serves it).
+
+    Every change goes through `_record`: appended to the log (when there is one), then applied
+    by the same code that replays the log on start, so live state and replayed state agree."""
+
+    def __init__(self, capacity_groups: int, max_staleness: int, *,
+                 state_dir: str | Path | None = None, fsync_interval_s: float = 1.0,
+                 compact_floor_bytes: int = COMPACT_FLOOR_BYTES,
+                 max_pending_batches: int = MAX_PENDING_BATCHES, log: Any = None):
         self.capacity = capacity_groups
         self.max_staleness = max_staleness
-        # (oldest generated version, group): computed once at put, not at every hand-out
-        self.groups: collections.deque[tuple[int | None, Group]] = collections.deque()
+        self.compact_floor_bytes = compact_floor_bytes
+        self.max_pending_batches = max_pending_batches
+        self.log = log if log is not None else get_logger("rollmesh.message_queue")
+        # seq -> (oldest generated version, group), in put order (= seq order); the oldest
+        # version is computed once at put, not at every hand-out
+        self.queued: collections.OrderedDict[int, tuple[int | None, Group]] = \
+            collections.OrderedDict()
+        self.pending: dict[int, Pending] = {}  # step -> the batch handed out for it
         self.depth_samples = 0
         self.version = 0
+        self.committed_step = 0
+        self.next_seq = 0
         self.put_samples = 0
         self.consumed_samples = 0
         self.rejected_puts = 0  # back-pressure events: a put refused because the queue was full
+        self.duplicate_puts = 0  # a put of a group already held (a retry): accepted, not added
+        self.redelivered_batches = 0
+        self.evicted_batches = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self._consumed_times: collections.deque[tuple[float, int]] = collections.deque()
+        self._live_ids: dict[str, int] = {}  # group_id -> seq, queued or pending
+        # every group id ever put: a group the rollouter generated again after a crash (it
+        # could not know its first copy was accepted) is recognised even once trained on
+        self._seen_ids: set[str] = set()
+        self._seen_bytes = 0  # their size in the counters record of a compacted log
+        self._clean_at = -1  # every queued group is within the bound at this version
+        self._sizes: dict[int, int] = {}  # seq -> its put record's bytes on disk
+        self.live_bytes = 0
+        self.replayed_records = 0
+        self.journal: DurableLog | None = None
+        if state_dir is not None:
+            self.journal, payloads = DurableLog.open(
+                Path(state_dir) / LOG_NAME, fsync_interval_s=fsync_interval_s, log=self.log)
+            for i, payload in enumerate(payloads):
+                try:
+                    self._apply(decode_entry(payload), len(payload) + HEADER.size)
+                except Exception as e:  # whole and checksummed, yet not understood: refuse
+                    raise QueueLogError(f"{self.journal.path}: record {i} cannot be replayed: "
+                                        f"{type(e).__name__}: {e}") from None
+            self.replayed_records = len(payloads)
+            self._consumed_times.clear()  # rates are about this process's lifetime
+            self._maybe_compact()
+
+    # -- the log -----------------------------------------------------------------------------
+
+    def _record(self, entry: list[Any]) -> Any:
+        """Write-ahead: durable (in the kernel) first, then applied. Returns what _apply does."""
+        nbytes = 0
+        if self.journal is not None:
+            nbytes = self.journal.append(encode_entry(entry))
+        out = self._apply(entry, nbytes)
+        if self.journal is not None:
+            self._maybe_compact()
+        return out
+
+    def _apply(self, entry: list[Any], nbytes: int) -> Any:
+        kind = entry[0]
+        if kind == "put":
+            _, seq, group = entry
+            k = len(group.trajectories)
+            oldest = oldest_version(group)
+            self.queued[seq] = (oldest, group)
+            if self.staleness(oldest, self._clean_at) > self.max_staleness:
+                self._clean_at = -1  # already past the bound at the last scan: scan again
+            self._live_ids[group.group_id] = seq
+            if group.group_id not in self._seen_ids:
+                self._seen_ids.add(group.group_id)
+                self._seen_bytes += len(group.group_id) + 2
+            self._sizes[seq] = nbytes
+            self.live_bytes += nbytes
+            self.next_seq = max(self.next_seq, seq + 1)
+            self.put_samples += k
+            self.depth_samples += k
+            return None
+        if kind == "take":
+            _, step, version, seqs = entry
+            taken = [(seq, *self.queued.pop(seq)) for seq in seqs]
+            now = time.monotonic()
+            samples = 0
+            for _seq, oldest, g in taken:
+                k = len(g.trajectories)
+                samples += k
+                self.staleness_hist[self.staleness(oldest, version)] += k
+            self.consumed_samples += samples
+            self.depth_samples -= samples
+            self._consumed_times.append((now, samples))
+            groups = [g for _, _, g in taken]
+            if step > 0:
+                self.pending[step] = Pending(step, version, list(seqs), groups, samples, nbytes)
+                self.live_bytes += nbytes
+            else:
+                self._forget(seqs, groups)
+            return groups
+        if kind == "drop":
+            _, reason, seqs = entry
+            for seq in seqs:
+                _, g = self.queued.pop(seq)
+                k = len(g.trajectories)
+                self.depth_samples -= k
+                self.dropped[reason] += k
+                self._forget([seq], [g])
+            return None
+        if kind == "commit":
+            self.committed_step = max(self.committed_step, entry[1])
+            for step in [s for s in self.pending if s <= self.committed_step]:
+                self._release(step)
+            return None
+        if kind == "forget":
+            if entry[1] in self.pending:
+                self._release(entry[1])
+            return None
+        if kind == "version":
+            self.version = max(self.version, entry[1])
+            return None
+        if kind == "state":
+            s = entry[1]
+            self.version = int(s["version"])
+            self.committed_step = int(s["committed_step"])
+            self.next_seq = max(self.next_seq, int(s["next_seq"]))
+            self.put_samples = int(s["put_samples"])
+            self.consumed_samples = int(s["consumed_samples"])
+            self.rejected_puts = int(s["rejected_puts"])
+            self.duplicate_puts = int(s.get("duplicate_puts", 0))
+            self.evicted_batches = int(s.get("evicted_batches", 0))
+            self.dropped = collections.Counter({str(k): int(v) for k, v in s["dropped"].items()})
+            self.staleness_hist = collections.Counter(
+                {int(k): int(v) for k, v in s["staleness_hist"].items()})
+            self.depth_samples = sum(len(g.trajectories) for _, g in self.queued.values())
+            for gid in s.get("seen_ids", ()):
+                if gid not in self._seen_ids:
+                    self._seen_ids.add(gid)
+                    self._seen_bytes += len(gid) + 2
+            return None
+        raise QueueLogError(f"unknown entry {kind!r}")
+
+    def _forget(self, seqs: list[int], groups: list[Group]) -> None:
+        for seq, g in zip(seqs, groups):
+            self.live_bytes -= self._sizes.pop(seq, 0)
+            if self._live_ids.get(g.group_id) == seq:
+                del self._live_ids[g.group_id]
+
+    def _release(self, step: int) -> None:
+        p = self.pending.pop(step)
+        self.live_bytes -= p.nbytes
+        self._forget(p.seqs, p.groups)
+
+    def _counters(self) -> dict[str, Any]:
+        return {"version": self.version, "committed_step": self.committed_step,
+                "next_seq": self.next_seq, "put_samples": self.put_samples,
+                "consumed_samples": self.consumed_samples, "rejected_puts": self.rejected_puts,
+                "duplicate_puts": self.duplicate_puts, "evicted_batches": self.evicted_batches,
+                "dropped": dict(self.dropped),
+                "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
+                "seen_ids": sorted(self._seen_ids)}
+
+    def live_entries(self) -> list[list[Any]]:
+        """The log a replay needs to rebuild this state exactly (what compaction writes)."""
+        held: dict[int, Group] = {seq: g for seq, (_, g) in self.queued.items()}
+        for p in self.pending.values():
+            held.update(zip(p.seqs, p.groups))
+        entries: list[list[Any]] = [["put", seq, held[seq]] for seq in sorted(held)]
+        entries += [["take", p.step, p.version, p.seqs]
+                    for p in sorted(self.pending.values(), key=lambda p: p.step)]
+        entries.append(["state", self._counters()])  # last: absolute, overrides the above
+        return entries
+
+    def compact(self) -> None:
+        assert self.journal is not None
+        payloads = [encode_entry(e) for e in self.live_entries()]
+        self.journal.rewrite(payloads)
+        # record sizes in the new file (the live-bytes estimate starts again from them)
+        sizes = [len(p) + HEADER.size for p in payloads]
+        held = sorted({*self.queued, *(s for p in self.pending.values() for s in p.seqs)})
+        self._sizes = dict(zip(held, sizes))
+        for p, n in zip(sorted(self.pending.values(), key=lambda p: p.step),
+                        sizes[len(held):-1]):
+            p.nbytes = n
+        self.live_bytes = sum(sizes[:-1])
+
+    def _maybe_compact(self) -> None:
+        assert self.journal is not None
+        if self.journal.size > max(2 * (self.live_bytes + _STATE_OVERHEAD + self._seen_bytes),
+                                   self.compact_floor_bytes):
+            self.compact()
+
+    def sync(self) -> None:
+        if self.journal is not None:
+            self.journal.sync()
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+    # -- the rules ---------------------------------------------------------------------------
+
+    @property
+    def depth_groups(self) -> int:
+        return len(self.queued)
 
     def put(self, group: Group) -> bool:
-        if len(self.groups) >= self.capacity:
+        if group.group_id in self._seen_ids:
+            # put before: the retry of a put whose reply was lost (a restart in between), or a
+            # group a restarted rollouter generated again; held or trained, it counts once
+            self.duplicate_puts += 1
+            return True
+        if len(self.queued) >= self.capacity:
             self.rejected_puts += 1
             return False
-        self.groups.append((oldest_version(group), group))
-        self.put_samples += len(group.trajectories)
-        self.depth_samples += len(group.trajectories)
+        self._record(["put", self.next_seq, group])
         return True
 
     @staticmethod
@@ -67,40 +364,59 @@ class MessageQueue:
         return 0 if oldest is None else version - oldest
 
     def set_version(self, version: int) -> None:
-        self.version = max(self.version, version)
+        if version > self.version:
+            self._record(["version", version])
 
     def drop_stale(self, version: int) -> int:
-        """Drop every group past the bound for a consumer at `version`; returns samples dropped."""
-        if all(self.staleness(o, version) <= self.max_staleness for o, _ in self.groups):
+        """Drop every group past the bound for a consumer at `version`; returns samples dropped.
+        A full scan only when the version moved past the last one (or a put arrived already
+        past it): every hand-out calls this, and the queue can be long."""
+        if version <= self._clean_at:
             return 0
-        kept: collections.deque[tuple[int | None, Group]] = collections.deque()
-        dropped = 0
-        for oldest, g in self.groups:
-            if self.staleness(oldest, version) > self.max_staleness:
-                dropped += len(g.trajectories)
-            else:
-                kept.append((oldest, g))
-        self.groups = kept
-        self.depth_samples -= dropped
-        self.dropped["stale"] += dropped
-        return dropped
+        stale = [seq for seq, (oldest, _) in self.queued.items()
+                 if self.staleness(oldest, version) > self.max_staleness]
+        self._clean_at = version
+        if not stale:
+            return 0
+        before = self.dropped["stale"]
+        self._record(["drop", "stale", stale])
+        return self.dropped["stale"] - before
 
-    def take(self, n: int, version: int) -> list[Group] | None:
+    def commit(self, committed_step: int) -> None:
+        """Forget the hand-outs of every step <= committed_step (their checkpoint is written)."""
+        if committed_step > self.committed_step:
+            self._record(["commit", committed_step])
+
+    def redeliver(self, step: int) -> Pending | None:
+        """The uncommitted batch already handed out for this step, if any (counted as a
+        redelivery, not as consumed again)."""
+        p = self.pending.get(step) if step > 0 else None
+        if p is not None:
+            self.redelivered_batches += 1
+        return p
+
+    def take(self, n: int, version: int, step: int = 0) -> list[Group] | None:
         """Exactly n groups for a trainer at `version`, oldest first, or None if fewer remain
-        after dropping the stale ones."""
+        after dropping the stale ones. step > 0: kept until committed (see `commit`)."""
+        assert step not in self.pending, "redeliver() answers a step already handed out"
         version = max(version, self.version)
         self.drop_stale(version)
-        if len(self.groups) < n:
+        if len(self.queued) < n:
             return None
-        out = [self.groups.popleft() for _ in range(n)]
-        now = time.monotonic()
-        for oldest, g in out:
-            k = len(g.trajectories)
-            self.consumed_samples += k
-            self.depth_samples -= k
-            self.staleness_hist[self.staleness(oldest, version)] += k
-            self._consumed_times.append((now, k))
-        return [g for _, g in out]
+        if step > 0 and step <= self.committed_step:
+            self.log.warning("get_batch_for_committed_step", step=step,
+                             committed_step=self.committed_step)
+            step = 0  # a checkpoint already covers it: nothing to keep it for
+        seqs = list(itertools.islice(self.queued, n))
+        groups = self._record(["take", step, version, seqs])
+        while len(self.pending) > self.max_pending_batches:
+            oldest = min(self.pending)
+            self.log.warning("uncommitted_batch_evicted", step=oldest,
+                             committed_step=self.committed_step,
+                             max_pending_batches=self.max_pending_batches)
+            self.evicted_batches += 1
+            self._record(["forget", oldest])
+        return groups
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -108,15 +424,25 @@ class MessageQueue:
             self._consumed_times.popleft()
         recent = sum(k for _, k in self._consumed_times)
         span = now - self._consumed_times[0][0] if self._consumed_times else 0.0
-        return {
-            "depth_groups": len(self.groups), "depth_samples": self.depth_samples,
+        out = {
+            "depth_groups": len(self.queued), "depth_samples": self.depth_samples,
             "capacity_groups": self.capacity, "version": self.version,
             "put_samples": self.put_samples, "consumed_samples": self.consumed_samples,
             "dropped": dict(self.dropped), "rejected_puts": self.rejected_puts,
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
             "consumed_per_s": recent / span if span > 0 else 0.0,
             "max_staleness": self.max_staleness,
+            "pending_batches": len(self.pending),
+            "pending_samples": sum(p.samples for p in self.pending.values()),
+            "committed_step": self.committed_step, "redelivered_batches": self.redelivered_batches,
+            "duplicate_puts": self.duplicate_puts, "evicted_batches": self.evicted_batches,
+            "durable": self.journal is not None,
         }
+        if self.journal is not None:
+            out.update(log_bytes=self.journal.size, log_live_bytes=self.live_bytes,
+                       log_compactions=self.journal.compactions,
+                       log_fsyncs=self.journal.fsyncs, replayed_records=self.replayed_records)
+        return out
 
 
 def default_capacity(exp: ExperimentConfig) -> int:
@@ -126,10 +452,27 @@ def default_capacity(exp: ExperimentConfig) -> int:
 
 
 async def main(ctx: RoleContext) -> None:
-    """Role entry: serve PutGroup / GetBatch / WeightVersion / StatsRequest."""
+    """Role entry: serve PutGroup / GetBatch / WeightVersion / StatsRequest.
+
+    config: experiment, bind, capacity_groups (default: `default_capacity`), state_dir (durable
+    queue; none: in memory), fsync_interval_s (1.0; 0: fsync every record), compact_floor_bytes
+    (64 MiB), max_pending_batches (256)."""
     exp = parse_config(ExperimentConfig, ctx.config["experiment"], "MessageQueue spec")
-    queue = MessageQueue(ctx.config.get("capacity_groups") or default_capacity(exp),
-                         exp.staleness.max_staleness)
+    config = ctx.config
+    fsync_interval_s = float(config.get("fsync_interval_s", 1.0))
+    started = time.monotonic()
+    queue = MessageQueue(
+        config.get("capacity_groups") or default_capacity(exp), exp.staleness.max_staleness,
+        state_dir=config.get("state_dir"), fsync_interval_s=fsync_interval_s,
+        compact_floor_bytes=int(config.get("compact_floor_bytes", COMPACT_FLOOR_BYTES)),
+        max_pending_batches=int(config.get("max_pending_batches", MAX_PENDING_BATCHES)),
+        log=ctx.log)
+    if queue.journal is not None:
+        ctx.log.info("replayed", path=str(queue.journal.path), records=queue.replayed_records,
+                     depth_groups=queue.depth_groups, pending_batches=len(queue.pending),
+                     put_samples=queue.put_samples, consumed_samples=queue.consumed_samples,
+                     dropped=dict(queue.dropped), version=queue.version,
+                     seconds=round(time.monotonic() - started, 3))
     changed = asyncio.Condition()
 
     async def put(msg: PutGroup, peer: bytes) -> PutReply:
@@ -137,16 +480,32 @@ async def main(ctx: RoleContext) -> None:
         if accepted:
             async with changed:
                 changed.notify_all()
-        return PutReply(accepted=accepted, depth=len(queue.groups))
+        return PutReply(accepted=accepted, depth=queue.depth_groups)
 
     async def get(msg: GetBatch, peer: bytes) -> Batch:
+        if msg.groups < 1 or msg.step < 0 or msg.committed_step < 0:
+            raise ValueError(f"GetBatch: groups must be >= 1 and steps >= 0, got groups="
+                             f"{msg.groups}, step={msg.step}, committed_step={msg.committed_step}")
+        if not 0 <= msg.timeout_s <= MAX_WAIT_S:  # a waiting request holds a server slot
+            raise ValueError(f"GetBatch: timeout_s must be in [0, {MAX_WAIT_S:g}], "
+                             f"got {msg.timeout_s}")
+        queue.commit(msg.committed_step)
         deadline = time.monotonic() + msg.timeout_s
         async with changed:
             while True:
-                groups = queue.take(msg.groups, msg.version)
+                again = queue.redeliver(msg.step)
+                if again is not None:  # a restarted trainer, or a retry: the very same batch
+                    ctx.log.info("batch_redelivered", step=msg.step, groups=len(again.groups),
+                                 committed_step=queue.committed_step)
+                    return Batch(groups=again.groups, version=again.version, step=msg.step,
+                                 redelivered=True)
+                groups = queue.take(msg.groups, msg.version, msg.step)
                 remaining = deadline - time.monotonic()
                 if groups is not None or remaining <= 0:
-                    return Batch(groups=groups or [], version=max(msg.version, queue.version))
+                    if groups is not None and msg.step > 0:
+                        changed.notify_all()  # another request for this step returns it too
+                    return Batch(groups=groups or [], version=max(msg.version, queue.version),
+                                 step=msg.step)
                 try:
                     await asyncio.wait_for(changed.wait(), remaining)
                 except asyncio.TimeoutError:
@@ -157,22 +516,33 @@ async def main(ctx: RoleContext) -> None:
         async with changed:
             queue.drop_stale(queue.version)
             changed.notify_all()
-        ctx.log.info("version", version=queue.version, depth=len(queue.groups))
+        ctx.log.info("version", version=queue.version, depth=queue.depth_groups)
         return Ok()
 
     async def stats(msg: StatsRequest, peer: bytes) -> Metrics:
         return Metrics(role="message_queue", host=ctx.spec.host,
                        values={**queue.stats(), "protocol_errors": server.stats.protocol_errors})
 
+    async def fsync_loop() -> None:  # the batched fsync: nothing written stays unsynced longer
+        while True:
+            await asyncio.sleep(max(fsync_interval_s, 0.05))
+            queue.sync()
+
     server = RpcServer(ctx.transport, ctx.config["bind"], {
         PutGroup: put, GetBatch: get, WeightVersion: version, StatsRequest: stats,
     }, name="message_queue")
-    ctx.log.info("config", capacity_groups=queue.capacity, max_staleness=queue.max_staleness)
+    ctx.log.info("config", capacity_groups=queue.capacity, max_staleness=queue.max_staleness,
+                 state_dir=config.get("state_dir"), fsync_interval_s=fsync_interval_s)
     serving = asyncio.create_task(server.serve())
+    syncing = asyncio.create_task(fsync_loop()) if queue.journal is not None else None
     ctx.set_status(queue.stats)
     await ctx.ready(rpc=server.address)
-    await ctx.stopping.wait()
-    serving.cancel()
-    ctx.log.info("stats", **queue.stats())
-    server.close()
-
+    try:
+        await ctx.stopping.wait()
+    finally:
+        serving.cancel()
+        if syncing is not None:
+            syncing.cancel()
+        ctx.log.info("stats", **queue.stats())
+        server.close()
+        queue.close()

@@ -18,7 +18,7 @@ a wrong type, a frame count or array size that does not match the header each ra
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import types
 import typing
 from typing import Any, Callable, Literal, Sequence, Union
@@ -342,17 +342,27 @@ class PutReply:
 
 @record
 class GetBatch:
-    """Trainer at `version` asks for `groups` groups, waiting up to `timeout_s`."""
+    """Trainer at `version` asks for `groups` groups, waiting up to `timeout_s`.
+
+    `step` is the trainer step the batch is for (1, 2, ...; 0: untracked, the batch is gone
+    once handed out) and `committed_step` the step of the trainer's latest checkpoint. The queue
+    keeps a batch handed out for a step until a GetBatch with committed_step >= that step, and
+    answers a GetBatch for a step it already handed out (a resumed trainer, a retry) with the
+    same groups again."""
 
     groups: int
     version: int
     timeout_s: float = 10.0
+    step: int = 0
+    committed_step: int = 0
 
 
 @record
 class Batch:
     groups: list[Group]
     version: int
+    step: int = 0  # the GetBatch's step
+    redelivered: bool = False  # the batch already handed out for this step, sent again
 
 
 @record
@@ -492,6 +502,23 @@ class _Schema:
     fields: tuple[tuple[str, Checker], ...]
     required: frozenset[str]
     names: frozenset[str]
+    # (name, exact type, checker): a value of exactly that type passes without the checker's
+    # call (the decode fast path); anything else goes through the checker, errors and all.
+    fast: tuple[tuple[str, Any, Checker], ...] = ()
+
+
+_FAST_TYPES = (int, float, str, bool, bytes, np.ndarray)
+
+
+def _fast_type(tp: Any) -> Any:
+    """The one type a field's values have in the common case, or None (always check)."""
+    if tp in _FAST_TYPES:
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(options) == 1 and options[0] in _FAST_TYPES:
+            return options[0]
+    return None
 
 
 _SCHEMAS: dict[type, _Schema] = {}
@@ -509,6 +536,8 @@ def _schema(cls: type) -> _Schema:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             ),
             names=frozenset(f.name for f in fields),
+            fast=tuple((f.name, _fast_type(hints[f.name]), _checker(hints[f.name]))
+                       for f in fields),
         )
         _SCHEMAS[cls] = schema
     return schema
@@ -517,7 +546,13 @@ def _schema(cls: type) -> _Schema:
 def _build(cls: type, body: Any, path: str) -> Any:
     if type(body) is not dict:
         raise _fail(path, f"a map for {cls.__name__}", body)
-    schema = _schema(cls)
+    schema = _SCHEMAS.get(cls) or _schema(cls)
+    if body.keys() == schema.names:  # every field present (what encode sends): no set algebra
+        kwargs = {}
+        for name, fast, check in schema.fast:
+            v = body[name]
+            kwargs[name] = v if type(v) is fast else check(v, f"{path}.{name}")
+        return cls(**kwargs)
     extra = body.keys() - schema.names
     if extra:
         raise ProtocolError(f"{path}: unknown field(s) {sorted(map(str, extra))} for {cls.__name__}")
@@ -559,25 +594,70 @@ def _as_numpy(obj: Any) -> np.ndarray | None:
     return None
 
 
+# The wire dtypes as numpy has them in memory -> their wire names. A dict lookup: numpy's
+# `dtype.name` costs microseconds, and encode asks it for every array.
+_DTYPE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+# msgpack.ExtType without its constructor's argument checks (ours are an int and bytes)
+_ext = functools.partial(tuple.__new__, msgpack.ExtType)
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _received_frame(arr: np.ndarray) -> Any:
+    """The received ZeroMQ frame that `arr` views whole, or None.
+
+    A record decoded by a broker (the MessageQueue) and sent on holds views of the frames it
+    came in; sending those frames themselves costs ZeroMQ a reference count where sending the
+    arrays costs a copy. `arr` is C-contiguous here, so a view of as many bytes as the frame
+    holds is the frame, byte for byte.
+    """
+    base = arr.base
+    while type(base) is np.ndarray:
+        base = base.base
+    if type(base) is memoryview and base.nbytes == arr.nbytes:
+        frame = base.obj
+        if type(frame).__module__.startswith("zmq") and hasattr(frame, "buffer"):
+            return frame
+    return None
+
+
 def encode(rec: Any) -> list[Frame]:
     """Record -> frames. Arrays are referenced, not copied, where they are contiguous."""
-    name = getattr(type(rec), "_wire_name", None)
-    if name is None or RECORDS.get(type(rec).__name__) is not type(rec):
-        raise ProtocolError(f"not a wire record: {type(rec).__name__}")
+    cls = type(rec)
+    name = getattr(cls, "_wire_name", None)
+    if name is None or RECORDS.get(cls.__name__) is not cls:
+        raise ProtocolError(f"not a wire record: {cls.__name__}")
     buffers: list[Any] = []
+    meta_packer = msgpack.Packer(use_bin_type=True)  # one per call: encode may run in threads
 
     def default(obj: Any) -> Any:
-        arr = _as_numpy(obj)
+        kind = type(obj)
+        if kind is np.ndarray:
+            arr = obj
+        elif getattr(kind, "_wire_name", None) is not None and RECORDS.get(kind.__name__) is kind:
+            return {f: getattr(obj, f) for f in _field_names(kind)}  # a nested record
+        else:
+            arr = _as_numpy(obj)
         if arr is not None:
-            dtype_name = arr.dtype.name
-            if dtype_name not in WIRE_DTYPES:
-                raise ProtocolError(f"dtype {dtype_name} cannot travel on the wire")
-            if arr.dtype.byteorder == ">":
-                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            dtype_name = _DTYPE_NAMES.get(arr.dtype)
+            if dtype_name is None:  # not a wire dtype as stored: big-endian, or refused
+                dtype_name = arr.dtype.name
+                if dtype_name not in WIRE_DTYPES:
+                    raise ProtocolError(f"dtype {dtype_name} cannot travel on the wire")
+                if arr.dtype.byteorder == ">":
+                    arr = arr.astype(arr.dtype.newbyteorder("<"))
             shape = list(arr.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
-            buffers.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-            meta = msgpack.packb([len(buffers) - 1, dtype_name, shape])
-            return msgpack.ExtType(_ARRAY_EXT, meta)
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
+            frame = _received_frame(arr) if arr.base is not None else None
+            buffers.append(arr.reshape(-1).view(np.uint8) if frame is None else frame)
+            return _ext((_ARRAY_EXT, meta_packer.pack([len(buffers) - 1, dtype_name, shape])))
         if dataclasses.is_dataclass(obj) and type(obj).__name__ in RECORDS:
             return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
         if isinstance(obj, tuple):
@@ -587,8 +667,7 @@ def encode(rec: Any) -> list[Frame]:
         raise ProtocolError(f"cannot encode {type(obj).__name__}")
 
     body = msgpack.packb(
-        {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)},
-        default=default, use_bin_type=True,
+        {f: getattr(rec, f) for f in _field_names(cls)}, default=default, use_bin_type=True,
     )
     return [name, body, *buffers]
 
@@ -600,7 +679,10 @@ def encode(rec: Any) -> list[Frame]:
 
 def _buffer(frame: Frame) -> memoryview:
     buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
-    return memoryview(buf if buf is not None else frame).cast("B")
+    view = buf if type(buf) is memoryview else memoryview(buf if buf is not None else frame)
+    if view.format == "B" and view.ndim == 1 and view.c_contiguous:
+        return view  # already bytes, as a received frame is: no second view
+    return view.cast("B")
 
 
 def decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None = None) -> Any:
@@ -634,7 +716,8 @@ def _decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None) -> 
         raise ProtocolError(f"body of {body.nbytes} bytes exceeds {MAX_BODY_BYTES}")
 
     buffers = frames[2:]
-    used = [False] * len(buffers)
+    n_buffers = len(buffers)
+    used = [False] * n_buffers
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code != _ARRAY_EXT:
@@ -643,25 +726,30 @@ def _decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None) -> 
         if not (type(meta) is list and len(meta) == 3):
             raise ProtocolError("array header must be [frame, dtype, shape]")
         index, dtype_name, shape = meta
-        if type(index) is not int or not 0 <= index < len(buffers):
-            raise ProtocolError(f"array refers to frame {index!r}, message has {len(buffers)}")
+        if type(index) is not int or not 0 <= index < n_buffers:
+            raise ProtocolError(f"array refers to frame {index!r}, message has {n_buffers}")
         if used[index]:
             raise ProtocolError(f"array frame {index} referenced twice")
         used[index] = True
         dtype = WIRE_DTYPES.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             raise ProtocolError(f"array dtype {dtype_name!r} is not allowed on the wire")
-        if (type(shape) is not list or len(shape) > MAX_NDIM
-                or any(type(d) is not int or d < 0 for d in shape)):
+        if type(shape) is not list or len(shape) > MAX_NDIM:
             raise ProtocolError(f"bad array shape {shape!r}")
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise ProtocolError(f"bad array shape {shape!r}")
+            count *= d
         buf = _buffer(buffers[index])
-        expected = math.prod(shape) * dtype.itemsize
+        expected = count * dtype.itemsize
         if expected != buf.nbytes:
             raise ProtocolError(
                 f"array frame {index} has {buf.nbytes} bytes, header says {shape} {dtype_name} "
                 f"= {expected}"
             )
-        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+        arr = np.frombuffer(buf, dtype=dtype)
+        return arr if len(shape) == 1 else arr.reshape(shape)
 
     obj = msgpack.unpackb(
         body, ext_hook=ext_hook, raw=False, strict_map_key=True, use_list=True,

@@ -10,25 +10,38 @@ The broadcast follows docs/sglang-contract.md: the first sync fires `/init_weigh
 at every engine, joins the group as rank 0, then collects the replies; every bucket fires
 `/update_weights_from_distributed` (its names, dtypes, shapes), broadcasts the bucket's tensors
 in that order (`rollmesh.weight_buckets`), then collects. Engines report the new version only
-with the last bucket. Memory on rank 0: one gathered tensor, plus one bucket buffer when buckets
-travel flattened.
+with the last bucket. `sync.load_format = "flattened_bucket"` sends each bucket as one broadcast
+of its bytes (SGLang and the built-in engine both take it), pipelined: bucket i+1 is packed while
+bucket i is on the wire. Memory on rank 0: one gathered tensor, plus at most two bucket buffers
+(kept between syncs) when buckets travel flattened.
+
+Retries: a failed broadcast is tried again (SYNC_ATTEMPTS in all) with the group built anew, on
+any number of ranks: rank 0 finishes the gather loop in lock-step with the other ranks even
+after a failure (gathering, no longer sending), so every rank is back at `ranks.share` for the
+next order: "broadcast" (again), "done" or "abort".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 import torch
 
 from rollmesh.engine.client import EngineClient, EngineError
+from rollmesh.log import get_logger
 from rollmesh.protocol import SyncDone, SyncGo, SyncRequest
 from rollmesh.ranks import full_tensor
 from rollmesh.transport import RpcClient, Transport, free_port
-from rollmesh.weight_buckets import WeightSpec, plan_buckets, send_bucket, update_body
+from rollmesh.weight_buckets import BucketSender, WeightSpec, plan_buckets, update_body
 from rollmesh.weights import init_weight_update_group
+
+log = get_logger("publish")
 
 GROUP = "weight_update_group"
 SYNC_ATTEMPTS = 3  # broadcasts tried for one version before the trainer gives up
@@ -50,19 +63,25 @@ class Publisher:
     """Rank 0's connections for syncs: the synchronizer and the engines' weight-update group."""
 
     def __init__(self, transport: Transport, config: dict[str, Any], sync: Any,
-                 device: torch.device):
+                 device: torch.device, api_key: str | None = None):
         if not config.get("engines"):
             raise ValueError("trainer spec: `synchronizer` is set but `engines` (URLs) is not")
         self.sync = sync  # SyncConfig
-        self.synchronizer = RpcClient(transport, config["synchronizer"], timeout_s=sync.timeout_s,
-                                      retries=0, name="synchronizer")
+        # SyncRequest and SyncDone may be sent again (a synchronizer restarted mid-sync never
+        # saw them; one that did answers a repeat as the first): ask every 10 s, within the
+        # sync's time limit
+        per_try = min(sync.timeout_s, 10.0)
+        self.synchronizer = RpcClient(transport, config["synchronizer"], timeout_s=per_try,
+                                      retries=max(0, math.ceil(sync.timeout_s / per_try) - 1),
+                                      name="synchronizer")
         self.engines = EngineClient(config["engines"], tp_sizes=config.get("engine_tp_sizes"),
-                                    control_timeout_s=sync.timeout_s)
+                                    control_timeout_s=sync.timeout_s, api_key=api_key)
         self.address = config.get("weight_sync_address", "127.0.0.1")
         self.backend = sync.backend if sync.backend != "auto" else (
             "nccl" if device.type == "cuda" else "gloo")
         self.device = device if self.backend == "nccl" else torch.device("cpu")
         self.group = None
+        self.sender: BucketSender | None = None
 
     async def open(self) -> None:
         await self.engines.__aenter__()
@@ -102,37 +121,73 @@ class Publisher:
             except Exception:  # a member is gone; the group is being replaced anyway
                 pass
             self.group = None
+            self.sender = None
 
     async def broadcast(self, model: torch.nn.Module, dtype: torch.dtype, version: int) -> int:
-        """All buckets to every engine; returns the bytes sent."""
+        """All buckets to every engine; returns the bytes sent.
+
+        Every parameter is gathered, in model order, whatever fails: the other trainer ranks
+        gather in lock-step (`full_tensor` is a collective), so after a failure rank 0 goes on
+        gathering without sending, then raises. Flattened buckets are pipelined: bucket i+1 is
+        packed while bucket i is on the wire; its announcement waits for the replies of bucket
+        i (the engines take the buckets in announcement order)."""
+        specs = weight_specs(model, dtype)
+        tensors = gathered(model, [s.name for s in specs])
+        try:
+            return await self._broadcast(specs, tensors, version)
+        finally:
+            # the rest of the gather loop (nothing left after a success)
+            await asyncio.to_thread(lambda: [None for _ in tensors])
+
+    async def _broadcast(self, specs: list[WeightSpec], tensors: Iterator[torch.Tensor],
+                         version: int) -> int:
         if self.group is None:
             await self.join_weight_group()
         bucket_bytes = int(self.sync.bucket_mb * 2**20)
-        buckets = plan_buckets(weight_specs(model, dtype), bucket_bytes)
+        buckets = plan_buckets(specs, bucket_bytes)
         load_format = self.sync.load_format
-        # One bucket buffer for the whole sync (freed after it): built in place bucket by bucket.
-        buffer = (torch.empty(min(bucket_bytes, max(sum(s.nbytes for s in b) for b in buckets)),
-                              dtype=torch.uint8, device=self.device)
-                  if load_format == "flattened_bucket" else None)
+        # Two bucket buffers, filled in turn, kept from sync to sync (their pages stay mapped;
+        # on a GPU the caching allocator would keep them reserved anyway): rank 0 holds at most
+        # two buckets' worth of memory for syncs.
+        capacity = max((sum(s.nbytes for s in b) for b in buckets if len(b) > 1), default=0)
+        sender = self.sender
+        if (sender is None or sender.group is not self.group or sender.capacity != capacity
+                or sender.load_format != load_format):
+            self.sender = None  # the old buffers go before the new ones come
+            sender = self.sender = BucketSender(self.group, load_format, self.device, capacity)
         sent = 0
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            body = update_body(bucket, weight_version=str(version if last else version - 1),
-                               load_format=load_format, flush_cache=last, group_name=GROUP)
-            replies = self._start_update(body)
-            try:
-                sent += await asyncio.to_thread(send_bucket, self.group, bucket,
-                                                gathered(model, body["names"]), load_format,
-                                                self.device, buffer)
-            finally:
-                await replies
+        packing = asyncio.create_task(asyncio.to_thread(
+            sender.pack, buckets[0], islice(tensors, len(buckets[0]))))
+        try:
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                body = update_body(bucket, weight_version=str(version if last else version - 1),
+                                   load_format=load_format, flush_cache=last, group_name=GROUP)
+                packed = await packing
+                replies = self._start_update(body)
+                try:
+                    sent += await asyncio.to_thread(sender.start, packed)
+                    del packed
+                    if not last:  # packs while the engines receive
+                        nxt = buckets[i + 1]
+                        packing = asyncio.create_task(asyncio.to_thread(
+                            sender.pack, nxt, islice(tensors, len(nxt))))
+                    await asyncio.to_thread(sender.wait)
+                finally:
+                    await replies
+        finally:
+            with contextlib.suppress(BaseException):
+                await packing  # it consumes the gather: finished before anything else gathers
         return sent
 
 
-async def sync_weights(state: Any, publisher: Publisher | None) -> dict[str, Any]:
+async def sync_weights(state: Any, publisher: Publisher | None, *,
+                       republish: bool = False) -> dict[str, Any]:
     """Publish version + 1 (every rank calls; rank 0 talks, the others gather with it).
-    `state` is the trainer's TrainState; returns rank 0's timings."""
-    ranks, version = state.ranks, state.version + 1
+    `state` is the trainer's TrainState; returns rank 0's timings. `republish`: send the
+    current version again (a resumed trainer: the engines started from the initial weights)."""
+    ranks = state.ranks
+    version = state.version if republish else state.version + 1
     if not ranks.is_main:  # gather with rank 0 once per broadcast attempt, until it says done
         while True:
             order = await asyncio.to_thread(ranks.share)
@@ -149,41 +204,47 @@ async def sync_weights(state: Any, publisher: Publisher | None) -> dict[str, Any
         await asyncio.to_thread(ranks.share, {"op": "skip"})
         return {}
     started = time.monotonic()
-    for attempt in range(1, SYNC_ATTEMPTS + 1):
-        try:
+    told = False  # the other ranks have their last order ("done" or "abort")
+    try:
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
             go: SyncGo = await publisher.synchronizer.request(
                 SyncRequest(version=version, step=state.step))
-        except BaseException:
+            await asyncio.to_thread(ranks.share, {"op": "broadcast"})
+            paused = time.monotonic()
+            if go.rebuild_group or attempt > 1:
+                publisher.reset_group()
+            try:
+                # Whatever fails, this returns (or raises) only after the whole gather loop,
+                # so the other ranks are back waiting for the next order.
+                sent = await publisher.broadcast(state.model, state.compute_dtype, version)
+                break
+            except BaseException as e:
+                # An engine died or refused mid-sync (the launcher restarts a dead one): keep
+                # rollout paused, build the group anew once every engine answers, and send the
+                # whole weights again, on every rank (they gather again). After the last
+                # attempt rollout resumes at the old version and this trainer stops.
+                retrying = attempt < SYNC_ATTEMPTS and isinstance(e, Exception)
+                log.warning("sync_broadcast_failed", version=version, attempt=attempt,
+                            retrying=retrying, ranks=ranks.world, error=str(e)[:500])
+                await publisher.synchronizer.request(SyncDone(version=version, ok=False,
+                                                              error=str(e)[:2000],
+                                                              retrying=retrying))
+                if not retrying:
+                    raise
+                await publisher.engines.wait_healthy(publisher.sync.timeout_s)
+        broadcast = time.monotonic()
+        await publisher.synchronizer.request(SyncDone(version=version,
+                                                      broadcast_s=broadcast - paused, bytes=sent))
+        told = True
+        await asyncio.to_thread(ranks.share, {"op": "done"})
+    except BaseException:
+        if not told:
+            told = True
             await asyncio.to_thread(ranks.share, {"op": "abort"})
-            raise
-        await asyncio.to_thread(ranks.share, {"op": "broadcast"})
-        paused = time.monotonic()
-        if go.rebuild_group or attempt > 1:
-            publisher.reset_group()
-        try:
-            sent = await publisher.broadcast(state.model, state.compute_dtype, version)
-            break
-        except BaseException as e:
-            # An engine died mid-sync (the launcher restarts it): keep rollout paused, build
-            # the group anew once every engine answers, and send the whole weights again.
-            # After the last attempt rollout resumes at the old version and this trainer stops.
-            # (With several ranks a failed broadcast leaves the others inside the parameter
-            # gather, so only a single-rank trainer retries for now.)
-            retrying = (attempt < SYNC_ATTEMPTS and isinstance(e, Exception)
-                        and ranks.world == 1)
-            await publisher.synchronizer.request(SyncDone(version=version, ok=False,
-                                                          error=str(e)[:2000],
-                                                          retrying=retrying))
-            if not retrying:
-                await asyncio.to_thread(ranks.share, {"op": "abort"})
-                raise
-            await publisher.engines.wait_healthy(publisher.sync.timeout_s)
-    broadcast = time.monotonic()
-    await publisher.synchronizer.request(SyncDone(version=version, broadcast_s=broadcast - paused,
-                                                  bytes=sent))
-    await asyncio.to_thread(ranks.share, {"op": "done"})
+        raise
     done = time.monotonic()
     state.version = version
     return {"published_version": version, "sync_pause_s": go.pause_s,
             "sync_wait_s": paused - started, "sync_broadcast_s": broadcast - paused,
-            "sync_resume_s": done - broadcast, "sync_idle_s": done - started, "sync_bytes": sent}
+            "sync_resume_s": done - broadcast, "sync_idle_s": done - started, "sync_bytes": sent,
+            "sync_attempts": attempt}

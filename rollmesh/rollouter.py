@@ -529,12 +529,25 @@ class Rollouter:
             elif worker is None:
                 self.counters["messages_from_unknown_peers"] += 1
                 continue
-            elif isinstance(msg, Returned):
-                self.returned(worker, msg.trajectory)
-            elif isinstance(msg, Scored):
-                self.scored(worker, msg.trajectory)
-            elif not isinstance(msg, (Heartbeat, Metrics)):
-                self.counters["unexpected_messages"] += 1
+            else:
+                traj = getattr(msg, "trajectory", None)
+                dispatched = worker.out.get(traj.sample_id) if traj is not None else None
+                try:
+                    if isinstance(msg, Returned):
+                        self.returned(worker, msg.trajectory)
+                    elif isinstance(msg, Scored):
+                        self.scored(worker, msg.trajectory)
+                    elif not isinstance(msg, (Heartbeat, Metrics)):
+                        self.counters["unexpected_messages"] += 1
+                except Exception as e:  # well-formed on the wire, nonsense inside: one
+                    # worker's bad record must not stop the rollouter; its trajectory is
+                    # re-queued as dispatched when the worker is dropped
+                    self.counters["bad_records"] += 1
+                    if dispatched is not None:  # back as it was sent, to be re-queued
+                        worker.out[dispatched.sample_id] = dispatched
+                    self.log.error("bad_record", worker=worker.name, type=type(msg).__name__,
+                                   error=f"{type(e).__name__}: {e}")
+                    await self.worker_lost(worker, f"sent a bad record: {e}")
             self.changed.set()
 
     async def schedule(self) -> None:

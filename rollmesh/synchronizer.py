@@ -31,6 +31,7 @@ StatsRequest as Metrics.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,9 @@ from rollmesh.protocol import (
 )
 from rollmesh.runtime import RoleContext
 from rollmesh.transport import RpcClient, RpcServer
+
+
+PAUSE_RETRY_S = 10.0
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Synchronizer:
         self.history: list[dict[str, Any]] = []
         self.failures = 0
         self.rebuild = False  # an engine was restarted since the last successful sync
+        self.abandoned: set[int] = set()  # versions whose sync this process gave up waiting for
 
     async def request(self, msg: SyncRequest) -> SyncGo:
         current = self.current
@@ -79,7 +84,7 @@ class Synchronizer:
         try:
             started = time.monotonic()
             paused: Paused = await self.rollouter.request(
-                Pause(mode=self.exp.sync.pause_mode), timeout_s=self.exp.sync.timeout_s)
+                Pause(mode=self.exp.sync.pause_mode), **self._patient())
             sync.go = SyncGo(version=msg.version, pause_s=time.monotonic() - started,
                              cancel_queue=paused.cancel_queue, rebuild_group=self.rebuild)
         except BaseException as e:
@@ -94,8 +99,27 @@ class Synchronizer:
                       cancel_queue=paused.cancel_queue)
         return sync.go
 
+    def _patient(self) -> dict[str, Any]:
+        """Pause and Resume are idempotent: ask again every PAUSE_RETRY_S (a rollouter that
+        restarted since the first ask never saw it), within the sync's time limit."""
+        limit = self.exp.sync.timeout_s
+        per_try = min(limit, PAUSE_RETRY_S)
+        return {"timeout_s": per_try, "retries": max(0, math.ceil(limit / per_try) - 1)}
+
     async def done(self, msg: SyncDone) -> Ok:
         sync = self.current
+        if sync is None and msg.ok and msg.version == self.version:
+            return Ok(message=f"version {self.version}")  # a retry of one already finished
+        if sync is None and msg.version > self.version and msg.version not in self.abandoned:
+            # A sync the previous synchronizer process started before it died: the trainer
+            # finished it. Publish the version (or not) and resume rollout, as it would have.
+            self.log.warning("sync_adopted", version=msg.version, ok=msg.ok)
+            await self.lock.acquire()
+            sync = self.current = Sync(msg.version, time.monotonic())
+            sync.go = SyncGo(version=msg.version, pause_s=0.0, cancel_queue=0)
+            sync.paused.set_result(sync.go)
+            await self._finish(sync, msg)
+            return Ok(message=f"version {self.version}")
         if sync is None or sync.version != msg.version:
             raise ValueError(f"SyncDone for version {msg.version}, but the sync in progress is "
                              f"{sync.version if sync else 'none'}")
@@ -107,6 +131,7 @@ class Synchronizer:
     async def _watchdog(self, sync: Sync) -> None:
         await asyncio.sleep(self.exp.sync.timeout_s)
         self.log.error("sync_timed_out", version=sync.version, timeout_s=self.exp.sync.timeout_s)
+        self.abandoned.add(sync.version)
         await self._finish(sync, SyncDone(version=sync.version, ok=False,
                                           error="the trainer did not report back in time"))
 
@@ -129,7 +154,7 @@ class Synchronizer:
             if msg.ok or not msg.retrying:
                 # After a failure the engines may hold part of the new weights: when the
                 # trainer retries, rollout stays paused until a broadcast completes.
-                await self.rollouter.request(Resume(version=self.version))
+                await self.rollouter.request(Resume(version=self.version), **self._patient())
         finally:
             self.lock.release()
         now = time.monotonic()

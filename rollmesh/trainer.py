@@ -2,9 +2,19 @@
 
 One step, as `train` runs it: get a batch from the MessageQueue -> old log-probs (recomputed
 with the current parameters, or the engine's behaviour log-probs as they are: "bypass") and
-reference log-probs -> advantages -> `trainer.mini_batches` optimizer updates, each accumulated
-over micro-batches -> metrics -> every `sync.sync_every` steps a weight sync -> now and then a
-checkpoint.
+reference log-probs (and, for GAE, the critic's old values) -> advantages -> `trainer.mini_batches`
+optimizer updates, each accumulated over micro-batches -> metrics -> every `sync.sync_every` steps
+a weight sync -> now and then a checkpoint.
+
+GAE (`algorithm.advantage = "gae"`, PPO as verl runs it): a critic (`Critic`: the policy's
+architecture loaded the same way, without the LM head, with a scalar value head on the last
+hidden states) gives per-token values, aligned with the tokens as the log-probs are: the value of
+token t, V_t, is read from position t - 1 (the state before token t was chosen; the first token
+has none). The sequence reward goes on its last generated token (minus the per-token KL when
+`kl_in_reward`); `gae_advantages` turns rewards and old values into advantages (whitened) and
+returns. Each mini-batch then updates the policy and the critic (the clipped value loss against
+the returns, token-mean, its own AdamW at `algorithm.critic_lr` with the trainer's schedule and
+grad clip), both accumulated over the same micro-batches; the critic is sharded like the policy.
 
 Versions: the trainer's version is the number of weight syncs it has published (the engines
 start at version 0 = the initial weights). It asks for batches at its version; a sync publishes
@@ -17,8 +27,9 @@ CPU ranks over gloo (2 CPU ranks match 1 rank within ~1e-6 after two steps). Ran
 talks to the other roles; it sends each batch and each decision (train, sync, stop) to the
 other ranks as msgpack bytes (`rollmesh.ranks`). Every rank holds the whole batch and computes
 what is cheap on it (advantages, normalisers, every rank's micro-batch plan); forward and
-backward passes run only on its share of the sequences. Old and reference log-probs are
-computed on the shares and summed across ranks, so every rank has them for the whole batch.
+backward passes run only on its share of the sequences. Old and reference log-probs (and the
+critic's old values) are computed on the shares and summed across ranks, so every rank has them
+for the whole batch.
 Weight syncs: `rollmesh.publish`; checkpoints: `rollmesh.checkpoint`.
 
 Gradient accumulation: each micro-batch's loss is normalised by the token (or sequence) count
@@ -40,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -56,9 +68,10 @@ from torch import Tensor
 from rollmesh import checkpoint, packing, protocol
 from rollmesh.algorithms import (
     aggregate, compute_advantages, entropy_from_logits, kl_estimate, lr_lambda, policy_loss,
-    token_logprobs,
+    token_logprobs, value_loss,
 )
 from rollmesh.config import AlgorithmConfig, ExperimentConfig, parse_config
+from rollmesh.engine.client import run_api_key
 from rollmesh.engine.models import load_model, resolve_device
 from rollmesh.packing import BatchData
 from rollmesh.protocol import Batch, GetBatch, Metrics, StatsRequest
@@ -88,6 +101,10 @@ class TrainState:
     step: int = 0
     version: int = 0
     samples_consumed: int = 0
+    # The value model, with its own optimizer and schedule: advantage = "gae" only.
+    critic: Critic | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
 
     @property
     def temperature(self) -> float:
@@ -99,10 +116,41 @@ class TrainState:
         return dtype_from_name(self.exp.model.dtype)
 
 
-def check_supported(exp: ExperimentConfig) -> None:
-    if exp.algorithm.advantage == "gae":
-        raise ValueError("algorithm.advantage = 'gae' needs a critic (value model), which this "
-                         "trainer does not train; use grpo, grpo_mean_only, rloo or reinforce_pp")
+class Critic(torch.nn.Module):
+    """The value model: the policy's decoder without its LM head, and a scalar value head.
+
+    `forward` returns values aligned with the tokens [B, T] (float32): out[:, t] is the value of
+    the state before token t, read from the hidden state at position t - 1, as the log-prob of
+    token t comes from the logits at t - 1; out[:, 0] = 0 (the first token has no state before
+    it). The decoder is `self.model`, so `shard` finds its layers as it does the policy's.
+    """
+
+    def __init__(self, decoder: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = decoder
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                            use_cache=False).last_hidden_state
+        values = self.value_head(hidden).squeeze(-1).float()
+        return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+
+
+def build_critic(exp: ExperimentConfig, device: torch.device, seed: int) -> Critic:
+    """The critic, from the policy's path (or tiny spec): the same decoder weights, and a value
+    head drawn from N(0, initializer_range) with `seed` (the same on every rank), bias 0."""
+    lm, _ = load_model(exp.model.path, device, torch.float32)
+    config = lm.config
+    with torch.random.fork_rng(devices=[]):  # leaves the global RNG stream as it was
+        critic = Critic(lm.base_model, config.hidden_size)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = critic.value_head
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator)
+                          * getattr(config, "initializer_range", 0.02))
+        head.bias.zero_()
+    return critic.to(device=device, dtype=torch.float32)
 
 
 def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device,
@@ -125,8 +173,8 @@ def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device,
 
 def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
                 device: torch.device = torch.device("cpu")) -> TrainState:
-    """Policy (float32 master weights), optional frozen reference, AdamW, warm-up + schedule."""
-    check_supported(exp)
+    """Policy (float32 master weights), optional frozen reference, AdamW, warm-up + schedule;
+    for GAE also the critic with its own AdamW and schedule."""
     t = exp.trainer
     seed = (t.seed if t.seed is not None else exp.seed) + ranks.rank
     torch.manual_seed(seed)
@@ -153,8 +201,24 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
                                  schedule=t.lr_schedule)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     autocast = device.type == "cuda" and compute_dtype != torch.float32 and ranks.world == 1
-    return TrainState(exp, model, optimizer, scheduler, tokenizer, ranks, device, ref_model,
-                      autocast)
+    state = TrainState(exp, model, optimizer, scheduler, tokenizer, ranks, device, ref_model,
+                       autocast)
+    if exp.algorithm.advantage == "gae":
+        if exp.algorithm.critic_lr is None:  # parse_config refuses this; a hand-built config
+            raise ValueError("algorithm.critic_lr: missing required value (expected float > 0, "
+                             "as advantage = 'gae' trains a critic)")
+        critic = build_critic(exp, device, seed - ranks.rank)
+        critic.train()
+        critic.requires_grad_(True)
+        if t.gradient_checkpointing:
+            critic.model.gradient_checkpointing_enable()
+        state.critic = shard(critic, ranks, device, compute_dtype)
+        state.critic_optimizer = torch.optim.AdamW(
+            state.critic.parameters(), lr=exp.algorithm.critic_lr, betas=tuple(t.betas),
+            weight_decay=t.weight_decay)
+        state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(state.critic_optimizer,
+                                                                   schedule)
+    return state
 
 
 def _lr_multiplier(update: int, *, mini_batches: int, warmup_steps: int, total_steps: int,
@@ -165,6 +229,29 @@ def _lr_multiplier(update: int, *, mini_batches: int, warmup_steps: int, total_s
 # -- forward passes --------------------------------------------------------------------------------
 
 
+@dataclass
+class StepBatch(BatchData):
+    """A batch as one step uses it: BatchData and, for GAE, the critic's old values and the
+    returns (its targets), [B, T], token-aligned like the rest, 0 outside the mask."""
+
+    values: Tensor | None = None
+    returns: Tensor | None = None
+
+    @classmethod
+    def of(cls, data: BatchData) -> StepBatch:
+        if isinstance(data, cls):
+            return data
+        return cls(**{f.name: getattr(data, f.name) for f in dataclasses.fields(data)})
+
+    def rows(self, index: list[int]) -> dict[str, Tensor]:
+        out = super().rows(index)
+        width = out["tokens"].shape[1]
+        for name in ("values", "returns"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)[index, :width]
+        return out
+
+
 def _to(mb: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in mb.items()}
 
@@ -172,7 +259,8 @@ def _to(mb: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
 def _idle_micro_batch(data: BatchData) -> dict[str, Tensor]:
     """Two tokens that count for nothing: a rank with less work still joins every collective."""
     zeros = torch.zeros(1, 2)
-    mb = {k: zeros.clone() for k in ("mask", "behaviour", "old", "ref", "advantages")}
+    mb = {k: zeros.clone() for k in ("mask", "behaviour", "old", "ref", "advantages", "values",
+                                     "returns")}
     mb.update(tokens=torch.zeros(1, 2, dtype=torch.long),
               versions=torch.full((1, 2), -1, dtype=torch.long),
               attention_mask=torch.ones(1, 2, dtype=torch.long))
@@ -184,6 +272,14 @@ def _forward(state: TrainState, model: torch.nn.Module, mb: dict[str, Tensor]) -
                 else contextlib.nullcontext())
     with autocast:
         return model(input_ids=mb["tokens"], attention_mask=mb["attention_mask"]).logits
+
+
+def _values(state: TrainState, critic: torch.nn.Module, mb: dict[str, Tensor]) -> Tensor:
+    """The critic's token-aligned values [B, T], float32."""
+    autocast = (torch.autocast(state.device.type, dtype=state.compute_dtype) if state.autocast
+                else contextlib.nullcontext())
+    with autocast:
+        return critic(input_ids=mb["tokens"], attention_mask=mb["attention_mask"]).float()
 
 
 def _my_micro_batches(state: TrainState, data: BatchData, index: list[int]) -> list[list[int]]:
@@ -217,24 +313,43 @@ def reference_logprobs(state: TrainState, data: BatchData) -> Tensor | None:
     return batch_logprobs(state, data, state.ref_model)
 
 
-def batch_advantages(algo: AlgorithmConfig, data: BatchData) -> Tensor:
-    """Advantages of the whole batch; a KL penalty in the reward is folded in first."""
+@torch.no_grad()
+def old_values(state: TrainState, data: BatchData) -> Tensor | None:
+    """The critic's values for the whole batch [B, T] (0 outside the mask) before this step's
+    updates; None without a critic. Each rank its share, then summed."""
+    if state.critic is None:
+        return None
+    out = torch.zeros(data.tokens.shape, dtype=torch.float32)
+    for rows in _my_micro_batches(state, data, list(range(data.size))):
+        mb = _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
+        values = _values(state, state.critic, mb)
+        if rows:
+            out[rows, :values.shape[1]] = values.cpu() * data.mask[rows, :values.shape[1]]
+    return state.ranks.sum_(out)
+
+
+def batch_advantages(algo: AlgorithmConfig, data: BatchData,
+                     values: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(advantages, returns) of the whole batch; a KL penalty in the reward is folded in first.
+    returns (the critic's targets) only for "gae", which needs the old `values`."""
     rewards, kl = data.rewards, None
     if algo.kl_in_reward and algo.kl_coef > 0:
         kl = kl_estimate(data.old, data.ref, algo.kl_estimator) * data.mask
         if algo.advantage in ("grpo", "grpo_mean_only", "rloo"):
             # Outcome estimators take one reward per sequence: the penalty summed over it.
             rewards, kl = rewards - algo.kl_coef * kl.sum(dim=1), None
-    advantages, _ = compute_advantages(
+    if algo.advantage == "gae" and values is None:
+        raise ValueError("advantage 'gae': expected the critic's values")
+    return compute_advantages(
         algo.advantage, mask=data.mask, rewards=rewards, group_index=data.group_index, kl=kl,
-        kl_coef=algo.kl_coef, gamma=algo.gamma, lam=algo.lam)
-    return advantages
+        kl_coef=algo.kl_coef, gamma=algo.gamma, lam=algo.lam, values=values)
 
 
 # -- the update ------------------------------------------------------------------------------------
 
 PARTS = ("loss", "pg_loss", "kl_loss", "tokens", "clip_frac", "approx_kl", "entropy",
          "behaviour_weight_mean")
+CRITIC_PARTS = ("value_loss", "value_clip_frac", "value_error")
 
 
 def micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, float],
@@ -269,14 +384,60 @@ def micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, f
     return loss, parts
 
 
+def critic_micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, float],
+                            ) -> tuple[Tensor, dict[str, float]]:
+    """This micro-batch's share of its mini-batch's clipped value loss (token-mean over the
+    mini-batch's tokens, as verl's critic), and its metric partial sums."""
+    values = _values(state, state.critic, mb)
+    mask = mb["mask"]
+    loss, stats = value_loss(values, mb["values"], mb["returns"], mask,
+                             clip=state.exp.algorithm.value_clip, agg="token-mean",
+                             global_tokens=norm["global_tokens"])
+    n = float(mask.sum())
+    return loss, {"value_loss": float(loss.detach()),
+                  "value_clip_frac": float(stats["clip_frac"]) * n,
+                  "value_error": float(stats["value_error"]) * n}
+
+
+def _optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    grad_clip: float) -> tuple[float, float]:
+    """Clip, step, advance the schedule; returns (grad norm before clipping, lr used)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(full_tensor(grad_norm)), lr
+
+
+def value_metrics(data: StepBatch) -> dict[str, float]:
+    """The old values against the returns over the batch's masked tokens: their means and the
+    explained variance 1 - Var(R - V) / Var(R) (1: the critic predicts the returns exactly)."""
+    m = data.mask > 0
+    values, returns = data.values[m].double(), data.returns[m].double()
+    if values.numel() == 0:
+        return {"value_mean": 0.0, "returns_mean": 0.0, "value_explained_var": 0.0}
+    var = float(returns.var(unbiased=False))
+    explained = 1.0 - float((returns - values).var(unbiased=False)) / var if var > 0 else 0.0
+    return {"value_mean": float(values.mean()), "returns_mean": float(returns.mean()),
+            "value_explained_var": explained}
+
+
 def update_policy(state: TrainState, data: BatchData) -> dict[str, float]:
-    """`trainer.mini_batches` optimizer updates over the batch; returns the step's metrics."""
-    t, ranks = state.exp.trainer, state.ranks
+    """`trainer.mini_batches` optimizer updates over the batch (the policy's and, with GAE, the
+    critic's, over the same mini- and micro-batches); returns the step's metrics."""
+    t, ranks, critic = state.exp.trainer, state.ranks, state.critic
+    if critic is not None and (not isinstance(data, StepBatch) or data.returns is None):
+        raise ValueError("the critic's update needs the batch's old values and returns: "
+                         "pass the batch through `prepare`")
     state.model.train()
+    parts_of = PARTS + (CRITIC_PARTS if critic is not None else ())
+    if critic is not None:
+        critic.train()
     order = torch.randperm(data.size, generator=torch.Generator().manual_seed(
         (t.seed or 0) * 1_000_003 + state.step))  # the same on every rank and after a resume
-    totals = torch.zeros(len(PARTS), dtype=torch.float64)
-    grad_norms, lrs = [], []
+    totals = torch.zeros(len(parts_of), dtype=torch.float64)
+    grad_norms, lrs, critic_norms, critic_lrs = [], [], [], []
     minis = [m.tolist() for m in torch.tensor_split(order, min(t.mini_batches, data.size))]
     for mini in minis:
         mini = sorted(mini)
@@ -286,18 +447,28 @@ def update_policy(state: TrainState, data: BatchData) -> dict[str, float]:
             mb = _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
             loss, parts = micro_batch_loss(state, mb, norm)
             (loss * ranks.world).backward()
-            totals += torch.tensor([parts[k] for k in PARTS], dtype=torch.float64)
-        grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), t.grad_clip)
-        grad_norms.append(float(full_tensor(grad_norm)))
-        lrs.append(state.scheduler.get_last_lr()[0])
-        state.optimizer.step()
-        state.scheduler.step()
-        state.optimizer.zero_grad(set_to_none=True)
+            if critic is not None:
+                loss, critic_parts = critic_micro_batch_loss(state, mb, norm)
+                (loss * ranks.world).backward()
+                parts.update(critic_parts)
+            totals += torch.tensor([parts[k] for k in parts_of], dtype=torch.float64)
+        grad_norm, lr = _optimizer_step(state.model, state.optimizer, state.scheduler,
+                                        t.grad_clip)
+        grad_norms.append(grad_norm)
+        lrs.append(lr)
+        if critic is not None:
+            grad_norm, lr = _optimizer_step(critic, state.critic_optimizer, state.critic_scheduler,
+                                            t.grad_clip)
+            critic_norms.append(grad_norm)
+            critic_lrs.append(lr)
     ranks.sum_(totals)
     tokens = max(float(totals[PARTS.index("tokens")]), 1.0)
     out = {k: float(totals[i]) / (len(minis) if k.endswith("loss") else tokens)
-           for i, k in enumerate(PARTS) if k != "tokens"}
+           for i, k in enumerate(parts_of) if k != "tokens"}
     out.update(grad_norm=float(np.mean(grad_norms)), lr=lrs[-1], loss_tokens=tokens)
+    if critic is not None:
+        out.update(critic_grad_norm=float(np.mean(critic_norms)), critic_lr=critic_lrs[-1],
+                   **value_metrics(data))
     return out
 
 
@@ -313,11 +484,25 @@ def evaluate_loss(state: TrainState, data: BatchData) -> float:
     return float(state.ranks.sum_(torch.tensor([total], dtype=torch.float64)))
 
 
-def prepare(state: TrainState, data: BatchData) -> BatchData:
-    """Old and reference log-probs, then advantages (every rank, the whole batch)."""
+@torch.no_grad()
+def evaluate_value_loss(state: TrainState, data: StepBatch) -> float:
+    """The critic's clipped value loss on a prepared `data` with its current parameters."""
+    norm = {"global_tokens": max(float(data.mask.sum()), 1.0)}
+    total = 0.0
+    for rows in _my_micro_batches(state, data, list(range(data.size))):
+        mb = _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
+        total += critic_micro_batch_loss(state, mb, norm)[1]["value_loss"]
+    return float(state.ranks.sum_(torch.tensor([total], dtype=torch.float64)))
+
+
+def prepare(state: TrainState, data: BatchData) -> StepBatch:
+    """Old and reference log-probs, the critic's old values (GAE), then advantages and returns
+    (every rank, the whole batch)."""
+    data = StepBatch.of(data)
     data.old = old_logprobs(state, data)
     data.ref = reference_logprobs(state, data)
-    data.advantages = batch_advantages(state.exp.algorithm, data)
+    data.values = old_values(state, data)
+    data.advantages, data.returns = batch_advantages(state.exp.algorithm, data, data.values)
     return data
 
 
@@ -326,7 +511,7 @@ def step_metrics(state: TrainState, data: BatchData, stats: dict[str, float],
     stale = packing.staleness(data.versions, data.mask, state.version).float()
     tokens = int(data.lengths.sum())
     return {
-        "step": state.step, "version": state.version, **stats,
+        "step": state.step, "version": state.version, "time": time.time(), **stats,
         "batch_staleness_max": float(stale.max()), "batch_staleness_mean": float(stale.mean()),
         "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "step_s": seconds,
         "reward_mean": float(data.rewards.mean()), "samples": data.size,
@@ -347,7 +532,8 @@ class Link:
         self.mq = RpcClient(t, config["message_queue"], timeout_s=60, name="message queue")
         self.rollouter = (RpcClient(t, config["rollouter"], timeout_s=30, name="rollouter")
                           if config.get("rollouter") else None)
-        self.publisher = (Publisher(t, config, state.exp.sync, state.device)
+        self.publisher = (Publisher(t, config, state.exp.sync, state.device,
+                                    api_key=run_api_key(ctx.spec.keys_dir))
                           if config.get("synchronizer") else None)
         self.server = RpcServer(t, config.get("bind", "tcp://127.0.0.1:0"),
                                 {StatsRequest: self._stats}, name="trainer")
@@ -437,9 +623,17 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
         if ctx.stopping.is_set() or state.step >= exp.trainer.total_steps:
             await run(ranks.share, {"op": "stop"})
             return None
+        # The queue keeps each batch it hands out until a checkpoint covers its step, and hands
+        # a resumed trainer the same batch again: say which step this is for and which step the
+        # latest checkpoint holds (no checkpoint directory: nothing to resume, all done with).
+        ckpt_dir = ctx.config.get("checkpoint_dir") or exp.trainer.checkpoint_dir
+        saved = checkpoint.latest(ckpt_dir) if ckpt_dir else None
+        committed = (int(saved.name.rsplit("_", 1)[-1]) if saved is not None
+                     else 0 if ckpt_dir else state.step)
         batch: Batch = await link.mq.request(
-            GetBatch(groups=exp.rollout.batch_groups, version=state.version, timeout_s=5.0),
-            timeout_s=65)
+            GetBatch(groups=exp.rollout.batch_groups, version=state.version, timeout_s=5.0,
+                     step=state.step + 1, committed_step=committed),
+            timeout_s=20)  # a retry (the queue restarted) is answered with the same batch
         if batch.groups:
             frames = [memoryview(f).tobytes() for f in protocol.encode(batch)]
             await run(ranks.share, {"op": "batch", "frames": frames})
@@ -456,7 +650,9 @@ async def save_checkpoint(ctx: RoleContext, state: TrainState, link: Link | None
     path = await run(checkpoint.save, directory, model=state.model, optimizer=state.optimizer,
                      scheduler=state.scheduler, step=state.step, version=state.version,
                      ranks=state.ranks, tokenizer=state.tokenizer,
-                     samples_consumed=state.samples_consumed, data_cursor=cursor)
+                     samples_consumed=state.samples_consumed, data_cursor=cursor,
+                     critic=state.critic, critic_optimizer=state.critic_optimizer,
+                     critic_scheduler=state.critic_scheduler)
     if path is not None:
         ctx.log.info("checkpoint_saved", path=str(path), step=state.step, version=state.version)
 
@@ -469,21 +665,26 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
     every = exp.trainer.checkpoint_every
     saved_at = state.step
     reported_eval = None
+    if state.step > 0 and state.version > 0:
+        # Resumed: the engines (re)started with the initial weights. Send them this
+        # checkpoint's weights under its own version before any batch, so that what they
+        # generate is stamped right and the batches the queue hands again are as before.
+        resync = await sync_weights(state, link.publisher if link else None, republish=True)
+        ctx.log.info("resumed_weights_published", version=state.version,
+                     broadcast_s=resync.get("sync_broadcast_s"))
     while True:
         waited = time.monotonic()
         batch = await next_batch(ctx, state, link)
         if batch is None:
             break
         started = time.monotonic()
-        data = packing.from_groups(batch.groups)
-        data.old = await run(old_logprobs, state, data)
-        data.ref = await run(reference_logprobs, state, data)
-        data.advantages = batch_advantages(exp.algorithm, data)
+        data = await run(prepare, state, packing.from_groups(batch.groups))
         stats = await run(update_policy, state, data)
         state.step += 1
         state.samples_consumed += data.size
         metrics = step_metrics(state, data, stats, time.monotonic() - started)
         metrics["wait_s"] = started - waited
+        metrics["group_ids"] = [g.group_id for g in batch.groups]  # what this step trained on
         if state.step % exp.sync.sync_every == 0:
             metrics.update(await sync_weights(state, link.publisher if link else None))
             if export_dir:  # what the engines now serve, for evaluation and tests
@@ -510,7 +711,6 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
 async def main(ctx: RoleContext) -> None:
     """Role entry (one process per rank; instance = rank)."""
     exp = parse_config(ExperimentConfig, ctx.config["experiment"], "trainer spec")
-    check_supported(exp)
     if ctx.config.get("threads"):
         torch.set_num_threads(int(ctx.config["threads"]))
     device = resolve_device(exp.trainer.device)
@@ -527,7 +727,9 @@ async def main(ctx: RoleContext) -> None:
         resume = checkpoint.latest(ckpt_dir) if ckpt_dir else None
         if resume is not None:
             saved = await run(checkpoint.load, resume, model=state.model,
-                              optimizer=state.optimizer, scheduler=state.scheduler, ranks=ranks)
+                              optimizer=state.optimizer, scheduler=state.scheduler, ranks=ranks,
+                              critic=state.critic, critic_optimizer=state.critic_optimizer,
+                              critic_scheduler=state.critic_scheduler)
             state.step, state.version = saved["step"], saved["version"]
             state.samples_consumed = saved["samples_consumed"]
             ctx.log.info("resumed", path=str(resume), step=state.step, version=state.version)
@@ -542,7 +744,9 @@ async def main(ctx: RoleContext) -> None:
                     "eval_version": link.eval["version"]} if link.eval else {})})
         ctx.log.info("trainer_config", rank=ranks.rank, ranks=ranks.world, device=str(device),
                      backend=backend, sharding="fsdp2" if ranks.world > 1 else "none",
-                     params=sum(math.prod(p.shape) for p in state.model.parameters()))
+                     params=sum(math.prod(p.shape) for p in state.model.parameters()),
+                     critic_params=(sum(math.prod(p.shape) for p in state.critic.parameters())
+                                    if state.critic is not None else 0))
         await ctx.ready(**endpoints)
         await train(ctx, state, link)
     finally:

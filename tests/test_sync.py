@@ -27,17 +27,23 @@ ROWS = [{"prompt": f"What is {a} plus {b}?", "label": str(a + b)}
         for a in range(4) for b in range(4)]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path, ranks):
+@pytest.mark.parametrize(("ranks", "load_format"), [(1, "tensor"), (2, "tensor"),
+                                                    (1, "flattened_bucket"),
+                                                    (2, "flattened_bucket")])
+def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path, ranks,
+                                                                       load_format):
     """Train, sync (pause -> broadcast in buckets -> version -> resume), twice; then the engine's
     greedy output equals the exported trainer model's, token for token. With two ranks the
-    parameters are gathered from FSDP shards while rank 0 broadcasts."""
+    parameters are gathered from FSDP shards while rank 0 broadcasts; flattened, each bucket is
+    one broadcast of its bytes, pipelined, and the second sync lands straight in the storage
+    the first one left in the engine's model."""
     from transformers import AutoModelForCausalLM
 
     exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=16",
                      f"trainer.ranks={ranks}", 'algorithm.loss="ppo"', "trainer.warmup_steps=0",
                      "trainer.total_steps=2", "trainer.lr=1e-3", "sync.sync_every=1",
                      "sync.bucket_mb=0.5", "trainer.micro_batch_tokens=512",
+                     f'sync.load_format="{load_format}"',
                      "algorithm.entropy_coef=0.05")  # a gradient even if every reward is 0
 
     async def body():
@@ -94,6 +100,67 @@ def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path,
         teacher_forced_logprobs(trained, prompt, out["output_ids"]), abs=1e-4)
     assert max(abs(a - b) for a, b in zip(
         engine_lp, teacher_forced_logprobs(initial, prompt, out["output_ids"]))) > 1e-3
+
+
+def test_two_ranks_retry_a_broadcast_an_engine_failed(tmp_path):
+    """Two trainer ranks; after the first sync the engine leaves the weight-update group (as a
+    restarted engine would have), so the next broadcast really fails. Rank 0 finishes the
+    parameter gather with rank 1 anyway, the group is built anew and the sync is retried: every
+    version is published, and the engine ends up decoding exactly as the trained model."""
+    from transformers import AutoModelForCausalLM
+
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=16",
+                     "trainer.ranks=2", 'algorithm.loss="ppo"', "trainer.warmup_steps=0",
+                     "trainer.total_steps=3", "trainer.lr=1e-3", "sync.sync_every=1",
+                     "sync.bucket_mb=0.5", "trainer.micro_batch_tokens=512",
+                     'sync.load_format="flattened_bucket"', "sync.timeout_s=120",
+                     "algorithm.entropy_coef=0.05")
+
+    async def body():
+        with Transport() as t:
+            stack = await start_stack(t, tmp_path, exp)
+            try:
+                sup, spec = stack.sup, stack.mq.spec.config["experiment"]
+                rollouter_rpc, mq_rpc = stack.rollouter.endpoints["rpc"], stack.mq.endpoints["rpc"]
+                syncer = sup.spawn("synchronizer", "rollmesh.synchronizer:main", env=ENV, config={
+                    "experiment": spec, "rollouter": rollouter_rpc, "message_queue": mq_rpc,
+                    "bind": f"tcp://127.0.0.1:{free_port()}"})
+                sync_rpc = (await sup.wait_ready(syncer, 120))["rpc"]
+                trainers = spawn_trainers(sup, exp, {
+                    "message_queue": mq_rpc, "synchronizer": sync_rpc,
+                    "engines": [stack.engine.url], "rollouter": rollouter_rpc,
+                    "export_dir": str(tmp_path / "export"),
+                    "metrics_path": str(tmp_path / "metrics.jsonl")})
+                deadline = asyncio.get_running_loop().time() + 240
+                while stack.engine.get("/get_model_info")[1]["weight_version"] != "1":
+                    assert asyncio.get_running_loop().time() < deadline, "no first sync"
+                    await asyncio.sleep(0.05)
+                status, left = stack.engine.post("/destroy_weights_update_group",
+                                                 {"group_name": "weight_update_group"})
+                assert status == 200 and left["success"], left
+                assert await wait_exit(trainers, 300) == [0, 0]
+                client = RpcClient(t, sync_rpc, timeout_s=30)
+                sync_stats = (await client.request(StatsRequest())).values
+                client.close()
+                info = stack.engine.get("/get_model_info")[1]
+                _, tokenizer = build_tiny("tiny")
+                prompt = chat_prompt(tokenizer, "What is 1 plus 3?")
+                out = stack.engine.generate(prompt, max_new_tokens=12, temperature=0,
+                                            ignore_eos=True)
+                return sync_stats, info, prompt, out
+            finally:
+                await stop_stack(stack)
+
+    sync_stats, info, prompt, out = asyncio.run(body())
+    assert info["weight_version"] == "3"
+    assert sync_stats["version"] == 3 and sync_stats["syncs"] == 3
+    assert sync_stats["failures"] == 1  # the failed attempt, then its retry
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["published_version"] for m in metrics] == [1, 2, 3]
+    assert sorted(m["sync_attempts"] for m in metrics) == [1, 1, 2]
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "export/version_3",
+                                                   local_files_only=True)
+    assert out["output_ids"] == greedy_decode(trained, prompt, 12)
 
 
 RECEIVER = textwrap.dedent("""
@@ -202,3 +269,22 @@ def test_a_trainer_that_never_reports_back_does_not_leave_rollout_paused():
     assert [type(r).__name__ for r in rollouter.requests] == ["Pause", "Resume", "Pause", "Resume"]
     assert [r.version for r in mq.requests] == [1] and s.version == 1
     assert s.stats()["syncs"] == 1 and s.stats()["failures"] == 1
+
+
+def test_a_restarted_synchronizer_finishes_the_sync_its_predecessor_started():
+    """The synchronizer died after SyncGo; the trainer broadcast and reports to the new one,
+    which never saw the request: it publishes the version and resumes rollout all the same,
+    and a repeated report is answered as the first."""
+    async def body():
+        s, rollouter, mq = synchronizer()
+        first = await s.done(SyncDone(version=3, broadcast_s=0.1, bytes=10))
+        again = await s.done(SyncDone(version=3, broadcast_s=0.1, bytes=10))
+        go = await s.request(SyncRequest(version=4))  # and the next sync goes as usual
+        await s.done(SyncDone(version=4))
+        return s, rollouter, mq, first, again, go
+
+    s, rollouter, mq, first, again, go = asyncio.run(body())
+    assert first.message == again.message == "version 3" and go.version == 4
+    assert [r.version for r in mq.requests] == [3, 4] and s.version == 4
+    assert [(type(r).__name__, getattr(r, "version", None)) for r in rollouter.requests] == [
+        ("Resume", 3), ("Pause", None), ("Resume", 4)]

@@ -1,0 +1,217 @@
+"""An append-only log of checksummed records in one file: the MessageQueue's durable state.
+
+File layout:
+
+    MAGIC (8 bytes: b"RMQLOG01")
+    record*       record := length (u32 LE) | crc32 of payload (u32 LE) | payload (length bytes)
+
+The payload is opaque here (the MessageQueue writes msgpack entries whose groups are the wire
+codec's frames, never pickle). Reading stops at the first record that is incomplete or whose
+checksum does not match: that is the torn tail a kill -9 or a machine crash can leave; it is
+logged, cut off (the file is truncated to the last whole record) and appending continues from
+there. It is never fatal. A file that does not start with MAGIC is refused (not ours).
+
+Durability (`fsync_interval_s`):
+- every `append` hands the whole record to the kernel (`os.write`) before it returns, so the
+  caller may acknowledge afterwards: a process crash (kill -9, OOM kill) loses nothing
+  acknowledged;
+- `fsync` is batched: at most `fsync_interval_s` after a record was written (on the next append,
+  or on the owner's periodic `sync()`), so a machine crash or power cut loses at most the last
+  `fsync_interval_s` of acknowledged records, and the replay sees a whole prefix of the log.
+  `fsync_interval_s = 0` fsyncs every record before `append` returns (nothing acknowledged is
+  lost even to a machine crash; each put then costs a disk flush).
+- A failed write (disk full) is cut back off the file, so later records are never hidden behind
+  a half-written one; the error goes to the caller, which must not acknowledge.
+
+Compaction: `rewrite(payloads)` writes the live records to a temporary file beside the log,
+fsyncs it, renames it over the log and fsyncs the directory: a crash at any moment leaves either
+the old log or the new one, whole. When to compact is the owner's rule (MessageQueue: when the
+file exceeds max(2 x live bytes, a floor)).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+import zlib
+from pathlib import Path
+from typing import Iterable
+
+MAGIC = b"RMQLOG01"
+HEADER = struct.Struct("<II")  # payload length, crc32(payload)
+MAX_RECORD_BYTES = 1 << 31
+
+
+class LogFormatError(RuntimeError):
+    """The file is not a rollmesh log (wrong magic): refused rather than overwritten."""
+
+
+def frame(payload: bytes) -> bytes:
+    """One record as it lies on disk."""
+    if len(payload) >= MAX_RECORD_BYTES:
+        raise ValueError(f"log record of {len(payload)} bytes exceeds {MAX_RECORD_BYTES}")
+    return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def scan(data: bytes | memoryview) -> tuple[list[memoryview], int]:
+    """The whole records of a log image (after MAGIC) and the offset where they end."""
+    view = memoryview(data)
+    records = []
+    offset = len(MAGIC)
+    end = len(view)
+    while offset + HEADER.size <= end:
+        length, crc = HEADER.unpack_from(view, offset)
+        start = offset + HEADER.size
+        if start + length > end:
+            break
+        payload = view[start:start + length]
+        if zlib.crc32(payload) != crc:
+            break
+        records.append(payload)
+        offset = start + length
+    return records, offset
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DurableLog:
+    """Open with `DurableLog.open(path)`, which also returns the records already there."""
+
+    def __init__(self, path: Path, fd: int, size: int, fsync_interval_s: float, log=None):
+        self.path = path
+        self._fd: int | None = fd
+        self.size = size
+        self.fsync_interval_s = fsync_interval_s
+        self.log = log
+        self.dirty = False
+        self.last_sync = time.monotonic()
+        self.appended_records = 0
+        self.fsyncs = 0
+        self.compactions = 0
+        self.discarded_bytes = 0  # torn tail cut off at open
+
+    @classmethod
+    def open(cls, path: str | Path, *, fsync_interval_s: float = 1.0,
+             log=None) -> tuple[DurableLog, list[bytes]]:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".compact")
+        if tmp.exists():  # a compaction that did not finish: the log itself is whole
+            tmp.unlink()
+        created = not path.exists()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            data = b""
+            size = os.fstat(fd).st_size
+            if size:
+                with open(path, "rb") as f:
+                    data = f.read()
+            if len(data) < len(MAGIC) and MAGIC.startswith(data):
+                records, good = [], len(MAGIC)  # new, or torn while being created
+                os.ftruncate(fd, 0)
+                os.write(fd, MAGIC)
+                os.fsync(fd)
+                discarded = 0
+            elif not data.startswith(MAGIC):
+                raise LogFormatError(f"{path} is not a rollmesh queue log "
+                                     f"(starts with {bytes(data[:8])!r})")
+            else:
+                views, good = scan(data)
+                records = [bytes(v) for v in views]
+                discarded = len(data) - good
+                if discarded:
+                    os.ftruncate(fd, good)
+                    os.fsync(fd)
+            os.lseek(fd, 0, os.SEEK_END)
+        except BaseException:
+            os.close(fd)
+            raise
+        if created:
+            _fsync_dir(path.parent)
+        self = cls(path, fd, good, fsync_interval_s, log)
+        self.discarded_bytes = discarded
+        if discarded and log is not None:
+            log.warning("log_torn_tail", path=str(path), kept_bytes=good,
+                        discarded_bytes=discarded, records=len(records))
+        return self, records
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def append(self, payload: bytes) -> int:
+        """Write one record (in the kernel when this returns); its size on disk."""
+        assert self._fd is not None, "log is closed"
+        data = frame(payload)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except BaseException:
+            os.ftruncate(self._fd, self.size)  # never leave a half record before later ones
+            os.lseek(self._fd, 0, os.SEEK_END)
+            raise
+        self.size += len(data)
+        self.appended_records += 1
+        self.dirty = True
+        if self.fsync_interval_s <= 0 or time.monotonic() - self.last_sync >= self.fsync_interval_s:
+            self.sync()
+        return len(data)
+
+    def sync(self) -> None:
+        """fsync if anything was written since the last one."""
+        if self._fd is not None and self.dirty:
+            os.fsync(self._fd)
+            self.fsyncs += 1
+            self.dirty = False
+        self.last_sync = time.monotonic()
+
+    def rewrite(self, payloads: Iterable[bytes]) -> None:
+        """Replace the log by exactly these records (atomically, durably)."""
+        assert self._fd is not None, "log is closed"
+        tmp = self.path.with_name(self.path.name + ".compact")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        size = 0
+        try:
+            with os.fdopen(fd, "wb", buffering=1 << 20, closefd=False) as f:
+                f.write(MAGIC)
+                size += len(MAGIC)
+                for p in payloads:
+                    data = frame(p)
+                    f.write(data)
+                    size += len(data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        before = self.size
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR)
+        os.lseek(self._fd, 0, os.SEEK_END)
+        self.size = size
+        self.dirty = False
+        self.last_sync = time.monotonic()
+        self.compactions += 1
+        if self.log is not None:
+            self.log.info("log_compacted", path=str(self.path), before_bytes=before,
+                          after_bytes=size)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None

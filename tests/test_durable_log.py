@@ -1,0 +1,125 @@
+"""The append-only log under the MessageQueue: framing, replay, torn tails, atomic rewrite."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+
+from rollmesh.durable_log import HEADER, MAGIC, DurableLog, LogFormatError
+
+
+def payloads(n: int) -> list[bytes]:
+    return [f"record {i} ".encode() * (i % 7 + 1) for i in range(n)]
+
+
+def write(path, records, **kw) -> DurableLog:
+    log, existing = DurableLog.open(path, **kw)
+    assert existing == []
+    for p in records:
+        log.append(p)
+    return log
+
+
+def test_records_come_back_in_order_after_reopening(tmp_path):
+    path = tmp_path / "q.log"
+    records = payloads(50) + [b""]  # an empty payload is a record too
+    write(path, records).close()
+    assert path.read_bytes().startswith(MAGIC)
+    log, got = DurableLog.open(path)
+    assert got == records and log.size == path.stat().st_size and log.discarded_bytes == 0
+    log.append(b"one more")
+    log.close()
+    assert DurableLog.open(path)[1] == records + [b"one more"]
+
+
+@pytest.mark.parametrize("cut", ["in_header", "in_payload", "bad_checksum", "length_past_end"])
+def test_a_torn_last_record_is_discarded_and_appending_goes_on(tmp_path, cut):
+    path = tmp_path / "q.log"
+    records = payloads(10)
+    write(path, records).close()
+    whole = path.read_bytes()
+    last = HEADER.size + len(records[-1])
+    if cut == "in_header":
+        data = whole[:-last + 3]
+    elif cut == "in_payload":
+        data = whole[:-5]
+    elif cut == "bad_checksum":
+        data = whole[:-1] + bytes([whole[-1] ^ 0xFF])
+    else:  # a header claiming more bytes than the file holds
+        start = len(whole) - last
+        data = whole[:start] + struct.pack("<II", 1 << 30, 0) + whole[start + HEADER.size:]
+    path.write_bytes(data)
+
+    log, got = DurableLog.open(path)
+    assert got == records[:-1]
+    assert log.discarded_bytes == len(data) - (len(whole) - last)
+    assert path.stat().st_size == len(whole) - last  # cut back to the last whole record
+    log.append(b"after the tear")
+    log.close()
+    assert DurableLog.open(path)[1] == records[:-1] + [b"after the tear"]
+
+
+def test_an_empty_or_half_created_file_is_a_new_log_and_a_foreign_file_is_refused(tmp_path):
+    half = tmp_path / "half.log"
+    half.write_bytes(MAGIC[:3])  # killed while writing the magic
+    log, got = DurableLog.open(half)
+    assert got == [] and half.read_bytes() == MAGIC
+    log.close()
+    foreign = tmp_path / "foreign.log"
+    foreign.write_bytes(b"not a rollmesh log at all")
+    with pytest.raises(LogFormatError, match="not a rollmesh queue log"):
+        DurableLog.open(foreign)
+    assert foreign.read_bytes() == b"not a rollmesh log at all"  # left as it was
+
+
+def test_rewrite_replaces_the_log_whole_and_a_leftover_temporary_is_ignored(tmp_path):
+    path = tmp_path / "q.log"
+    log = write(path, payloads(100))
+    log.rewrite([b"live 1", b"live 2"])
+    log.append(b"after")
+    assert log.size == path.stat().st_size
+    log.close()
+    assert DurableLog.open(path)[1] == [b"live 1", b"live 2", b"after"]
+    # a compaction killed half way leaves its temporary beside an intact log
+    (tmp_path / "q.log.compact").write_bytes(MAGIC + b"\x05\x00")
+    log, got = DurableLog.open(path)
+    assert got == [b"live 1", b"live 2", b"after"]
+    assert not (tmp_path / "q.log.compact").exists()
+    log.close()
+
+
+def test_fsync_every_record_or_batched(tmp_path):
+    every = write(tmp_path / "a.log", payloads(20), fsync_interval_s=0)
+    assert every.fsyncs == 20 and not every.dirty
+    every.close()
+    batched = write(tmp_path / "b.log", payloads(20), fsync_interval_s=3600)
+    assert batched.fsyncs == 0 and batched.dirty  # in the kernel, not yet on the disk
+    batched.sync()
+    assert batched.fsyncs == 1 and not batched.dirty
+    batched.close()
+    assert DurableLog.open(tmp_path / "b.log")[1] == payloads(20)
+
+
+def test_a_failed_write_leaves_no_partial_record_behind(tmp_path, monkeypatch):
+    path = tmp_path / "q.log"
+    log = write(path, payloads(3))
+    size = log.size
+    real = os.write
+    calls = []
+
+    def half_then_fail(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(fd, bytes(data)[:7])  # a short write ...
+        raise OSError(28, "No space left on device")  # ... then the disk is full
+
+    monkeypatch.setattr(os, "write", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        log.append(b"x" * 100)
+    monkeypatch.setattr(os, "write", real)
+    assert log.size == size == path.stat().st_size
+    log.append(b"fits")
+    log.close()
+    assert DurableLog.open(path)[1] == payloads(3) + [b"fits"]
