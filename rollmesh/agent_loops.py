@@ -103,7 +103,15 @@ class LoopContext:
                   "top_p": r.top_p, "top_k": r.top_k}
         if traj is not None:
             params.update(traj.metadata.get("sampling") or {})
+            # a row's max_new_tokens is its whole budget: what is asked now is what is left
+            params["max_new_tokens"] = min(int(params["max_new_tokens"]), max_new_tokens)
         return params
+
+    def budget(self, traj: Trajectory) -> int:
+        """Response tokens this trajectory may generate (per turn): its row's max_new_tokens
+        where the row sets one, else the rollout's."""
+        own = (traj.metadata.get("sampling") or {}).get("max_new_tokens")
+        return int(own) if own is not None else self.rollout.max_new_tokens
 
     async def generate(self, traj: Trajectory, max_new_tokens: int) -> GenerateOutput:
         """Generate from everything the trajectory holds and append the result to it."""
@@ -150,7 +158,7 @@ class SingleTurn:
 
     async def run(self, traj: Trajectory) -> None:
         already = len(traj.token_ids) - traj.prompt_len
-        remaining = self.ctx.rollout.max_new_tokens - already
+        remaining = self.ctx.budget(traj) - already
         if remaining > 0:
             try:
                 await self.ctx.generate(traj, remaining)
@@ -234,7 +242,7 @@ class ToolAgent:
         allowed = traj.metadata.get("tools")
         tools = {k: v for k, v in ctx.tools.items() if allowed is None or k in allowed}
         while state["turn"] < ctx.rollout.max_turns:
-            remaining = ctx.rollout.max_new_tokens - (len(traj.token_ids) - state["turn_start"])
+            remaining = ctx.budget(traj) - (len(traj.token_ids) - state["turn_start"])
             try:
                 if remaining > 0:
                     await ctx.generate(traj, remaining)

@@ -17,7 +17,7 @@ from typing import Any
 
 from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops, load_tokenizer
 from rollmesh.config import ExperimentConfig, parse_config
-from rollmesh.engine.client import EngineClient
+from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.protocol import (
     Assign, Cancel, Heartbeat, Metrics, Returned, StatsRequest, Trajectory, WorkerHello,
 )
@@ -106,7 +106,8 @@ async def main(ctx: RoleContext) -> None:
     exp = parse_config(ExperimentConfig, ctx.config["experiment"], "agent worker spec")
     identity = f"agent-{ctx.spec.instance}-{os.getpid()}-{time.time_ns() & 0xFFFF:x}".encode()
     channel = ChannelClient(ctx.transport, ctx.config["rollouter"], identity=identity)
-    async with EngineClient(ctx.config["engines"]) as client:
+    async with EngineClient(ctx.config["engines"],
+                            api_key=run_api_key(ctx.spec.keys_dir)) as client:
         worker = AgentWorker(ctx, exp, client, channel)
         serving = asyncio.create_task(worker.serve(int(ctx.config.get("credits", 64))))
         ctx.set_status(worker.stats)

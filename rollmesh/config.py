@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -128,6 +130,9 @@ class DataConfig:
     system_prompt: str | None = _field("system message prepended to every prompt", None)
     max_prompt_tokens: int = _field("prompts longer than this are skipped (tokens)", 1024, gt=0)
 
+    def validate(self) -> None:
+        _check_registered("default_agent_loop", self.default_agent_loop, "rollmesh.agent_loops")
+
 
 @dataclass(kw_only=True)
 class RolloutConfig:
@@ -162,6 +167,10 @@ class RolloutConfig:
     def validate(self) -> None:
         if self.top_k != -1 and self.top_k < 1:
             raise _Invalid("top_k", f"expected -1 (whole vocabulary) or int >= 1, got {self.top_k}")
+        if ":" not in self.reward:  # "module:function" is imported by the reward worker
+            _check_registered("reward", self.reward, "rollmesh.rewards", extra=" or 'module:function'")
+        _check_registered("group_filter", self.group_filter, "rollmesh.group_filters",
+                          builtin=("none", "dapo"))
 
 
 @dataclass(kw_only=True)
@@ -178,9 +187,19 @@ class StalenessConfig:
     )
 
     def __post_init__(self) -> None:
-        # One switch selects the baseline users compare asynchronous training against.
-        if self.sync_mode:
+        # One switch selects the baseline users compare asynchronous training against. A
+        # max_staleness other than 0 or the default beside it is a contradiction: validate()
+        # names it rather than silently dropping the value the user wrote.
+        if self.sync_mode and self.max_staleness in (0, 1):
             self.max_staleness = 0
+
+    def validate(self) -> None:
+        if self.sync_mode and self.max_staleness != 0:
+            raise _Invalid(
+                "max_staleness",
+                f"expected 0 (or no value) with sync_mode = true (the synchronous on-policy "
+                f"baseline), got {self.max_staleness}",
+            )
 
 
 @dataclass(kw_only=True)
@@ -218,9 +237,26 @@ class AlgorithmConfig:
     )
     gamma: float = _field("discount factor (gae, reinforce_pp)", 1.0, ge=0, le=1)
     lam: float = _field("GAE lambda", 1.0, ge=0, le=1)
+    critic_lr: float | None = _field(
+        "gae: peak learning rate of the critic (value model: the policy's architecture with a "
+        "scalar value head, its own AdamW, the trainer's warm-up and schedule); required with "
+        "advantage = 'gae'",
+        None,
+        gt=0,
+    )
+    value_clip: float | None = _field(
+        "gae: clip range of the clipped value loss around the step's old values (none = unclipped)",
+        0.5,
+        gt=0,
+    )
     use_reference: bool = _field("compute reference-model log-probs (needed by kl_coef > 0)", False)
 
     def validate(self) -> None:
+        if self.advantage == "gae" and self.critic_lr is None:
+            raise _Invalid(
+                "critic_lr",
+                "missing required value (expected float > 0, as advantage = 'gae' trains a critic)",
+            )
         if self.kl_coef > 0 and not self.use_reference:
             raise _Invalid(
                 "use_reference",
@@ -286,9 +322,10 @@ class SyncConfig:
     )
     timeout_s: float = _field("time limit for one weight sync (seconds)", 600.0, gt=0)
     load_format: Literal["tensor", "flattened_bucket"] = _field(
-        "how a bucket travels: `tensor` = one broadcast per tensor (the contract; SGLang and the "
-        "built-in engine), `flattened_bucket` = one broadcast of the bucket's bytes back to back "
-        "(SGLang's load_format of that name; fewer, larger collectives)",
+        "how a bucket travels: `tensor` = one broadcast per tensor (the contract), "
+        "`flattened_bucket` = one broadcast of the bucket's bytes back to back (SGLang's "
+        "load_format of that name; fewer, larger collectives, pipelined); SGLang and the "
+        "built-in engine take both",
         "tensor",
     )
 
@@ -363,6 +400,13 @@ class ExperimentConfig:
                 f"expected int <= {self.staleness.max_staleness + 1} (staleness.max_staleness + 1, "
                 f"or samples go stale before the next sync), got {self.sync.sync_every}",
             )
+        samples = self.rollout.batch_groups * self.data.group_size
+        if self.trainer.mini_batches > samples:
+            raise _Invalid(
+                "trainer.mini_batches",
+                f"expected int <= {samples} (rollout.batch_groups x data.group_size: the samples "
+                f"of one trainer step), got {self.trainer.mini_batches}",
+            )
         if self.rollout.eval_every > 0 and self.data.eval_path is None:
             raise _Invalid(
                 "data.eval_path",
@@ -411,7 +455,8 @@ class HostConfig:
 
     def validate(self) -> None:
         for i, opt in enumerate(self.ssh_options):
-            if opt.split("=", 1)[0].strip().lower() == "stricthostkeychecking":
+            # ssh reads `-o` like a config line: "Key=value", "Key value" and "Key = value".
+            if re.split(r"[\s=]", opt.strip(), maxsplit=1)[0].lower() == "stricthostkeychecking":
                 raise _Invalid(f"ssh_options[{i}]", "host-key checking stays on: "
                                "add the host's key to a known_hosts file instead")
         if self.identity_file is not None and not os.path.isfile(
@@ -649,6 +694,28 @@ class ClusterConfig:
                 taken[(address, port)] = proc
 
 
+def _check_registered(key: str, name: str, group: str, *, builtin: Iterable[str] = (),
+                      extra: str = "") -> None:
+    """A plug-in name must be registered (an entry point of `group`) or built in: a typo fails
+    here, at load, not in every worker once the run has started."""
+    known = sorted({*builtin, *(ep.name for ep in importlib.metadata.entry_points(group=group))})
+    if name not in known:
+        hint = _did_you_mean(name, known)
+        raise _Invalid(
+            key,
+            f"expected one of {', '.join(map(repr, known)) or 'nothing (none registered)'} "
+            f"({'built in, or ' if builtin else ''}entry points in group '{group}'){extra}, "
+            f"got {name!r}"
+            + (f" ({hint.strip()})" if hint else ""),
+        )
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`did you mean 'x'? ` for a near miss (a typo), else nothing."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.8)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
 
@@ -839,7 +906,8 @@ def _parse_dataclass(cls: type, data: Mapping[str, Any], path: str, ctx: _Contex
     names = [f.name for f in fields]
     for key in data:
         if key not in names:
-            ctx.fail(_join(path, key), f"unknown key (expected one of: {', '.join(names)})")
+            ctx.fail(_join(path, key), f"unknown key ({_did_you_mean(key, names)}expected one of: "
+                     f"{', '.join(names)})")
     values = {}
     for f in fields:
         key = _join(path, f.name)
@@ -1009,6 +1077,7 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
                 f"expected {_plural(wanted, 'process')} in all ({what} in "
                 f"{cluster.experiment}), got {placed}",
             )
+    _check_local_model(cluster, exp)
     if exp.engine.kind == "sglang":
         placements = cluster.roles.engine
         for i, p in enumerate(placements):
@@ -1017,6 +1086,30 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
                     f"roles.{_placement_key('engine', i, len(placements))}.gpus",
                     f"expected {_plural(p.count * exp.engine.tp_size, 'GPU id')} (count x "
                     f"engine.tp_size: SGLang runs on GPUs), got {_show(p.gpus)}",
+                )
+
+
+def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
+    """A model directory that an engine or trainer on this machine would load must exist now,
+    not fail in the engine's log after the launch (remote hosts are not checked from here)."""
+    path = exp.model.path
+    if path == "tiny" or path.startswith("tiny:"):
+        return
+    from rollmesh.hosts import is_local_address  # hosts imports this module
+
+    for role in ("engine", "trainer"):
+        for p in getattr(cluster.roles, role):
+            host = cluster.hosts[p.host]
+            local = host.launch == "local" or (
+                host.launch == "auto" and is_local_address(host.address)
+            )
+            full = os.path.join(host.workdir or ".", os.path.expanduser(path))
+            if local and not os.path.isdir(full):
+                raise ConfigError(
+                    cluster.experiment,
+                    "model.path",
+                    f"expected 'tiny', 'tiny:<spec>' or an existing model directory (the {role} "
+                    f"runs on host {p.host!r}, this machine), got {_show(path)}",
                 )
 
 

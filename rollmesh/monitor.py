@@ -245,10 +245,12 @@ class StatusBoard:
                 row["host"] = row["host"] or rec.host
                 row["pid"] = values.get("pid", row["pid"])  # its own pid: the launcher's may be ssh
                 row["ready"] = values.get("ready")
+                row["protocol_errors"] = values.get("protocol_errors")
                 row["last_seen_s"] = now - seen
                 alive = now - seen <= self.silent_after_s
             else:
                 row["ready"], row["last_seen_s"] = None, None
+                row["protocol_errors"] = None
                 alive = (key[0] in NO_STATUS_ROLES and launcher_alive
                          and row["state"] in ("running", "ready"))
             row["alive"] = alive
@@ -416,15 +418,18 @@ def _header(snap: dict[str, Any], live: bool) -> Text:
 
 def _roles_panel(snap: dict[str, Any]) -> Panel:
     table = Table(expand=True, box=None)
-    for col in ("process", "host", "pid", "state", "liveness", "restarts"):
-        table.add_column(col, style="bold" if col == "process" else None)
+    for col in ("process", "host", "pid", "state", "liveness", "restarts", "bad"):
+        table.add_column(col, style="bold" if col == "process" else None,
+                         no_wrap=col == "process", min_width=16 if col == "process" else None)
     for r in snap.get("roles") or []:
         seen = r.get("last_seen_s")
         liveness = Text(r["liveness"] + ("" if seen is None else f" {seen:.0f}s"),
                         "green" if r["alive"] else "red")
         restarts = r.get("restarts") or 0
+        bad = r.get("protocol_errors")
         table.add_row(r["name"], _fmt(r.get("host")), _fmt(r.get("pid")), _fmt(r.get("state")),
-                      liveness, Text(str(restarts), "yellow" if restarts else ""))
+                      liveness, Text(str(restarts), "yellow" if restarts else ""),
+                      Text(_fmt(bad), "red" if bad else ""))
     return Panel(table, title="Roles")
 
 

@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 from rollmesh.log import configure_logging, get_logger
 from rollmesh.protocol import PROTOCOL_VERSION, Fatal, Heartbeat, Hello, Metrics, Ok, Ready
 from rollmesh.transport import (
+    PROTOCOL_ERRORS,
     CurveKeys, Heartbeater, Liveness, PeerTimeout, Publisher, RemoteError, RpcClient, RpcServer,
     Transport,
 )
@@ -228,7 +229,8 @@ async def _publish_status(ctx: RoleContext) -> None:
     topic = f"metrics.{spec.role}.{spec.instance}"
     try:
         while True:
-            values: dict[str, Any] = {"pid": os.getpid(), "ready": ctx.is_ready}
+            values: dict[str, Any] = {"pid": os.getpid(), "ready": ctx.is_ready,
+                                      "protocol_errors": sum(PROTOCOL_ERRORS.values())}
             if ctx.status is not None:
                 try:
                     values.update(ctx.status())

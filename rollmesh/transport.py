@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import itertools
 import os
@@ -35,6 +36,10 @@ from rollmesh.log import get_logger
 from rollmesh.protocol import ErrorReply, Heartbeat, ProtocolError
 
 log = get_logger("rollmesh.transport")
+
+# Malformed messages this process received, by socket (server name or receiver kind): every
+# role publishes them with its status, so the monitor shows who is sent garbage.
+PROTOCOL_ERRORS: collections.Counter[str] = collections.Counter()
 
 DEFAULT_HWM = 1000
 DEFAULT_MAX_MSG_BYTES = 256 << 20
@@ -233,6 +238,86 @@ class Transport:
 
 Handler = Callable[[Any, bytes], Awaitable[Any]]
 
+# -- the hot path: fewer Python layers per message -------------------------------------------
+#
+# pyzmq's asyncio socket sends and receives through its blocking-API "sugar" layer, which pays
+# for flag enums and type checks on every frame, and through a Future per call. A message of
+# the data plane has 6 frames and more (a GetBatch reply has 4 per sample), so the two helpers
+# below do what pyzmq's own fast paths do, frame by frame with plain int flags:
+# - `_send_now`: pyzmq's "short-circuit" send, attempted when no send waits on the socket;
+# - `_drain`: non-blocking reads of what is already queued, for the reader loops.
+# They use the asyncio socket's bookkeeping (`_shadow_sock`, `_send_futures`, `_recv_futures`,
+# `_schedule_remaining_events`: private, long-standing, checked here with pyzmq 27); a socket
+# without it takes pyzmq's public path for every send and receive (same behaviour, slower).
+
+_DRAIN = 64  # messages read from a socket per wake-up before the event loop has its turn
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = _NOBLOCK | _SNDMORE
+
+
+def _fast(sock: Any) -> bool:
+    return (getattr(sock, "_shadow_sock", None) is not None
+            and getattr(sock, "_send_futures", None) is not None
+            and getattr(sock, "_recv_futures", None) is not None
+            and hasattr(sock, "_schedule_remaining_events"))
+
+
+def _send_now(sock: Any, frames: list[Any]) -> bool:
+    """Send `frames` at once if the socket can take them (True); False: nothing was sent, the
+    caller awaits `sock.send_multipart` (a full high-water mark, a send already waiting).
+
+    Arrays go zero-copy above pyzmq's copy threshold. A multipart message is atomic in ZeroMQ:
+    once its first frame is accepted the others are too, so EAGAIN can only come first.
+    """
+    if not _fast(sock) or sock.closed or sock._send_futures:
+        return False
+    send = sock._shadow_sock.send
+    try:
+        send(frames[0], _NOBLOCK_MORE if len(frames) > 1 else _NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    last = len(frames) - 1
+    for i in range(1, last):
+        send(frames[i], _NOBLOCK_MORE, copy=False)
+    if last:
+        send(frames[last], _NOBLOCK, copy=False)
+    if sock._recv_futures:
+        # The send may have consumed the socket's edge-triggered wake-up for a message that
+        # arrived meanwhile: have pyzmq look again, as its own short-circuit send does.
+        sock._schedule_remaining_events()
+    return True
+
+
+async def _send(sock: Any, frames: list[Any]) -> None:
+    if not _send_now(sock, frames):
+        await sock.send_multipart(frames, copy=False)
+
+
+def _drain(sock: Any, limit: int = _DRAIN) -> list[list[Any]]:
+    """The messages already queued on `sock` (at most `limit`), read without a Future, a
+    callback and a loop iteration each.
+
+    Only for a loop that reads continuously and awaits `sock.recv_multipart` again whenever
+    this returns fewer than `limit`: that await re-checks the socket's (edge-triggered) events,
+    so a send waiting on the same socket is not left asleep by these reads.
+    """
+    out: list[list[Any]] = []
+    if not _fast(sock) or sock.closed:
+        return out
+    recv = sock._shadow_sock.recv
+    try:
+        while len(out) < limit:
+            frame = recv(_NOBLOCK, copy=False)
+            parts = [frame]
+            while frame.more:  # the rest of a multipart message is there already
+                frame = recv(_NOBLOCK, copy=False)
+                parts.append(frame)
+            out.append(parts)
+    except zmq.Again:
+        pass
+    return out
+
 
 @dataclass
 class ServerStats:
@@ -272,11 +357,15 @@ class RpcServer:
     async def serve(self) -> None:
         try:
             while True:
-                frames = await self.sock.recv_multipart(copy=False)
-                await self._slots.acquire()
-                task = asyncio.create_task(self._handle(frames))
-                self._tasks.add(task)
-                task.add_done_callback(self._done)
+                batch = [await self.sock.recv_multipart(copy=False)]
+                batch += _drain(self.sock, _DRAIN - 1)
+                for frames in batch:
+                    await self._slots.acquire()
+                    task = asyncio.create_task(self._handle(frames))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._done)
+                if len(batch) == _DRAIN:
+                    await asyncio.sleep(0)  # a flood: let the handlers run before reading on
         finally:
             for task in list(self._tasks):
                 task.cancel()
@@ -317,6 +406,7 @@ class RpcServer:
     def _protocol_error(self, reason: str) -> None:
         self.stats.protocol_errors += 1
         self.stats.last_error = reason
+        PROTOCOL_ERRORS[self.name] += 1
         # One line per bad message would let a hostile peer flood the log: log the 1st, 10th...
         n = self.stats.protocol_errors
         if n & (n - 1) == 0 or n % 1000 == 0:
@@ -324,7 +414,7 @@ class RpcServer:
 
     async def _reply(self, peer: bytes, corr: bytes, reply: Any) -> None:
         try:
-            await self.sock.send_multipart([peer, corr, *protocol.encode(reply)], copy=False)
+            await _send(self.sock, [peer, corr, *protocol.encode(reply)])
             self.stats.replies += 1
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or HWM: the client will retry
             log.warning("reply_dropped", server=self.name, error=str(e))
@@ -377,16 +467,23 @@ class RpcClient:
 
     async def _read(self, sock: zmq.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            if not frames:
-                continue
-            entry = self._pending.get(frames[0].bytes)
-            if entry is None or entry[0].done():
-                continue  # a late reply to a request already answered or abandoned
-            try:
-                entry[0].set_result(protocol.decode(frames[1:]))
-            except ProtocolError as e:
-                entry[0].set_exception(e)
+            batch = [await sock.recv_multipart(copy=False)]
+            batch += _drain(sock, _DRAIN - 1)
+            for frames in batch:
+                self._deliver(frames)
+            if len(batch) == _DRAIN:
+                await asyncio.sleep(0)
+
+    def _deliver(self, frames: list[Any]) -> None:
+        if not frames:
+            return
+        entry = self._pending.get(frames[0].bytes)
+        if entry is None or entry[0].done():
+            return  # a late reply to a request already answered or abandoned
+        try:
+            entry[0].set_result(protocol.decode(frames[1:]))
+        except ProtocolError as e:
+            entry[0].set_exception(e)
 
     async def request(self, rec: Any, *, timeout_s: float | None = None,
                       retries: int | None = None) -> Any:
@@ -427,7 +524,7 @@ class RpcClient:
 
     async def _send(self, corr: bytes, frames: list[Any]) -> None:
         assert self._sock is not None
-        await self._sock.send_multipart([corr, *frames], copy=False)
+        await _send(self._sock, [corr, *frames])
 
     def _rebuild(self) -> None:
         self._disconnect()
@@ -464,6 +561,7 @@ class _Receiver:
 
     def _protocol_error(self, reason: str) -> None:
         self.protocol_errors += 1
+        PROTOCOL_ERRORS[self.where] += 1
         n = self.protocol_errors
         if n & (n - 1) == 0 or n % 1000 == 0:
             log.warning("protocol_error", where=self.where, reason=reason, count=n)
@@ -502,7 +600,7 @@ class Channel(_Receiver):
     async def send(self, peer: bytes, rec: Any) -> bool:
         """False if the peer is gone (its work must be re-queued by the caller)."""
         try:
-            await self.sock.send_multipart([peer, *protocol.encode(rec)], copy=False)
+            await _send(self.sock, [peer, *protocol.encode(rec)])
             return True
         except zmq.ZMQError as e:
             log.warning("send_failed", channel=self.name, peer=peer.hex(), error=str(e))
@@ -523,7 +621,7 @@ class ChannelClient(_Receiver):
                                      identity=identity)
 
     async def send(self, rec: Any) -> None:
-        await self.sock.send_multipart(protocol.encode(rec), copy=False)
+        await _send(self.sock, protocol.encode(rec))
 
     def close(self) -> None:
         self.sock.close(0)
@@ -542,7 +640,10 @@ class Pusher:
         self.sock = transport.socket(zmq.PUSH, bind=bind, connect=connect, secure=secure, hwm=hwm)
 
     async def send(self, rec: Any, timeout_s: float | None = None) -> None:
-        coro = self.sock.send_multipart(protocol.encode(rec), copy=False)
+        frames = protocol.encode(rec)
+        if _send_now(self.sock, frames):
+            return
+        coro = self.sock.send_multipart(frames, copy=False)
         if timeout_s is None:
             await coro
         else:
@@ -615,7 +716,7 @@ class Publisher:
         self.sock = transport.socket(zmq.PUB, connect=hub, secure=secure, hwm=100)
 
     async def publish(self, topic: str, rec: Any) -> None:
-        await self.sock.send_multipart([topic.encode(), *protocol.encode(rec)], copy=False)
+        await _send(self.sock, [topic.encode(), *protocol.encode(rec)])
 
     def close(self) -> None:
         self.sock.close(0)

@@ -265,7 +265,7 @@ BROKEN = [
         "host_unknown_key",
         "cluster",
         cluster(host='adress = "x"\n'),
-        f"{{file}}: hosts.local.adress: unknown key (expected one of: {HOST_KEYS})",
+        f"{{file}}: hosts.local.adress: unknown key (did you mean 'address'? expected one of: {HOST_KEYS})",
     ),
     (
         "host_missing_address",

@@ -339,3 +339,19 @@ def test_sparkline_scales_history_to_blocks():
     assert sparkline([2.0, 2.0]) == "▄▄" and sparkline([]) == ""
     assert sparkline([1, None, float("nan"), 3]) == "▁█"
     assert len(sparkline(list(range(100)), width=10)) == 10
+
+
+def test_each_roles_malformed_message_count_is_shown():
+    board = StatusBoard()
+    board.update(*metrics("message_queue", 0, "local", {"pid": 7, "ready": True,
+                                                        "protocol_errors": 13}), 1.0)
+    board.update(*metrics("rollouter", 0, "local", {"pid": 8, "ready": True,
+                                                    "protocol_errors": 0}), 1.0)
+    rows = {r["name"]: r for r in board.snapshot(now=1.5)["roles"]}
+    assert rows["message_queue[0]"]["protocol_errors"] == 13
+    assert rows["rollouter[0]"]["protocol_errors"] == 0
+    console = Console(record=True, width=140)
+    console.print(render(board.snapshot(now=1.5), width=console.width))
+    line = next(l for l in console.export_text().splitlines() if "message_queue[0]" in l)
+    roles_cell = line.split("│")[1].split()  # the Roles panel's part of the line
+    assert roles_cell[0] == "message_queue[0]" and roles_cell[-1] == "13", line

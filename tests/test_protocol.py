@@ -233,3 +233,34 @@ def test_protocol_uses_no_pickle():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve"}
+
+
+def test_a_broker_forwards_received_frames_without_copying():
+    """Decoded from received ZeroMQ frames and encoded again (the MessageQueue's hand-out), each
+    array whole goes out as the very frame it came in; a slice or a new array does not."""
+    import zmq
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://forward")
+        b.connect("inproc://forward")
+        group = Group(group_id="g", trajectories=[trajectory(4096), trajectory(16, "s-2")])
+        a.send_multipart(encode(group), copy=False)
+        received = b.recv_multipart(copy=False)
+        got = decode(received)
+        out = encode(got)
+        assert [id(f) for f in out[2:]] == [id(f) for f in received[2:]]
+        assert_same(decode([bytes(memoryview(f)) for f in out]), group)
+        # a part of an array, or an array reversed, is not the frame: copied as usual
+        got.trajectories[0].token_ids = got.trajectories[0].token_ids[1:]
+        got.trajectories[0].logprobs = got.trajectories[0].logprobs[::-1]
+        out = encode(got)
+        assert not any(f is r for f in out[2:4] for r in received)
+        again = decode([bytes(memoryview(f)) for f in out])
+        assert np.array_equal(again.trajectories[0].token_ids, group.trajectories[0].token_ids[1:])
+        assert np.array_equal(again.trajectories[0].logprobs, group.trajectories[0].logprobs[::-1])
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

@@ -7,6 +7,7 @@ docs/sglang-contract.md can be checked field by field. A request the engine refu
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,7 +55,14 @@ def parse_generate(body: Any, limits: ModelLimits, tokenizer: Any) -> tuple[Requ
         raise BadRequest("logprob_start_len: the built-in engine returns output log-probs only "
                          "(logprob_start_len -1)")
 
-    params = parse_sampling_params(body.get("sampling_params"), limits.vocab_size)
+    raw_params = body.get("sampling_params")
+    if isinstance(raw_params, dict):
+        for key, value in raw_params.items():
+            # Python's json accepts NaN and Infinity (not JSON): a NaN temperature would pass
+            # every range check (NaN < 0 is false) and sample from NaN probabilities.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise BadRequest(f"sampling_params.{key} must be a finite number, got {value!r}")
+    params = parse_sampling_params(raw_params, limits.vocab_size)
     prompt = len(input_ids)
     if prompt >= limits.context_length:
         raise BadRequest(f"The input ({prompt} tokens) is longer than the model's context "

@@ -112,6 +112,7 @@ class EngineClient:
         control_timeout_s: float = 60.0,
         health_interval_s: float = 2.0,
         max_connections: int = 512,
+        api_key: str | None = None,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
@@ -123,6 +124,7 @@ class EngineClient:
         self.control_timeout_s = control_timeout_s
         self.health_interval_s = health_interval_s
         self.max_connections = max_connections
+        self.api_key = api_key  # the run's engine key: `Authorization: Bearer` on every call
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
         self._where: dict[str, _Server] = {}  # rid -> server running it
@@ -134,6 +136,7 @@ class EngineClient:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.max_connections),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
         )
         self._prober = asyncio.create_task(self._probe_down_servers())
         return self
@@ -390,3 +393,18 @@ class EngineClient:
             raise EngineError(f"{what} failed on {len(failed)} server(s): "
                               + "; ".join(f"{u}: {r}" for u, r in failed))
         return replies
+
+
+API_KEY_FILE = "engine.token"  # in a run's keys directory, beside the CURVE keys
+
+
+def run_api_key(keys_dir: str | None) -> str | None:
+    """The engine API key of the run whose keys directory this is (None: no key, as in tests
+    that start engines without one)."""
+    if not keys_dir:
+        return None
+    path = os.path.join(keys_dir, API_KEY_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import json
 import os
 import time
@@ -37,12 +38,20 @@ from rollmesh.engine import api, models
 from rollmesh.engine.sampling import BadRequest
 from rollmesh.engine.scheduler import Request, Scheduler
 from rollmesh.log import configure_logging
+from rollmesh.weight_buckets import (
+    LOAD_FORMATS,
+    WeightSpec,
+    receive_bucket,
+    receive_bucket_into,
+)
 from rollmesh.weights import (
     WeightUpdateError,
     check_update,
     destroy_weight_update_group,
+    dtype_from_name,
     init_weight_update_group,
     load_weights,
+    model_tensors,
     receive_weights,
 )
 
@@ -79,6 +88,39 @@ async def _bad_requests(request: web.Request, handler: Any) -> web.StreamRespons
         return _error(str(e))
 
 
+def _api_key_guard(key: str) -> Any:
+    """Every route but GET /health needs `Authorization: Bearer <key>` (SGLang's --api-key
+    convention): the engine's HTTP is reachable by anyone on the network, and its weight
+    routes would let them replace the model."""
+    expected = f"Bearer {key}".encode()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != "/health":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response(
+                    {"error": {"message": "missing or wrong API key (Authorization: Bearer "
+                                          "<the run's engine key>)", "code": 401}}, status=401)
+        return await handler(request)
+
+    return guard
+
+
+def read_api_key(path: str | None) -> str | None:
+    """The engine's API key from a file (one line; refused if others may read it)."""
+    if not path:
+        return None
+    mode = os.stat(path).st_mode & 0o077
+    if mode:
+        raise PermissionError(f"{path}: the engine API key file must not be readable by group "
+                              f"or others (mode {oct(os.stat(path).st_mode & 0o777)}; chmod 600)")
+    key = Path(path).read_text().strip()
+    if not key:
+        raise ValueError(f"{path}: the engine API key file is empty")
+    return key
+
+
 class EngineServer:
     def __init__(self, args: argparse.Namespace, model: Any, tokenizer: Any, log: Any) -> None:
         self.args = args
@@ -93,10 +135,16 @@ class EngineServer:
         self.scheduler = Scheduler(model, tokenizer, weight_version=args.weight_version,
                                    max_running_requests=args.max_running_requests, seed=args.seed)
         self.groups: dict[str, tuple[Any, str]] = {}  # group_name -> (process group, backend)
+        # Receive buffer for flattened buckets that cannot land in the model directly (another
+        # dtype than the model's) or are drained; kept while a weight-update group exists.
+        self._recv_buffer: torch.Tensor | None = None
         self.log = log
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_bad_requests], client_max_size=64 * 1024 * 1024)
+        middlewares = [_bad_requests]
+        if getattr(self.args, "api_key", None):
+            middlewares.insert(0, _api_key_guard(self.args.api_key))
+        app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
@@ -338,22 +386,45 @@ class EngineServer:
                                   "/init_weights_update_group first")
         group, backend = self.groups[name]
         version = b.get("weight_version")
+        load_format = b.get("load_format") or "tensor"
+        if load_format not in LOAD_FORMATS:
+            # Refused before the broadcast, which it cannot take part in: the sender is then
+            # stuck until its group's timeout. Only a sender ignoring the contract gets here.
+            return _result(False, f"load_format must be one of {list(LOAD_FORMATS)}, "
+                                  f"got {load_format!r}")
         recv_device = self.device if backend == "nccl" else torch.device("cpu")
 
         def receive(s: Scheduler) -> int:
             start = time.perf_counter()
             try:
-                check_update(self.model, names, shapes)
+                check_update(self.model, names, shapes, dtypes)
             except WeightUpdateError:
-                # The trainer broadcasts everything regardless: drain, then refuse, model intact.
-                for _ in receive_weights(group, names, dtypes, shapes, recv_device):
-                    pass
+                # The trainer broadcasts everything regardless: take part (drain), then refuse,
+                # model intact. Only an unknown dtype name, or lists of different lengths,
+                # leave the byte count unknown; then nothing can be drained.
+                if load_format == "flattened_bucket":
+                    self._recv_buffer = self._drain_buffer(names, dtypes, shapes, recv_device)
+                    receive_bucket(group, names, dtypes, shapes, load_format, recv_device,
+                                   self._recv_buffer)
+                else:
+                    for _ in receive_weights(group, names, dtypes, shapes, recv_device):
+                        pass
                 raise
-            n = load_weights(self.model, receive_weights(group, names, dtypes, shapes, recv_device))
+            if load_format == "flattened_bucket":
+                targets = model_tensors(self.model)
+                if all(targets[n].dtype != dtype_from_name(d) for n, d in zip(names, dtypes)):
+                    # cast into the model (another dtype on the wire): a reused buffer
+                    self._recv_buffer = self._drain_buffer(names, dtypes, shapes, recv_device)
+                n = receive_bucket_into(group, targets, names, dtypes, shapes, load_format,
+                                        recv_device, self._recv_buffer)
+            else:
+                n = load_weights(self.model,
+                                 receive_weights(group, names, dtypes, shapes, recv_device))
             if version is not None:
                 s.weight_version = str(version)
             self.log.info("weights_updated", source="distributed", tensors=n,
-                          weight_version=s.weight_version, seconds=time.perf_counter() - start)
+                          load_format=load_format, weight_version=s.weight_version,
+                          seconds=time.perf_counter() - start)
             return n
 
         if b.get("abort_all_requests", False):
@@ -365,12 +436,24 @@ class EngineServer:
             return _result(False, f"update_weights_from_distributed failed: {e}")
         return _result(True, f"Succeeded to update parameter online ({n} tensors).")
 
+    def _drain_buffer(self, names: list, dtypes: list, shapes: list,
+                      device: torch.device) -> torch.Tensor | None:
+        """The receive buffer, grown to hold this bucket (scheduler thread)."""
+        nbytes = sum(WeightSpec(str(n), dtype_from_name(d), tuple(int(x) for x in s)).nbytes
+                     for n, d, s in zip(names, dtypes, shapes, strict=True))
+        buf = self._recv_buffer
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf
+
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         b = await _body(request, optional=True)
         name = b.get("group_name", "weight_update_group")
         if name not in self.groups:
             return _result(False, f"no weight update group {name!r}")
         group, _ = self.groups.pop(name)
+        if not self.groups:
+            self._recv_buffer = None
         await self._scheduler_call("call", lambda _s: destroy_weight_update_group(group))
         self.log.info("weight_group_destroyed", group=name)
         return _result(True, "Succeeded to destroy custom process group.")
@@ -444,6 +527,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=None, help="seed of the shared sampling RNG")
+    p.add_argument("--api-key-file", default=None,
+                   help="require `Authorization: Bearer <key>` on every route but /health, the "
+                        "key read from this file (mode 0600); `rollmesh launch` makes one per run")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 1 for a tiny model, whose matmuls are "
                         "too small to split and whose extra threads only fight the other roles "
@@ -454,6 +540,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     log = configure_logging("engine", port=args.port)
+    try:
+        args.api_key = read_api_key(args.api_key_file)
+    except (OSError, ValueError) as e:
+        log.error("engine_bad_api_key", error=str(e))
+        return 2
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("engine_unauthenticated", host=args.host,
+                    hint="anyone who reaches this port can replace the weights: --api-key-file")
     threads = args.threads
     if not threads and models.is_tiny(args.model) and "OMP_NUM_THREADS" not in os.environ:
         threads = 1

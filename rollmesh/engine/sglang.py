@@ -40,7 +40,8 @@ class EngineLaunch:
 def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
                 mem_fraction_static: float = 0.8, weight_version: str = "0",
                 dtype: str = "auto", random_seed: int | None = None,
-                extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+                extra_args: Sequence[str] = (), python: str = sys.executable,
+                api_key: str | None = None) -> list[str]:
     """`python -m sglang.launch_server` with the flags rollmesh relies on.
 
     --skip-server-warmup: the launcher waits for /health_generate itself.
@@ -54,36 +55,43 @@ def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
             "--weight-version", weight_version, "--dtype", dtype]
     if random_seed is not None:
         argv += ["--random-seed", str(random_seed)]
+    if api_key:  # SGLang takes the key itself on its command line
+        argv += ["--api-key", api_key]
     return argv + list(extra_args)
 
 
 def builtin_argv(model_path: str, host: str, port: int, *, dtype: str = "auto",
                  weight_version: str = "0", max_running_requests: int = 64,
                  seed: int | None = None, device: str = "auto",
-                 python: str = sys.executable) -> list[str]:
+                 python: str = sys.executable, api_key_file: str | None = None) -> list[str]:
     argv = [python, "-m", "rollmesh", "engine", "--model", model_path, "--host", host,
             "--port", str(port), "--weight-version", weight_version, "--dtype", dtype,
             "--max-running-requests", str(max_running_requests), "--device", device]
     if seed is not None:
         argv += ["--seed", str(seed)]
+    if api_key_file:
+        argv += ["--api-key-file", api_key_file]
     return argv
 
 
 def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int, *,
                   gpus: Sequence[int] = (), seed: int | None = None, weight_version: str = "0",
-                  python: str = sys.executable) -> EngineLaunch:
-    """The server the experiment asks for, on `host:port`, pinned to `gpus`."""
+                  python: str = sys.executable, api_key: str | None = None,
+                  api_key_file: str | None = None) -> EngineLaunch:
+    """The server the experiment asks for, on `host:port`, pinned to `gpus`; with the run's
+    API key (SGLang: `--api-key`; the built-in engine reads `api_key_file`)."""
     dtype = model.dtype
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
     if engine.kind == "sglang":
         argv = sglang_argv(model.path, host, port, tp_size=engine.tp_size,
                            mem_fraction_static=engine.mem_fraction_static,
                            weight_version=weight_version, dtype=dtype, random_seed=seed,
-                           extra_args=engine.extra_args, python=python)
+                           extra_args=engine.extra_args, python=python, api_key=api_key)
     else:
         argv = builtin_argv(model.path, host, port, dtype=dtype, weight_version=weight_version,
                             max_running_requests=engine.max_running_requests, seed=seed,
-                            device="cuda" if gpus else "auto", python=python)
+                            device="cuda" if gpus else "auto", python=python,
+                            api_key_file=api_key_file)
     return EngineLaunch(engine.kind, host, port, argv, env)
 
 
