@@ -1,7 +1,7 @@
 """Benchmark of the built-in engine: throughput on long-tail requests, and abort latency.
 
     python benchmarks/engine.py [--model tiny] [--requests 128] [--concurrency 64] [--seed 0]
-                                [--threads 1] [--skip-hf-cb]
+                                [--threads 1] [--skip-hf-cb] [--json PATH]
 
 1. The same request stream (GSM8K prompts in the chat template, lognormal max_new_tokens,
    ignore_eos, temperature 1) through
@@ -17,15 +17,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import argparse
 import asyncio
 import json
-import os
 import signal
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results import row, write  # noqa: E402
 from rollmesh.engine.models import build_tiny, load_model  # noqa: E402
 
 GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
@@ -193,6 +195,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads, the same for the engine and the baselines")
     p.add_argument("--skip-hf-cb", action="store_true")
+    p.add_argument("--json", help="write result rows (benchmarks/results.py) here")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
@@ -224,6 +227,11 @@ def main() -> int:
     print(f"transformers static batches: {useful} tokens in {wall:6.2f} s = {static_tps:8.1f} "
           f"tokens/s ({computed} computed, {useful / computed:.0%} useful)")
     print(f"ratio engine / static:      {engine_tps / static_tps:.2f}x")
+    note = (f"model {args.model}, {len(requests)} requests (lognormal max_new_tokens, ignore_eos), "
+            f"concurrency {args.concurrency}, torch threads {args.threads}; useful tokens/s")
+    rows = [row("engine throughput vs transformers static batches", engine_tps, static_tps,
+                "tokens/s", baseline_name="transformers generate, static batches",
+                higher_is_better=True, note=note)]
     if not args.skip_hf_cb:
         cb = hf_continuous(model, requests, args.concurrency)
         if isinstance(cb, str):
@@ -232,10 +240,15 @@ def main() -> int:
             print(f"transformers continuous batching: {cb[1]} tokens in {cb[0]:6.2f} s = "
                   f"{cb[1] / cb[0]:8.1f} tokens/s; engine / it: "
                   f"{engine_tps / (cb[1] / cb[0]):.2f}x")
+            rows.append(row("engine throughput vs transformers continuous batching", engine_tps,
+                            cb[1] / cb[0], "tokens/s",
+                            baseline_name="transformers init_continuous_batching",
+                            higher_is_better=True, note=note))
     print(f"abort -> partial response ({args.concurrency} running): median "
           f"{statistics.median(lat) * 1000:.1f} ms, max {max(lat) * 1000:.1f} ms over "
           f"{len(lat)} aborts (partials of {min(partial)}-{max(partial)} tokens); mean decode "
           f"step {step * 1000:.1f} ms")
+    write(args.json, rows)
     return 0
 
 

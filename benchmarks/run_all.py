@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # name -> the arguments of benchmarks/<script> (sizes chosen to run in minutes on 2 cores)
 BENCHMARKS: dict[str, list[str]] = {
     "e2e": ["benchmarks/e2e.py"],
-    "queue": ["benchmarks/queue.py", "--samples", "2000"],
+    "mq": ["benchmarks/mq.py"],
     "weight_sync": ["benchmarks/weight_sync.py"],
     "partial_rollout": ["benchmarks/partial_rollout.py"],
     "engine": ["benchmarks/engine.py"],

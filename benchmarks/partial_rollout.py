@@ -1,0 +1,313 @@
+"""Partial rollout (resume interrupted generations) vs abort-and-restart, with a sync every K s.
+
+    .venv/bin/python benchmarks/partial_rollout.py [--samples 1024] [--concurrency 32]
+        [--sync-every K | --sync-every-tails 1.5] [--sync-pause 0.1] [--median-len 48] [--sigma 1.0] [--max-len 400]
+        [--modes resume,restart] [--engine-cpus ""] [--seed 0] [--json PATH]
+
+One real `rollmesh engine` process (the built-in engine, the tiny model) serves both modes, one
+after the other, driven by the same loop over its HTTP API (docs/sglang-contract.md):
+
+  * --samples requests (chat-templated prompts of configs/data/letters_train.jsonl), each with
+    its own target length drawn from a lognormal (seeded; ignore_eos, temperature 1), at most
+    --concurrency of them in flight;
+  * every K seconds a weight sync is played (K = --sync-every, or by default --sync-every-tails
+    times the time the longest sample takes to generate at full concurrency, measured on the
+    engine first, so that the figure means the same on a slow and a fast machine): POST /pause_generation {"mode": "abort"}
+    (the engine answers every in-flight /generate with its partial output, finish_reason abort,
+    as rollmesh's pause does), a --sync-pause wait standing in for the broadcast, then
+    POST /continue_generation; the interrupted samples go back to the front of the queue (the
+    cancel queue) and are submitted again:
+      resume   rollmesh's partial rollout: prompt + the tokens generated so far as the new
+               prefix, max_new_tokens = what is still missing (nothing generated twice);
+      restart  abort-and-restart (slime's fully-async mode): the partial output is thrown away
+               and the sample is generated again from its prompt.
+
+Measured per mode: decode tokens spent per completed sample (every token the engine generated:
+the sum of completion_tokens over all responses, aborted ones included, checked against the
+engine's own generated_tokens counter), and the wall time until all --samples are complete. In
+restart mode a sample longer than what the engine decodes in --sync-every seconds can never
+finish (long-tail starvation); a mode that does not finish within --timeout is reported with
+the samples it completed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import argparse
+import asyncio
+import collections
+import json
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results import row, write  # noqa: E402
+from rollmesh.engine.models import tiny_tokenizer  # noqa: E402
+
+PYTHON = ROOT / ".venv" / "bin" / "python"
+
+
+@dataclass
+class Sample:
+    index: int
+    prompt: list[int]
+    target: int
+    partial: list[int] = field(default_factory=list)
+    done: bool = False
+    interrupted: int = 0
+
+
+def make_samples(n: int, median: float, sigma: float, lo: int, hi: int,
+                 seed: int) -> list[Sample]:
+    tok = tiny_tokenizer()
+    rows = [json.loads(line) for line in
+            (ROOT / "configs/data/letters_train.jsonl").read_text().splitlines() if line]
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.lognormal(np.log(median), sigma, size=n)), lo, hi).astype(int)
+    out = []
+    for i in range(n):
+        ids = tok.apply_chat_template([{"role": "user", "content": rows[i % len(rows)]["prompt"]}],
+                                      add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        out.append(Sample(i, list(ids), int(lengths[i])))
+    return out
+
+
+def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cpus = {int(c) for c in args.engine_cpus.split(",")} if args.engine_cpus.strip() else None
+    proc = subprocess.Popen(
+        [str(PYTHON), "-m", "rollmesh", "engine", "--model", "tiny", "--port", str(port),
+         "--max-running-requests", str(args.concurrency), "--seed", str(args.seed),
+         "--weight-version", "0", "--threads", str(args.threads)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    url = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    for _ in range(1200):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.1)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError("engine did not start")
+
+
+async def _post(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> dict:
+    async with session.post(url + path, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{path}: HTTP {r.status}: {await r.text()}")
+        return await r.json(content_type=None) if r.content_type == "application/json" else {}
+
+
+async def engine_tokens(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url + "/get_server_info") as r:
+        return (await r.json())["internal_states"][0]["generated_tokens"]
+
+
+async def drive(url: str, samples: list[Sample], mode: str, args: argparse.Namespace) -> dict:
+    """Generate every sample to its target length with a sync every --sync-every seconds."""
+    for s in samples:
+        s.partial, s.done, s.interrupted = [], False, 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        before = await engine_tokens(session, url)
+        queue = collections.deque(samples)
+        inflight: dict[asyncio.Task, Sample] = {}
+        decoded = done = syncs = 0
+        seq = 0
+
+        def submit(s: Sample) -> None:
+            nonlocal seq
+            seq += 1
+            if mode == "resume":
+                ids, budget = s.prompt + s.partial, s.target - len(s.partial)
+            else:
+                s.partial = []
+                ids, budget = s.prompt, s.target
+            body = {"input_ids": ids, "rid": f"{mode}-{s.index:05d}-{seq:07d}",
+                    "sampling_params": {"max_new_tokens": budget, "temperature": 1.0,
+                                        "ignore_eos": True}}
+            inflight[asyncio.create_task(_post(session, url, "/generate", body))] = s
+
+        def handle(task: asyncio.Task) -> None:
+            nonlocal decoded, done
+            s = inflight.pop(task)
+            out = task.result()
+            got = out["output_ids"]
+            decoded += len(got)
+            if out["meta_info"]["finish_reason"]["type"] == "abort":
+                s.interrupted += 1
+                if mode == "resume":
+                    s.partial += got
+                interrupted.append(s)
+            else:
+                assert len(s.partial) + len(got) == s.target if mode == "resume" else \
+                    len(got) == s.target, (mode, s.index, len(s.partial), len(got), s.target)
+                s.done = True
+                done += 1
+
+        start = time.perf_counter()
+        next_sync = start + args.sync_every
+        timed_out = False
+        while done < len(samples):
+            now = time.perf_counter()
+            if now - start > args.timeout:
+                timed_out = True
+                break
+            while queue and len(inflight) < args.concurrency:
+                submit(queue.popleft())
+            interrupted: list[Sample] = []
+            finished, _ = await asyncio.wait(list(inflight), timeout=max(0.0, next_sync - now),
+                                             return_when=asyncio.FIRST_COMPLETED)
+            for t in finished:
+                handle(t)
+            if time.perf_counter() >= next_sync and done < len(samples):
+                # a weight sync: abort in flight, wait for the partials, "broadcast", continue
+                await _post(session, url, "/pause_generation", {"mode": "abort"})
+                if inflight:
+                    finished, _ = await asyncio.wait(list(inflight))
+                    for t in sorted(finished, key=lambda t: inflight[t].index):
+                        handle(t)
+                await asyncio.sleep(args.sync_pause)
+                await _post(session, url, "/continue_generation", {})
+                syncs += 1
+                next_sync = time.perf_counter() + args.sync_every
+            queue.extendleft(reversed(interrupted))  # the cancel queue goes first
+        wall = time.perf_counter() - start
+        if inflight:
+            await _post(session, url, "/abort_request", {"abort_all": True})
+            for t in (await asyncio.wait(list(inflight)))[0]:
+                handle(t)
+        engine_count = await engine_tokens(session, url) - before
+    useful = sum(s.target for s in samples if s.done)
+    return {"mode": mode, "completed": done, "wall_s": wall, "decoded": decoded,
+            "engine_decoded": engine_count, "useful": useful, "syncs": syncs,
+            "interruptions": sum(s.interrupted for s in samples), "timed_out": timed_out,
+            "tokens_per_sample": decoded / max(done, 1)}
+
+
+async def decode_rate(url: str, samples: list[Sample], concurrency: int,
+                      tokens: int = 64) -> float:
+    """Tokens/s one sequence gets with `concurrency` running (after a warm-up)."""
+    async def batch(n: int, tag: str) -> None:
+        await asyncio.gather(*(_post(session, url, "/generate", {
+            "input_ids": samples[i % len(samples)].prompt, "rid": f"{tag}-{i}",
+            "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}})
+            for i in range(concurrency)))
+
+    async with aiohttp.ClientSession() as session:
+        await batch(8, "warm")
+        start = time.perf_counter()
+        await batch(tokens, "probe")
+        return tokens / (time.perf_counter() - start)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=1024)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--sync-every", type=float, default=None,
+                   help="seconds between syncs (K); default: --sync-every-tails times the time "
+                        "the longest sample takes at full concurrency (measured first)")
+    p.add_argument("--sync-every-tails", type=float, default=1.5,
+                   help="K in units of the longest sample's generation time (> 1: every sample "
+                        "can finish in restart mode once it starts right after a sync)")
+    p.add_argument("--sync-pause", type=float, default=0.1,
+                   help="seconds the engine stays paused per sync (the broadcast)")
+    p.add_argument("--median-len", type=float, default=48)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--min-len", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=400)
+    p.add_argument("--modes", default="resume,restart")
+    p.add_argument("--engine-cpus", default="", help="pin the engine ('' = unpinned)")
+    p.add_argument("--threads", type=int, default=1, help="engine torch threads")
+    p.add_argument("--timeout", type=float, default=120, help="seconds per mode, at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write result rows (benchmarks/results.py) here")
+    args = p.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("resume", "restart"):
+            p.error(f"--modes: unknown mode {m!r}")
+    samples = make_samples(args.samples, args.median_len, args.sigma, args.min_len,
+                           args.max_len, args.seed)
+    lengths = np.array([s.target for s in samples])
+    print(f"partial rollout: {len(samples)} samples, concurrency {args.concurrency}, "
+          f"built-in engine (tiny), {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} (other processes on "
+          f"the cores skew the wall times)")
+    print(f"target lengths: lognormal median {args.median_len:g} sigma {args.sigma:g} clipped "
+          f"[{args.min_len}, {args.max_len}]: mean {lengths.mean():.0f}, p90 "
+          f"{np.percentile(lengths, 90):.0f}, max {lengths.max()}, total {lengths.sum()}")
+    proc, url = start_engine(args)
+    results: dict[str, dict] = {}
+    try:
+        rate = asyncio.run(decode_rate(url, samples, args.concurrency))
+        if args.sync_every is None:
+            args.sync_every = args.sync_every_tails * int(lengths.max()) / rate
+        print(f"engine: {rate:.0f} tokens/s per sequence with {args.concurrency} running; the "
+              f"longest sample needs {lengths.max() / rate:.2f}s uninterrupted; sync every "
+              f"{args.sync_every:.2f}s (paused {args.sync_pause:g}s each)", flush=True)
+        for m in modes:
+            r = asyncio.run(drive(url, samples, m, args))
+            results[m] = r
+            note = (f"  NOT FINISHED in {args.timeout:g}s: {r['completed']}/{len(samples)} "
+                    "completed" if r["timed_out"] else "")
+            print(f"  {m:8s} {r['tokens_per_sample']:8.1f} decode tokens/completed sample "
+                  f"(useful {r['useful'] / max(r['completed'], 1):.1f}), {r['wall_s']:7.2f}s "
+                  f"wall, {r['syncs']} syncs, {r['interruptions']} interruptions, "
+                  f"{r['decoded']} tokens decoded (engine counted {r['engine_decoded']}){note}",
+                  flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    rows = []
+    if "resume" in results and "restart" in results:
+        a, b = results["resume"], results["restart"]
+        print(f"\n{'':34s} {'resume':>10s} {'restart':>10s} {'ratio':>7s}")
+        print(f"{'decode tokens / completed sample':34s} {a['tokens_per_sample']:10.1f} "
+              f"{b['tokens_per_sample']:10.1f} "
+              f"{a['tokens_per_sample'] / b['tokens_per_sample']:6.2f}x")
+        print(f"{'wall time (s)':34s} {a['wall_s']:10.2f} {b['wall_s']:10.2f} "
+              f"{a['wall_s'] / b['wall_s']:6.2f}x")
+        note = (f"{args.samples} samples, lognormal lengths median {args.median_len:g} sigma "
+                f"{args.sigma:g} max {args.max_len}, concurrency {args.concurrency}, sync every "
+                f"{args.sync_every:.2f}s, built-in engine (tiny)")
+        if b["timed_out"]:
+            note += (f"; restart did not finish in {args.timeout:g}s ({b['completed']}/"
+                     f"{args.samples} completed): its figures are lower bounds")
+        rows.append(row("partial rollout: decode tokens per completed sample",
+                        a["tokens_per_sample"], b["tokens_per_sample"], "tokens/sample",
+                        baseline_name="abort-and-restart (slime fully-async)",
+                        higher_is_better=False, note=note))
+        rows.append(row(f"partial rollout: wall time for {args.samples} samples", a["wall_s"],
+                        b["wall_s"], "s", baseline_name="abort-and-restart (slime fully-async)",
+                        higher_is_better=False, note=note))
+    write(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
