@@ -458,9 +458,10 @@ def main() -> None:
         shape = (f"{a.tokens}-token samples, n={a.n}, GetBatch {a.batch_groups} groups "
                  f"+{a.prefetch} prefetched, {'durable' if a.durable else 'in-memory'} queue, "
                  f"median of {a.repeat}")
+        label = "MessageQueue, durable log," if a.durable else "MessageQueue"
         if "ray" in summary:
             rows.append(results.row(
-                "MessageQueue vs Ray actor queue", mq["throughput"]["rate"],
+                f"{label} vs Ray actor queue", mq["throughput"]["rate"],
                 summary["ray"]["throughput"]["rate"], "samples/s",
                 baseline_name=f"Ray {a.ray_serialize} actor queue (verl recipe shape)",
                 higher_is_better=True, target=5, note=shape))
@@ -469,7 +470,7 @@ def main() -> None:
                                                    "for reference")):
             if f in summary:
                 rows.append(results.row(
-                    "MessageQueue vs raw ZeroMQ floor" + ("" if target else " (1-hop)"),
+                    f"{label} vs raw ZeroMQ floor" + ("" if target else " (1-hop)"),
                     mq["throughput"]["rate"], summary[f]["throughput"]["rate"], "samples/s",
                     baseline_name=names[f], higher_is_better=True, target=target,
                     note=f"{what}; {shape}"))
@@ -477,7 +478,7 @@ def main() -> None:
             for f in ("ray", "raw2"):
                 if f in summary and "latency" in summary[f]:
                     rows.append(results.row(
-                        f"MessageQueue p99 latency vs {names[f].split(' (')[0]}",
+                        f"{label} p99 latency vs {names[f].split(' (')[0]}",
                         mq["latency"]["p99"], summary[f]["latency"]["p99"], "ms",
                         baseline_name=names[f], higher_is_better=False,
                         note=f"producer send -> consumer receipt at {a.latency_rate:g} "

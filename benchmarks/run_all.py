@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS: dict[str, list[str]] = {
     "e2e": ["benchmarks/e2e.py"],
     "mq": ["benchmarks/mq.py"],
+    # as `rollmesh launch` runs it: every put and hand-out in the queue's log first
+    "mq_durable": ["benchmarks/mq.py", "--durable"],
     "weight_sync": ["benchmarks/weight_sync.py"],
     "partial_rollout": ["benchmarks/partial_rollout.py"],
     "engine": ["benchmarks/engine.py"],
@@ -117,7 +119,13 @@ def main() -> int:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            args = BENCHMARKS[name]
+            args = list(BENCHMARKS[name])
+            # the queue's capacity as measured just now (durable, as `rollmesh launch` runs it)
+            measured = [r for k in ("mq_durable", "mq") for r in results.get(k, {}).get("rows")
+                        or [] if "vs Ray" in r["figure"]]
+            capacity = measured[0]["rollmesh"] if measured else None
+            if name == "simulate" and capacity:
+                args += ["--mq-capacity", f"{capacity:.0f}"]
             command = ".venv/bin/python " + " ".join(args)
             path = Path(tmp) / f"{name}.json"
             print(f"== {name}: {command}", flush=True)

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_launcher import (
-    ROOT, check_accounting, finish, launch, metrics, rollmesh, status, wait_for,
+    ROOT, assert_nothing_trained_twice, check_accounting, finish, launch, metrics, rollmesh,
+    status, trained_history, wait_for,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -28,23 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def proc_of(run_dir: Path, name: str) -> dict:
     return next(p for p in status(run_dir).get("processes", []) if p["name"] == name)
-
-
-def trained_history(rows: list[dict]) -> list[dict]:
-    """The steps of the surviving history: a step trained again after a resume replaces the
-    lost one (its update died with the trainer before any checkpoint held it)."""
-    by_step: dict[int, dict] = {}
-    for row in rows:
-        by_step[row["step"]] = row
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def assert_nothing_trained_twice(rows: list[dict]) -> None:
-    seen: dict[str, int] = {}
-    for row in trained_history(rows):
-        for gid in row["group_ids"]:
-            assert gid not in seen, f"group {gid} trained at step {seen[gid]} and {row['step']}"
-            seen[gid] = row["step"]
 
 
 @pytest.mark.parametrize("victim", ["rollouter[0]", "synchronizer[0]", "reward_worker[0]"])

@@ -78,6 +78,23 @@ def check_accounting(run_dir: Path) -> dict:
     return summary
 
 
+def trained_history(rows: list[dict]) -> list[dict]:
+    """The steps of the surviving history: a step trained again after a resume replaces the
+    lost one (its update died with the trainer before any checkpoint held it)."""
+    by_step: dict[int, dict] = {}
+    for row in rows:
+        by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def assert_nothing_trained_twice(rows: list[dict]) -> None:
+    seen: dict[str, int] = {}
+    for row in trained_history(rows):
+        for gid in row["group_ids"]:
+            assert gid not in seen, f"group {gid} trained at step {seen[gid]} and {row['step']}"
+            seen[gid] = row["step"]
+
+
 def test_embedded_default_learns_within_the_bound_and_accounts_for_everything(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir)
@@ -132,6 +149,7 @@ def test_killed_agent_worker_is_restarted_and_the_run_completes(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert len(metrics(run_dir)) == 40
     check_accounting(run_dir)
+    assert_nothing_trained_twice(metrics(run_dir))
     final = status(run_dir)
     assert next(p for p in final["processes"] if p["name"] == "agent_worker[0]")["restarts"] == 1
 
@@ -159,6 +177,7 @@ def test_killed_engine_is_restarted_and_rejoins_at_the_current_weight_version(tm
     assert proc.returncode == 0, out[-3000:]
     assert len(metrics(run_dir)) == 60
     check_accounting(run_dir)
+    assert_nothing_trained_twice(metrics(run_dir))
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "rollmesh stop"])

@@ -357,7 +357,9 @@ def test_launcher_restarts_a_killed_queue_and_the_run_completes_accounting_for_e
         tmp_path):
     import os
 
-    from tests.test_launcher import check_accounting, finish, launch, metrics, status, wait_for
+    from tests.test_launcher import (
+        assert_nothing_trained_twice, check_accounting, finish, launch, metrics, status, wait_for,
+    )
 
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", "trainer.total_steps=40")
@@ -375,6 +377,7 @@ def test_launcher_restarts_a_killed_queue_and_the_run_completes_accounting_for_e
     summary = check_accounting(run_dir)  # admitted = consumed + dropped + in flight
     # every sample the queue handed out was trained on, once: none lost with the old process
     assert summary["consumed"] == metrics(run_dir)[-1]["samples_consumed"]
+    assert_nothing_trained_twice(metrics(run_dir))
     log = (run_dir / "logs/message_queue-0.log").read_text()
     assert '"event": "replayed"' in log
     assert (run_dir / "message_queue" / LOG_NAME).is_file()
