@@ -88,11 +88,31 @@ def oldest_version(group: Group) -> int | None:
 # -- log entries -------------------------------------------------------------------------------
 
 
+def _array_header(n: int) -> bytes:
+    return bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
+                                              else b"\xdd" + n.to_bytes(4, "big"))
+
+
+def _bin_header(n: int) -> bytes:
+    return (b"\xc4" + n.to_bytes(1, "big") if n < 1 << 8 else
+            b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big"))
+
+
+def entry_parts(entry: list[Any]) -> list[Any]:
+    """An entry as msgpack, in pieces: a put's group frames are referenced, not copied (the
+    log writes the pieces with one writev)."""
+    if entry[0] != "put":
+        return [msgpack.packb(entry, use_bin_type=True)]
+    frames = [memoryview(f).cast("B") for f in protocol.encode(entry[2])]
+    parts: list[Any] = [b"\x93" + msgpack.packb("put") + msgpack.packb(entry[1])
+                        + _array_header(len(frames))]
+    for f in frames:
+        parts += [_bin_header(f.nbytes), f]
+    return parts
+
+
 def encode_entry(entry: list[Any]) -> bytes:
-    if entry[0] == "put":
-        frames = [memoryview(f).tobytes() for f in protocol.encode(entry[2])]
-        entry = ["put", entry[1], frames]
-    return msgpack.packb(entry, use_bin_type=True)
+    return b"".join(entry_parts(entry))
 
 
 def _ints(v: Any) -> list[int]:
@@ -197,7 +217,7 @@ class MessageQueue:
         """Write-ahead: durable (in the kernel) first, then applied. Returns what _apply does."""
         nbytes = 0
         if self.journal is not None:
-            nbytes = self.journal.append(encode_entry(entry))
+            nbytes = self.journal.append_parts(entry_parts(entry))
         out = self._apply(entry, nbytes)
         if self.journal is not None:
             self._maybe_compact()

@@ -106,20 +106,35 @@ def test_a_failed_write_leaves_no_partial_record_behind(tmp_path, monkeypatch):
     path = tmp_path / "q.log"
     log = write(path, payloads(3))
     size = log.size
-    real = os.write
+    real = os.writev
     calls = []
 
-    def half_then_fail(fd, data):
-        calls.append(len(data))
+    def half_then_fail(fd, buffers):
+        calls.append(len(buffers))
         if len(calls) == 1:
-            return real(fd, bytes(data)[:7])  # a short write ...
+            return real(fd, [b"".join(bytes(b) for b in buffers)[:7]])  # a short write ...
         raise OSError(28, "No space left on device")  # ... then the disk is full
 
-    monkeypatch.setattr(os, "write", half_then_fail)
+    monkeypatch.setattr(os, "writev", half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         log.append(b"x" * 100)
-    monkeypatch.setattr(os, "write", real)
+    monkeypatch.setattr(os, "writev", real)
     assert log.size == size == path.stat().st_size
     log.append(b"fits")
     log.close()
     assert DurableLog.open(path)[1] == payloads(3) + [b"fits"]
+
+
+def test_a_record_written_in_pieces_reads_back_as_one(tmp_path):
+    """The queue writes a put as msgpack pieces and the group's array frames, uncopied."""
+    import numpy as np
+
+    path = tmp_path / "q.log"
+    log, _ = DurableLog.open(path)
+    arr = np.arange(1000, dtype=np.int32)
+    pieces = [b"head", memoryview(arr), b"", memoryview(arr[::-1].copy()), b"tail"]
+    size = log.append_parts(pieces)
+    log.close()
+    joined = b"head" + arr.tobytes() + arr[::-1].tobytes() + b"tail"
+    assert size == 8 + len(joined) and path.stat().st_size == len(MAGIC) + size
+    assert DurableLog.open(path)[1] == [joined]
