@@ -120,6 +120,7 @@ def test_embedded_default_learns_within_the_bound_and_accounts_for_everything(tm
 
     rows = metrics(run_dir)
     summary = check_accounting(run_dir)
+    assert_nothing_trained_twice(rows)
     bound = summary["max_staleness"]
     for row in rows:
         for key in ("step", "version", "reward_mean", "batch_staleness_max", "samples_consumed"):
