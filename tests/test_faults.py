@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_launcher import (
-    ROOT, assert_nothing_trained_twice, check_accounting, finish, launch, metrics, rollmesh,
-    status, trained_history, wait_for,
+    ROOT, assert_nothing_trained_twice, check_accounting, finish, kill_and_await_restart, launch,
+    metrics, rollmesh, status, trained_history, wait_for,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -39,8 +39,7 @@ def test_killed_role_is_restarted_and_the_run_completes(tmp_path, victim):
                   "--set", "rollout.eval_every=0")
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 6, 300, "training under way")
-        os.kill(proc_of(run_dir, victim)["pid"], signal.SIGKILL)
-        wait_for(lambda: proc_of(run_dir, victim)["restarts"] == 1, 120, f"{victim}'s restart")
+        kill_and_await_restart(run_dir, victim)
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]

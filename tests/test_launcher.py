@@ -78,6 +78,16 @@ def check_accounting(run_dir: Path) -> dict:
     return summary
 
 
+def kill_and_await_restart(run_dir: Path, name: str, timeout_s: float = 120) -> None:
+    """kill -9 the process of the run named `name` and wait until the launcher restarted it."""
+    def proc() -> dict:
+        return next(p for p in status(run_dir).get("processes", []) if p["name"] == name)
+
+    before = proc()
+    os.kill(before["pid"], signal.SIGKILL)
+    wait_for(lambda: proc()["restarts"] == before["restarts"] + 1, timeout_s, f"{name}'s restart")
+
+
 def trained_history(rows: list[dict]) -> list[dict]:
     """The steps of the surviving history: a step trained again after a resume replaces the
     lost one (its update died with the trainer before any checkpoint held it)."""
@@ -140,11 +150,7 @@ def test_killed_agent_worker_is_restarted_and_the_run_completes(tmp_path):
     proc = launch(run_dir, "--set", "trainer.total_steps=40")
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 5, 300, "training under way")
-        victim = next(p for p in status(run_dir)["processes"] if p["name"] == "agent_worker[0]")
-        os.kill(victim["pid"], signal.SIGKILL)
-        wait_for(lambda: next(p for p in status(run_dir)["processes"]
-                              if p["name"] == "agent_worker[0]")["restarts"] == 1, 120,
-                 "the worker's restart")
+        kill_and_await_restart(run_dir, "agent_worker[0]")
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
@@ -160,10 +166,7 @@ def test_killed_engine_is_restarted_and_rejoins_at_the_current_weight_version(tm
     proc = launch(run_dir, "--set", "trainer.total_steps=60")
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 5, 300, "training under way")
-        engine = next(p for p in status(run_dir)["processes"] if p["role"] == "engine")
-        os.kill(engine["pid"], signal.SIGKILL)
-        wait_for(lambda: next(p for p in status(run_dir)["processes"]
-                              if p["role"] == "engine")["restarts"] == 1, 120, "the restart")
+        kill_and_await_restart(run_dir, "engine[0]")
 
         def caught_up():
             # the engine serves the weights the trainer published last (after the rebuild)

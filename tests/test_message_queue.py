@@ -23,7 +23,8 @@ from rollmesh.protocol import (
     Batch, GetBatch, Group, PutGroup, StatsRequest, Trajectory, WeightVersion,
 )
 from rollmesh.runtime import Supervisor
-from rollmesh.transport import RpcClient, Transport, free_port
+from rollmesh.transport import RpcClient, free_port
+from tests.test_trainer import with_supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -185,18 +186,6 @@ def experiment(*overrides: str):
                            overrides=["staleness.max_staleness=1", *overrides])
 
 
-def run(tmp_path: Path, body):
-    async def main():
-        with Transport() as t:
-            sup = Supervisor(t, heartbeat_s=0.5, liveness=6, log_dir=tmp_path / "logs")
-            try:
-                return await body(t, sup)
-            finally:
-                await sup.close(grace_s=10)
-
-    return asyncio.run(main())
-
-
 def spawn_queue(sup: Supervisor, state_dir: Path, **config):
     return sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV, config={
         "experiment": to_dict(experiment()), "bind": f"tcp://127.0.0.1:{free_port()}",
@@ -248,7 +237,7 @@ def test_killed_queue_comes_back_at_its_address_with_its_groups_and_counters(tmp
         client.close()
         return handed, end
 
-    handed, end = run(tmp_path, body)
+    handed, end = with_supervisor(tmp_path, body)
     assert ids(handed.groups) == ["g-00000", "g-00001"]
     # accounting: 18 samples put = 10 consumed + 8 dropped (stale) + 0 queued
     assert (end["put_samples"], end["consumed_samples"], end["depth_samples"]) == (18, 10, 0)
@@ -280,7 +269,7 @@ def test_a_restarted_trainer_gets_the_same_batch_for_the_same_step(tmp_path):
         await sup.stop([mq], grace_s=10)  # the log is left for the offline look below
         return first, third, again, s, fourth, end
 
-    first, third, again, mid, fourth, end = run(tmp_path, body)
+    first, third, again, mid, fourth, end = with_supervisor(tmp_path, body)
     assert [ids(b.groups) for b in first] == [["g-00000", "g-00001"], ["g-00002", "g-00003"]]
     assert [ids(b.groups) for b in again] == [ids(first[1].groups), ids(third.groups)]
     assert all(b.redelivered for b in again) and mid["redelivered_batches"] == 2
@@ -335,7 +324,7 @@ def test_a_real_trainer_after_a_dead_one_trains_on_the_batch_it_was_handed(tmp_p
         client.close()
         return dead, codes, end
 
-    dead, codes, end = run(tmp_path, body)
+    dead, codes, end = with_supervisor(tmp_path, body)
     assert ids(dead.groups) == ids(batches[0]) and codes == [0]
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     _, reference = reference_run(exp, batches)
@@ -355,21 +344,16 @@ def test_a_real_trainer_after_a_dead_one_trains_on_the_batch_it_was_handed(tmp_p
 @pytest.mark.timeout(900)
 def test_launcher_restarts_a_killed_queue_and_the_run_completes_accounting_for_everything(
         tmp_path):
-    import os
-
     from tests.test_launcher import (
-        assert_nothing_trained_twice, check_accounting, finish, launch, metrics, status, wait_for,
+        assert_nothing_trained_twice, check_accounting, finish, kill_and_await_restart, launch,
+        metrics, wait_for,
     )
 
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", "trainer.total_steps=40")
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "training under way")
-        queue = next(p for p in status(run_dir)["processes"] if p["name"] == "message_queue[0]")
-        os.kill(queue["pid"], signal.SIGKILL)
-        wait_for(lambda: next(p for p in status(run_dir)["processes"]
-                              if p["name"] == "message_queue[0]")["restarts"] == 1, 120,
-                 "the queue's restart")
+        kill_and_await_restart(run_dir, "message_queue[0]")
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]

@@ -27,6 +27,22 @@ ROWS = [{"prompt": f"What is {a} plus {b}?", "label": str(a + b)}
         for a in range(4) for b in range(4)]
 
 
+async def start_training(stack, exp, tmp_path):
+    """A synchronizer and the trainer rank(s) beside a running rollout stack; returns the
+    synchronizer's RPC address and the trainer children."""
+    sup, spec = stack.sup, stack.mq.spec.config["experiment"]
+    rollouter_rpc, mq_rpc = stack.rollouter.endpoints["rpc"], stack.mq.endpoints["rpc"]
+    syncer = sup.spawn("synchronizer", "rollmesh.synchronizer:main", env=ENV, config={
+        "experiment": spec, "rollouter": rollouter_rpc, "message_queue": mq_rpc,
+        "bind": f"tcp://127.0.0.1:{free_port()}"})
+    sync_rpc = (await sup.wait_ready(syncer, 120))["rpc"]
+    trainers = spawn_trainers(sup, exp, {
+        "message_queue": mq_rpc, "synchronizer": sync_rpc, "engines": [stack.engine.url],
+        "rollouter": rollouter_rpc, "export_dir": str(tmp_path / "export"),
+        "metrics_path": str(tmp_path / "metrics.jsonl")})
+    return sync_rpc, trainers
+
+
 @pytest.mark.parametrize(("ranks", "load_format"), [(1, "tensor"), (2, "tensor"),
                                                     (1, "flattened_bucket"),
                                                     (2, "flattened_bucket")])
@@ -50,17 +66,7 @@ def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path,
         with Transport() as t:
             stack = await start_stack(t, tmp_path, exp)
             try:
-                sup, spec = stack.sup, stack.mq.spec.config["experiment"]
-                rollouter_rpc, mq_rpc = stack.rollouter.endpoints["rpc"], stack.mq.endpoints["rpc"]
-                syncer = sup.spawn("synchronizer", "rollmesh.synchronizer:main", env=ENV, config={
-                    "experiment": spec, "rollouter": rollouter_rpc, "message_queue": mq_rpc,
-                    "bind": f"tcp://127.0.0.1:{free_port()}"})
-                sync_rpc = (await sup.wait_ready(syncer, 120))["rpc"]
-                trainers = spawn_trainers(sup, exp, {
-                    "message_queue": mq_rpc, "synchronizer": sync_rpc,
-                    "engines": [stack.engine.url], "rollouter": rollouter_rpc,
-                    "export_dir": str(tmp_path / "export"),
-                    "metrics_path": str(tmp_path / "metrics.jsonl")})
+                sync_rpc, trainers = await start_training(stack, exp, tmp_path)
                 assert await wait_exit(trainers, 240) == [0] * ranks
                 client = RpcClient(t, sync_rpc, timeout_s=30)
                 sync_stats = (await client.request(StatsRequest())).values
@@ -120,17 +126,7 @@ def test_two_ranks_retry_a_broadcast_an_engine_failed(tmp_path):
         with Transport() as t:
             stack = await start_stack(t, tmp_path, exp)
             try:
-                sup, spec = stack.sup, stack.mq.spec.config["experiment"]
-                rollouter_rpc, mq_rpc = stack.rollouter.endpoints["rpc"], stack.mq.endpoints["rpc"]
-                syncer = sup.spawn("synchronizer", "rollmesh.synchronizer:main", env=ENV, config={
-                    "experiment": spec, "rollouter": rollouter_rpc, "message_queue": mq_rpc,
-                    "bind": f"tcp://127.0.0.1:{free_port()}"})
-                sync_rpc = (await sup.wait_ready(syncer, 120))["rpc"]
-                trainers = spawn_trainers(sup, exp, {
-                    "message_queue": mq_rpc, "synchronizer": sync_rpc,
-                    "engines": [stack.engine.url], "rollouter": rollouter_rpc,
-                    "export_dir": str(tmp_path / "export"),
-                    "metrics_path": str(tmp_path / "metrics.jsonl")})
+                sync_rpc, trainers = await start_training(stack, exp, tmp_path)
                 deadline = asyncio.get_running_loop().time() + 240
                 while stack.engine.get("/get_model_info")[1]["weight_version"] != "1":
                     assert asyncio.get_running_loop().time() < deadline, "no first sync"
