@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 STEPS = int(os.environ.get("ROLLMESH_SOAK_STEPS", "60"))
 WARM_STEPS = 15  # allocator pools, caches and the first compiles settle by then
 RSS_GROWTH_MIB = 32  # per process: late-run median minus early-run median
-FD_GROWTH = 8
+FD_GROWTH = 8  # per process: late-run median minus early-run median
 
 
 def rss_mib(pid: int) -> float | None:
@@ -81,16 +81,21 @@ def test_soak_memory_and_descriptors_stay_bounded_and_nothing_leaks(tmp_path):
     for name, series in samples.items():
         warm = [s for s in series if s[0] >= WARM_STEPS]
         assert len(warm) >= 3, (name, series)
-        # a leak is growth that stays: the median of the last third against the first third
-        # (a one-off peak, such as the final checkpoint and export, is not one)
+        # a leak is growth that stays: the median of the last third against the first third.
+        # A one-off peak is not one: the final checkpoint and export for memory; for descriptors
+        # a burst of requests, which opens HTTP keep-alive connections (up to the clients'
+        # pool limit) that close again when idle.
         third = max(1, len(warm) // 3)
         early = statistics.median(s[1] for s in warm[:third])
         late = statistics.median(s[1] for s in warm[-third:])
+        fds_early = statistics.median(s[2] for s in warm[:third])
+        fds_late = statistics.median(s[2] for s in warm[-third:])
         report[name] = {"rss_warm_mib": round(early, 1), "rss_end_mib": round(late, 1),
                         "rss_peak_mib": round(max(s[1] for s in warm), 1),
-                        "fds_warm": warm[0][2], "fds_peak": max(s[2] for s in warm)}
+                        "fds_warm": fds_early, "fds_end": fds_late,
+                        "fds_peak": max(s[2] for s in warm)}
         assert late - early <= RSS_GROWTH_MIB, (name, report[name])
-        assert report[name]["fds_peak"] - warm[0][2] <= FD_GROWTH, (name, report[name])
+        assert fds_late - fds_early <= FD_GROWTH, (name, report[name])
     print("soak:", json.dumps({"steps": STEPS, "samples_consumed": summary["consumed"],
                                "processes": report}))
 
