@@ -14,7 +14,8 @@ group frees its place; an accepted one counts for good.
 Pause (from the synchronizer): stop dispatching, send Cancel to every agent worker, answer
 Paused once no trajectory is out with a worker. Resume(version): dispatch the cancel queue
 first, then new prompts. A worker that dies (silent for `liveness` heartbeats, or unreachable)
-has its trajectories re-queued as they were when dispatched.
+has its trajectories re-queued as they were when dispatched. A rollouter restarted between a
+Pause and its Resume comes back paused (the journal records both) and waits for the Resume.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class Journal:
         admit   group id, row, size, version, the prompt cursor after it
         queued  group id (the MessageQueue accepted it)
         drop    group id, reason, samples
-        version the weight version a Resume brought
+        pause   a Pause arrived (the synchronizer is about to broadcast)
+        version a Resume: the weight version it brought, and rollout is not paused
 
     Replayed, it gives the cursor, the counters of the accounting identity and the groups that
     were admitted but neither queued nor dropped: those were in flight in the lost process and
@@ -91,6 +93,9 @@ class Journal:
     A group queued but not yet journaled as such when the process died is generated again too;
     the MessageQueue drops the second copy by its group id. Compaction: past `compact_bytes` the
     log is rewritten as one snapshot record (cursor, version, counters, the open groups).
+
+    `paused` is whether the last word of the synchronizer was a Pause: a rollouter restarted
+    in the middle of a weight sync must not generate until that sync's Resume reaches it.
     """
 
     def __init__(self, path: str | Path, log: Any, compact_bytes: int = 8 << 20):
@@ -98,6 +103,7 @@ class Journal:
         self.compact_bytes = compact_bytes
         self.cursor: dict[str, Any] | None = None
         self.version = 0
+        self.paused = False
         self.counters: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.groups: dict[str, OpenGroup] = {}
@@ -109,6 +115,7 @@ class Journal:
         kind = r["k"]
         if kind == "snapshot":
             self.cursor, self.version = r["cursor"], r["version"]
+            self.paused = r.get("paused", False)
             self.counters = collections.Counter(r["counters"])
             self.dropped = collections.Counter(r["dropped"])
             self.groups = {gid: OpenGroup(*g) for gid, g in r["groups"].items()}
@@ -132,8 +139,11 @@ class Journal:
                     self.counters["rejected_groups"] += 1
                 if g.done and g.dropped >= g.size:
                     del self.groups[r["g"]]
+        elif kind == "pause":
+            self.paused = True
         elif kind == "version":
             self.version = max(self.version, r["v"])
+            self.paused = False
 
     def _write(self, record: dict[str, Any]) -> None:
         self._apply(record)
@@ -154,8 +164,13 @@ class Journal:
                          "whole": whole})
 
     def new_version(self, version: int) -> None:
-        if version > self.version:
+        """A Resume at `version` (a failed sync resumes at the version it had)."""
+        if version > self.version or self.paused:
             self._write({"k": "version", "v": version})
+
+    def pause(self) -> None:
+        if not self.paused:
+            self._write({"k": "pause"})
 
     def recover(self) -> tuple[list[tuple[str, OpenGroup]], int]:
         """After a replay: the open groups to generate again, and the samples of dropped
@@ -171,6 +186,7 @@ class Journal:
     def compact(self) -> None:
         """Rewrite the log as one snapshot of everything a replay would build."""
         snapshot = {"k": "snapshot", "cursor": self.cursor, "version": self.version,
+                    "paused": self.paused,
                     "counters": dict(self.counters), "dropped": dict(self.dropped),
                     "groups": {gid: [g.row, g.size, g.version, g.dropped, g.done]
                                for gid, g in self.groups.items()}}
@@ -213,6 +229,7 @@ class Rollouter:
         self.group_filter = get_group_filter(exp.rollout.group_filter)
         self.version = 0
         self.paused = False
+        self.synchronizer_spoke = False  # a Pause or Resume since this process started
         self.workers: dict[bytes, Worker] = {}
         self.liveness = Liveness(ctx.spec.heartbeat_s, ctx.spec.liveness)
         self.pending: collections.deque[Trajectory] = collections.deque()  # admitted, new
@@ -323,6 +340,14 @@ class Rollouter:
         if j.cursor is not None:
             self.source.restore(j.cursor)
         self.version = j.version
+        if j.paused and self.ctx.spec.restart > 0:
+            # Killed between a sync's Pause and its Resume: the engines may be half-way
+            # through the broadcast. Generate nothing until the synchronizer's Resume (it
+            # asks again until a rollouter answers); `resume_if_forgotten` is the backstop.
+            self.paused = True
+        elif j.paused:
+            # A new launch (`--resume`): fresh engines and synchronizer, no sync in progress.
+            j.new_version(self.version)
         for key in ("admitted_groups", "admitted_samples", "accepted_groups", "queued_groups",
                     "queued_samples", "rejected_groups"):
             self.counters[key] = j.counters[key]
@@ -335,6 +360,7 @@ class Rollouter:
             self._start_group(PromptGroup(gid, row, g.size, 0), prompt, g.version)
         self.counters["restored_groups"] = len(reopen)
         self.log.warning("restored", records=j.replayed, version=self.version,
+                         paused=self.paused,
                          cursor=j.cursor, regenerated_groups=len(reopen),
                          stragglers_dropped=lost, admitted=self.counters["admitted_samples"],
                          queued=self.counters["queued_samples"], dropped=dict(self.dropped))
@@ -466,6 +492,9 @@ class Rollouter:
         self.changed.set()
 
     async def pause(self, mode: str) -> Paused:
+        self.synchronizer_spoke = True
+        if self.journal is not None:
+            self.journal.pause()
         self.paused = True
         self.drained.clear()
         started = time.monotonic()
@@ -479,6 +508,7 @@ class Rollouter:
         return Paused(in_flight=self.agent_out(), cancel_queue=len(self.cancel_queue))
 
     def resume(self, version: int) -> None:
+        self.synchronizer_spoke = True
         self.version = max(self.version, version)
         if self.journal is not None:
             self.journal.new_version(self.version)
@@ -486,6 +516,16 @@ class Rollouter:
         self.start_eval()
         self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue))
         self.changed.set()
+
+    async def resume_if_forgotten(self, after_s: float) -> None:
+        """A restart came back paused (the journal's last word was a Pause). The synchronizer
+        re-sends its Resume until a rollouter answers or the sync's time limit runs out, and
+        then resumes rollout whatever happened; if this process heard neither Pause nor Resume
+        by then, it does the same rather than stall the run."""
+        await asyncio.sleep(after_s)
+        if self.paused and not self.synchronizer_spoke:
+            self.log.error("resume_never_came", waited_s=after_s, version=self.version)
+            self.resume(self.version)
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -622,12 +662,16 @@ async def main(ctx: RoleContext) -> None:
                         {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
     tasks = [asyncio.create_task(c) for c in (r.receive(), r.schedule(), r.heartbeats(),
                                               r.put_ready(), control.serve())]
+    backstop = (asyncio.create_task(r.resume_if_forgotten(exp.sync.timeout_s + 10))
+                if r.paused else None)
     r.start_eval()  # version 0: the policy before any training
     r.changed.set()
     ctx.set_status(lambda: {k: v for k, v in r.stats().items() if k != "cursor"})
     await ctx.ready(channel=channel.address, rpc=control.address)
     await asyncio.wait([asyncio.create_task(ctx.stopping.wait()), *tasks],
                        return_when=asyncio.FIRST_COMPLETED)
+    if backstop is not None:
+        backstop.cancel()
     for t in tasks:
         if t.done() and t.exception():
             raise t.exception()

@@ -61,6 +61,7 @@ class RoleSpec:
     liveness: int = 3
     grace_s: float = 10.0
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    restart: int = 0  # 0: the first process of this role in this launch; n: its n-th restart
 
     @property
     def name(self) -> str:
@@ -442,7 +443,8 @@ class Supervisor:
         """Start a fresh process for a child that exited: same spec, same host."""
         env, cwd, echo, spec_path = child.launch
         self.liveness.forget(child.name)
-        return self._start(child.spec, child.host, env, cwd, echo, restarts=child.restarts + 1,
+        spec = dataclasses.replace(child.spec, restart=child.restarts + 1)
+        return self._start(spec, child.host, env, cwd, echo, restarts=child.restarts + 1,
                            spec_path=spec_path)
 
     @staticmethod

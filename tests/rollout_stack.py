@@ -102,7 +102,8 @@ def accounting(stats: dict[str, Any], consumed: int) -> tuple[int, int]:
 
 
 async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents: int = 1,
-                      rewards: int = 1, credits: int = 64, engine_args: tuple[str, ...] = ()) -> Stack:
+                      rewards: int = 1, credits: int = 64, engine_args: tuple[str, ...] = (),
+                      rollouter_config: dict[str, Any] | None = None) -> Stack:
     sup = Supervisor(t, heartbeat_s=0.5, liveness=4, log_dir=tmp / "logs")
     engine = await asyncio.to_thread(Engine, tmp / "engine.log", "--weight-version", "0",
                                      *engine_args)
@@ -112,7 +113,8 @@ async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents:
     mq_rpc = (await sup.wait_ready(mq, 120))["rpc"]
     rollouter = sup.spawn("rollouter", "rollmesh.rollouter:main", env=ENV, config={
         "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}",
-        "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": mq_rpc})
+        "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": mq_rpc,
+        **(rollouter_config or {})})
     eps = await sup.wait_ready(rollouter, 120)
     agent_children = [sup.spawn("agent_worker", "rollmesh.agent_worker:main", instance=i, env=ENV,
                                 config={"experiment": spec, "rollouter": eps["channel"],

@@ -79,3 +79,23 @@ def test_compaction_keeps_the_state_and_bounds_the_file(tmp_path):
     r = Journal(tmp_path / "r.log", LOG)
     assert (dict(r.counters), dict(r.dropped), r.cursor, r.version, sorted(r.groups)) == expected
     assert sorted(r.groups) == [f"g{i}" for i in range(1995, 2000)]
+
+
+def test_a_pause_without_its_resume_is_remembered_through_replay_and_compaction(tmp_path):
+    j = Journal(tmp_path / "r.log", LOG)
+    scenario(j)
+    j.pause()
+    j.close()
+    r = Journal(tmp_path / "r.log", LOG)
+    assert r.paused and r.version == 1
+    r.new_version(1)  # a failed sync resumes at the version it had: still a Resume
+    r.close()
+    r = Journal(tmp_path / "r.log", LOG)
+    assert not r.paused and r.version == 1
+    r.pause()
+    r.compact()
+    r.close()
+    r = Journal(tmp_path / "r.log", LOG)
+    assert r.replayed == 1 and r.paused
+    r.new_version(2)
+    assert not r.paused and r.version == 2

@@ -9,9 +9,12 @@ import signal
 
 import numpy as np
 import pytest
+import structlog
 
+from rollmesh.engine.client import EngineClient
 from rollmesh.message_queue import oldest_version
-from rollmesh.protocol import Pause
+from rollmesh.protocol import Pause, Resume, WeightVersion
+from rollmesh.rollouter import Journal
 from rollmesh.transport import Transport
 from tests.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
 
@@ -189,6 +192,87 @@ def test_killed_agent_worker_has_its_samples_redispatched(tmp_path):
     assert all(t.status == "finished" for g in groups for t in g.trajectories)
     admitted, accounted = accounting(stats, sum(len(g.trajectories) for g in groups))
     assert admitted == accounted
+
+
+def test_rollouter_killed_during_a_sync_comes_back_paused_until_its_resume(tmp_path):
+    # Killed between Pause and Resume, the new rollouter must not generate while the engines
+    # may be half-way through a broadcast: it waits for the Resume the synchronizer re-sends.
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=2000",
+                     "model.max_context=2200")
+
+    async def body(stack):
+        d = stack.driver
+        for _ in range(3000):  # mid-generation, so that the journal has groups in flight
+            if stack.engine.stats()["running_requests"] == 8:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"never saw 8 requests running: {stack.engine.stats()}")
+        await d.rollouter.request(Pause(mode="abort"))  # the sync begins
+        os.kill(stack.rollouter.process.pid, signal.SIGKILL)
+        await asyncio.to_thread(stack.rollouter.process.wait)
+        stack.rollouter = stack.sup.respawn(stack.rollouter)
+        await stack.sup.wait_ready(stack.rollouter, 120)
+        # the broadcast would run now: two seconds in which nothing may be generated
+        tokens = stack.engine.stats()["generated_tokens"]
+        await asyncio.sleep(2.0)
+        during = await d.rollouter_stats()
+        generated_while_paused = stack.engine.stats()["generated_tokens"] - tokens
+        d.version += 1
+        async with EngineClient([stack.engine.url]) as client:
+            await client.update_weight_version(str(d.version))
+        await d.mq.request(WeightVersion(version=d.version))
+        await d.rollouter.request(Resume(version=d.version))  # the sync ends
+        groups = await d.take(2, timeout_s=300)
+        consumed = sum(len(g.trajectories) for g in groups)
+        stats = await settle(d, consumed)
+        return during, generated_while_paused, groups, stats, consumed
+
+    during, generated_while_paused, groups, stats, consumed = run(
+        tmp_path, exp, body, rollouter_config={"state_dir": str(tmp_path / "state")})
+    assert during["paused"] and during["restored_groups"] > 0, during
+    assert generated_while_paused == 0
+    for t in (t for g in groups for t in g.trajectories):
+        assert t.status == "finished"
+        if during["restored_groups"] == 4:  # all were in flight (none hit EOS before the kill):
+            # generated again from the Resume on, so at version 1 only
+            assert set(t.versions[t.loss_mask == 1].tolist()) == {1}
+    assert stats["rollouter"]["version"] == 1
+    admitted, accounted = accounting(stats, consumed)
+    assert admitted == accounted
+
+
+def test_a_paused_journal_does_not_hold_a_new_launch_and_a_lost_resume_does_not_stall(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    j = Journal(state / "rollouter.log", structlog.get_logger("test"))
+    j.pause()  # the last launch died in the middle of a sync
+    j.close()
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=12",
+                     "sync.timeout_s=1")
+
+    async def body(stack):
+        d = stack.driver
+        first = await d.rollouter_stats()  # a new launch (`--resume`): nothing to wait for
+        groups = await d.take(2)
+        await d.rollouter.request(Pause(mode="abort"))
+        os.kill(stack.rollouter.process.pid, signal.SIGKILL)
+        await asyncio.to_thread(stack.rollouter.process.wait)
+        stack.rollouter = stack.sup.respawn(stack.rollouter)
+        await stack.sup.wait_ready(stack.rollouter, 120)
+        restarted = await d.rollouter_stats()
+        # no Resume ever comes: after the sync's time limit (+10 s) it resumes by itself
+        later = await d.wait_for(lambda s: not s["rollouter"]["paused"], timeout_s=60,
+                                 what="the backstop's resume")
+        groups += await d.take(2)
+        return first, restarted, later, groups
+
+    first, restarted, later, groups = run(tmp_path, exp, body,
+                                          rollouter_config={"state_dir": str(state)})
+    assert not first["paused"] and restarted["paused"] and not later["rollouter"]["paused"]
+    assert len(groups) == 4
+    log = (tmp_path / "logs" / "rollouter-0.log").read_text()
+    assert "resume_never_came" in log
 
 
 pytestmark = pytest.mark.timeout(600)
