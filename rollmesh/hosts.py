@@ -93,6 +93,11 @@ class Host(ABC):
     def put_file(self, path: str, data: bytes) -> None:
         """Write a private file (mode 0600) at `path`, relative to the work directory."""
 
+    @abstractmethod
+    def read_from(self, path: str, offset: int) -> bytes:
+        """The bytes of the file at `path` (relative to the work directory) from `offset` on;
+        nothing if the file does not exist (yet)."""
+
 
 class LocalHost(Host):
     local = True
@@ -126,6 +131,14 @@ class LocalHost(Host):
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+
+    def read_from(self, path: str, offset: int) -> bytes:
+        try:
+            with open(Path(self.workdir, path), "rb") as f:
+                f.seek(offset)
+                return f.read()
+        except FileNotFoundError:
+            return b""
 
 
 class SshHost(Host):
@@ -192,6 +205,12 @@ class SshHost(Host):
         self.run(f"cd {shlex.quote(self.workdir)} && umask 077 && "
                  f"mkdir -p \"$(dirname {quoted})\" && base64 -d > {quoted}",
                  data=base64.b64encode(data))
+
+    def read_from(self, path: str, offset: int) -> bytes:
+        quoted = shlex.quote(path)
+        out = self.run(f"cd {shlex.quote(self.workdir)} && if [ -f {quoted} ]; then "
+                       f"tail -c +{int(offset) + 1} {quoted} | base64; fi")
+        return base64.b64decode(out)
 
 
 def make_host(name: str, cfg: HostConfig) -> Host:

@@ -1,7 +1,9 @@
 """`rollmesh launch CLUSTER_TOML`: start every role on every host, supervise them, host the hub.
 
     plan      every process of the cluster file: host, ports, its role config
-    run dir   runs/<name>-<timestamp>: keys (CURVE, 0600), resolved configs, specs, logs
+    run dir   runs/<name>-<timestamp>: keys (CURVE, 0600), resolved configs, specs, logs,
+              metrics.jsonl (mirrored from the trainer's host where it runs on another;
+              its checkpoints and export stay there, under runs/<name>-<timestamp>)
     hub       the status proxy (always CURVE) that roles publish to and monitors attach to
     start     engines healthy -> message queue, synchronizer -> trainer -> rollouter -> workers
     supervise restart crashed workers, the message queue (durable, same address) and engines
@@ -23,6 +25,7 @@ import os
 import secrets
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -137,16 +140,21 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
                         "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
                         "message_queue": _connect(mq.host, mq.proc.port)}
         elif role == "trainer":
-            # rank 0 hosts the ranks' rendezvous and joins the engines' weight-update group
+            # rank 0 hosts the ranks' rendezvous and joins the engines' weight-update group.
+            # A trainer on another host writes its outputs there, under the run's remote
+            # directory; the launcher mirrors its metrics into the run directory here.
+            run_here = run_dir if host.local else f"runs/{Path(run_dir).name}"
             p.config = {"experiment": spec, "bind": _bind(host, port),
                         "rendezvous": f"tcp://{trainer0.host.address}:{trainer0.proc.port + 1}",
                         "weight_sync_address": trainer0.host.address,
                         "message_queue": _connect(mq.host, mq.proc.port),
                         "synchronizer": _connect(sync.host, sync.proc.port),
                         "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
-                        "engines": engine_urls, "metrics_path": f"{run_dir}/metrics.jsonl",
-                        "final_export_dir": f"{run_dir}/policy",
-                        "checkpoint_dir": f"{run_dir}/checkpoints"}
+                        "engines": engine_urls,
+                        "metrics_path": f"{run_dir}/metrics.jsonl" if host.local
+                        else f"{run_here}/trainer/metrics.jsonl",
+                        "final_export_dir": f"{run_here}/policy",
+                        "checkpoint_dir": f"{run_here}/checkpoints"}
     return plan
 
 
@@ -504,10 +512,30 @@ class Launcher:
                 await self.publish_once()
                 tick += 1
                 if tick % 5 == 0:
+                    await asyncio.to_thread(self.mirror_metrics)
                     self.progress()
             except Exception as e:
                 log.warning("status_failed", error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(1.0)
+
+    def mirror_metrics(self) -> None:
+        """A trainer on another host writes metrics.jsonl there: append what is new of it to
+        the run directory's (whole lines only), so that progress, plots and `--resume` read the
+        same file wherever the trainer ran."""
+        trainer0 = next(p for p in self.plan if p.proc.role == "trainer")
+        if trainer0.host.local:
+            return
+        local = self.run_dir / "metrics.jsonl"
+        offset = local.stat().st_size if local.exists() else 0
+        try:
+            new = trainer0.host.read_from(trainer0.config["metrics_path"], offset)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            log.warning("metrics_mirror_failed", host=trainer0.host.name, error=str(e))
+            return
+        whole = new[: new.rfind(b"\n") + 1]
+        if whole:
+            with open(local, "ab") as f:
+                f.write(whole)
 
     def progress(self) -> None:
         """One line on the terminal: where training stands (from metrics.jsonl)."""
@@ -527,6 +555,7 @@ class Launcher:
               f"elapsed {time.monotonic() - self.started:.0f}s", flush=True)
 
     def report(self, code: int) -> None:
+        self.mirror_metrics()  # the trainer's last rows, where it ran on another host
         summary = getattr(self, "summary", {})
         (self.run_dir / "summary.json").write_text(json.dumps(
             {k: v for k, v in summary.items() if k not in ("rollouter", "message_queue")},

@@ -542,6 +542,8 @@ class Link:
         self.eval: dict[str, Any] | None = None  # the newest evaluation, for the monitor
         metrics_path = config.get("metrics_path")
         self.metrics_path = Path(metrics_path) if metrics_path else None
+        if self.metrics_path is not None:  # on another host, the run's directory is new there
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         self.tensorboard = _tensorboard(self.metrics_path.parent / "tensorboard"
                                         if self.metrics_path else None, ctx.log)
 

@@ -216,30 +216,37 @@ def test_ssh_mode_against_a_real_sshd(tmp_path):
     except RuntimeError as e:
         pytest.skip(f"sshd cannot start here: {e}")
     run_dir = tmp_path / f"ssh-run-{os.getpid()}-{time.time_ns()}"
+    remote_metrics = ROOT / "runs" / run_dir.name / "trainer" / "metrics.jsonl"
     try:
         out, proc = _run_over_ssh(tmp_path, sshd, run_dir)
+        written_remotely = remote_metrics.read_text() if remote_metrics.exists() else ""
+        exported_remotely = (ROOT / "runs" / run_dir.name / "policy" / "config.json").exists()
     finally:
         sshd.stop()  # whatever failed: no sshd left behind
         # the "remote" side kept its keys and specs under its work directory (this checkout)
         shutil.rmtree(ROOT / "runs" / run_dir.name, ignore_errors=True)
     assert proc.returncode == 0, out[-3000:]
-    assert len(metrics(run_dir)) == 8
+    # the trainer ran "remotely": its rows were written there and mirrored here, each once
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9))
+    assert (run_dir / "metrics.jsonl").read_text() == written_remotely
+    assert exported_remotely and (run_dir / "reward.png").exists()
     check_accounting(run_dir)
     remote = [p for p in status(run_dir)["processes"] if p["host"] == "remote"]
-    assert len(remote) == 3 and all(p["exit_code"] == 0 for p in remote), remote
+    assert len(remote) == 4 and all(p["exit_code"] == 0 for p in remote), remote
     worker_log = (run_dir / "logs" / "agent_worker-1.log").read_text()
     assert '"event": "ready"' in worker_log  # its output came back through ssh
 
 
 def _run_over_ssh(tmp_path: Path, sshd: Sshd, run_dir: Path) -> tuple[str, subprocess.Popen]:
-    # the launcher's machine runs the engine, queue and trainer; the workers run over SSH
+    # the launcher's machine runs the engine, queue, rollouter and synchronizer; the trainer and
+    # the workers run over SSH
     cluster = tmp_path / "cluster.toml"
     cluster.write_text("\n".join([
         'name = "ssh_test"', f'experiment = "{ROOT / "configs/tiny_cpu.toml"}"',
         "[hosts.local]", 'address = "127.0.0.1"', f'python = "{sys.executable}"',
         f'workdir = "{ROOT}"', sshd.host_toml("remote"),
         "[roles.engine]", 'host = "local"', "[roles.message_queue]", 'host = "local"',
-        "[roles.synchronizer]", 'host = "local"', "[roles.trainer]", 'host = "local"',
+        "[roles.synchronizer]", 'host = "local"', "[roles.trainer]", 'host = "remote"',
         "[roles.rollouter]", 'host = "local"',
         "[roles.agent_worker]", 'host = "remote"', "count = 2",
         "[roles.reward_worker]", 'host = "remote"',
