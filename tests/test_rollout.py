@@ -88,14 +88,15 @@ def test_pause_mid_generation_resumes_without_generating_anything_twice(tmp_path
     async def body(stack):
         d = stack.driver
         # capacity at version 0: (1 + 0 + 1) * 2 = 4 groups = 8 generations; pause mid-way
-        # (each request has ~50 of its 2000 tokens: far from done, whatever the machine's load)
+        # (each request has ~40 of its 2000 tokens: far from done, whatever the machine's load).
+        # The random tiny model can sample its EOS early, so a request or two may have ended.
         for _ in range(3000):
             engine = stack.engine.stats()
-            if engine["running_requests"] == 8 and engine["generated_tokens"] >= 400:
+            if engine["running_requests"] >= 6 and engine["generated_tokens"] >= 300:
                 break
             await asyncio.sleep(0.01)
         else:
-            raise AssertionError(f"never saw 8 requests mid-generation: {engine}")
+            raise AssertionError(f"never saw 6 requests mid-generation: {engine}")
         paused = await d.sync()  # version 1: 2 more groups admitted
         stats = await d.wait_for(lambda s: s["mq"]["depth_groups"] == 6
                                  and s["rollouter"]["in_flight"] == 0, timeout_s=300,
@@ -203,11 +204,11 @@ def test_rollouter_killed_during_a_sync_comes_back_paused_until_its_resume(tmp_p
     async def body(stack):
         d = stack.driver
         for _ in range(3000):  # mid-generation, so that the journal has groups in flight
-            if stack.engine.stats()["running_requests"] == 8:
+            if stack.engine.stats()["running_requests"] >= 6:
                 break
             await asyncio.sleep(0.01)
         else:
-            raise AssertionError(f"never saw 8 requests running: {stack.engine.stats()}")
+            raise AssertionError(f"never saw 6 requests running: {stack.engine.stats()}")
         await d.rollouter.request(Pause(mode="abort"))  # the sync begins
         os.kill(stack.rollouter.process.pid, signal.SIGKILL)
         await asyncio.to_thread(stack.rollouter.process.wait)
