@@ -24,9 +24,7 @@ import argparse
 import asyncio
 import json
 import signal
-import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -37,6 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.engine_proc import start_engine  # noqa: E402
 from benchmarks.results import row, write  # noqa: E402
 from rollmesh.engine.models import build_tiny, load_model  # noqa: E402
 
@@ -58,31 +57,6 @@ def make_requests(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 # ---- rollmesh engine over HTTP ----
-def start_engine(model: str, concurrency: int, seed: int,
-                 threads: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollmesh", "engine", "--model", model, "--port", str(port),
-         "--max-running-requests", str(concurrency), "--seed", str(seed),
-         "--threads", str(threads)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    import urllib.request
-
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("engine did not start")
-
-
 async def _generate(session, url, ids, max_new, rid, **extra):
     body = {"input_ids": ids, "rid": rid, "return_logprob": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0,
@@ -211,7 +185,9 @@ def main() -> int:
     print(f"max_new_tokens: median {int(np.median(lengths))}, p90 "
           f"{int(np.percentile(lengths, 90))}, max {max(lengths)}, total {sum(lengths)}")
 
-    proc, url = start_engine(args.model, args.concurrency, args.seed, args.threads)
+    proc, url = start_engine("--model", args.model, "--max-running-requests",
+                             str(args.concurrency), "--seed", str(args.seed),
+                             "--threads", str(args.threads), python=sys.executable)
     try:
         wall, tokens = asyncio.run(engine_throughput(url, requests))
         engine_tps = tokens / wall

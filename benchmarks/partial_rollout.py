@@ -40,7 +40,6 @@ import asyncio
 import collections
 import json
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.engine_proc import start_engine  # noqa: E402
 from benchmarks.results import row, write  # noqa: E402
 from rollmesh.engine.models import tiny_tokenizer  # noqa: E402
 
@@ -82,34 +82,6 @@ def make_samples(n: int, median: float, sigma: float, lo: int, hi: int,
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         out.append(Sample(i, list(ids), int(lengths[i])))
     return out
-
-
-def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cpus = {int(c) for c in args.engine_cpus.split(",")} if args.engine_cpus.strip() else None
-    proc = subprocess.Popen(
-        [str(PYTHON), "-m", "rollmesh", "engine", "--model", "tiny", "--port", str(port),
-         "--max-running-requests", str(args.concurrency), "--seed", str(args.seed),
-         "--weight-version", "0", "--threads", str(args.threads)],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-    url = f"http://127.0.0.1:{port}"
-    import urllib.request
-
-    for _ in range(1200):
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.1)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError("engine did not start")
 
 
 async def _post(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> dict:
@@ -258,7 +230,10 @@ def main() -> int:
     print(f"target lengths: lognormal median {args.median_len:g} sigma {args.sigma:g} clipped "
           f"[{args.min_len}, {args.max_len}]: mean {lengths.mean():.0f}, p90 "
           f"{np.percentile(lengths, 90):.0f}, max {lengths.max()}, total {lengths.sum()}")
-    proc, url = start_engine(args)
+    cpus = {int(c) for c in args.engine_cpus.split(",")} if args.engine_cpus.strip() else None
+    proc, url = start_engine("--model", "tiny", "--max-running-requests", str(args.concurrency),
+                             "--seed", str(args.seed), "--weight-version", "0",
+                             "--threads", str(args.threads), python=str(PYTHON), cpus=cpus)
     results: dict[str, dict] = {}
     try:
         rate = asyncio.run(decode_rate(url, samples, args.concurrency))
