@@ -191,6 +191,14 @@ class EngineProc:
     log_path: Path | None = None
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` whole: `rollmesh status`, the monitor and scripts read these files while
+    the launcher rewrites them (every second for status.json) and must never see half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class Launcher:
     def __init__(self, cluster: ClusterConfig, run_dir: Path, echo: bool = True,
                  resume: bool = False):
@@ -462,7 +470,7 @@ class Launcher:
                 "cluster_file": str(self.run_dir / "cluster.toml"),
                 "experiment_file": self.cluster.experiment,
                 "max_staleness": self.exp.staleness.max_staleness}
-        (self.run_dir / "launcher.json").write_text(json.dumps(info, indent=2))
+        write_atomic(self.run_dir / "launcher.json", json.dumps(info, indent=2))
 
     def status(self) -> dict[str, Any]:
         procs = []
@@ -499,7 +507,7 @@ class Launcher:
 
     async def publish_once(self) -> None:
         status = self.status()
-        (self.run_dir / "status.json").write_text(json.dumps(status, indent=2))
+        write_atomic(self.run_dir / "status.json", json.dumps(status, indent=2))
         await self.publisher.publish("launcher", Metrics(role="launcher", host=os.uname().nodename,
                                                          values=status))
 
@@ -557,7 +565,7 @@ class Launcher:
     def report(self, code: int) -> None:
         self.mirror_metrics()  # the trainer's last rows, where it ran on another host
         summary = getattr(self, "summary", {})
-        (self.run_dir / "summary.json").write_text(json.dumps(
+        write_atomic(self.run_dir / "summary.json", json.dumps(
             {k: v for k, v in summary.items() if k not in ("rollouter", "message_queue")},
             indent=2))
         metrics = self.run_dir / "metrics.jsonl"

@@ -12,11 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from rollmesh.launcher import write_atomic
 from tests.sshd import Sshd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +48,8 @@ def wait_for(predicate, timeout_s: float, what: str):
 
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("\n")]  # not a row half-written
 
 
 def status(run_dir: Path) -> dict:
@@ -256,3 +259,28 @@ def _run_over_ssh(tmp_path: Path, sshd: Sshd, run_dir: Path) -> tuple[str, subpr
     assert "BatchMode=yes" in plan.stdout and "StrictHostKeyChecking" not in plan.stdout
     proc = launch(run_dir, "--set", "trainer.total_steps=8", cluster=str(cluster))
     return finish(proc), proc
+
+
+def test_status_files_are_replaced_whole_so_a_reader_never_sees_half_of_one(tmp_path):
+    # `rollmesh status`, the monitor and these tests read status.json while the launcher
+    # rewrites it every second (a CI run once read half of one)
+    path = tmp_path / "status.json"
+    documents = [json.dumps({"processes": [{"name": f"p{i}", "pad": "x" * 20_000}] * 8})
+                 for i in range(2)]
+    write_atomic(path, documents[0])
+    stop, torn = threading.Event(), []
+
+    def reader() -> None:
+        while not stop.is_set():
+            text = path.read_text()
+            if text not in documents:
+                torn.append(len(text))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(300):
+        write_atomic(path, documents[i % 2])
+    stop.set()
+    t.join()
+    assert not torn, f"{len(torn)} torn reads"
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary file left
