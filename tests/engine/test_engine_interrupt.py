@@ -19,7 +19,11 @@ def _wait_running(engine, n: int, timeout: float = 30) -> None:
     while engine.stats()["running_requests"] < n:
         assert time.monotonic() < deadline, "requests never started running"
         time.sleep(0.02)
-    time.sleep(0.2)  # let them produce some tokens
+    # let them produce some tokens: each decode step gives every running request one more
+    steps = engine.stats()["decode_steps"]
+    while engine.stats()["decode_steps"] < steps + 3:
+        assert time.monotonic() < deadline, "the running requests never decoded"
+        time.sleep(0.02)
 
 
 def _assert_partial(out: dict, limit: int) -> None:
@@ -81,7 +85,10 @@ def test_pause_abort_returns_every_partial_and_new_requests_wait(engine, tiny):
             _assert_partial(f.result(timeout=30), 3000)
 
         late = _start(pool, engine, prompts[0], "late-00001", max_new_tokens=5, temperature=0)
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while engine.stats()["waiting_requests"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # were it not held, it would be running (and done) by now
         assert not late.done(), "a /generate sent while paused must wait for continue"
         assert engine.stats()["waiting_requests"] == 1
         assert engine.post("/continue_generation", {})[0] == 200
