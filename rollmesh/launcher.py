@@ -42,7 +42,9 @@ from rollmesh.log import configure_logging, get_logger
 from rollmesh.plot import plot_metric
 from rollmesh.protocol import EnginesChanged, Metrics, Pause, StatsRequest
 from rollmesh.runtime import Child, RoleFailed, Supervisor
-from rollmesh.transport import CurveKeys, Publisher, RpcClient, StatusProxy, Transport
+from rollmesh.transport import (
+    CurveKeys, Publisher, RpcClient, StatusProxy, Transport, TransportError,
+)
 
 log = get_logger("rollmesh.launcher")
 
@@ -278,7 +280,13 @@ class Launcher:
         base = self.cluster.launcher_port
         bind = "127.0.0.1" if addr == "127.0.0.1" else "*"
         with Transport(keys) as t:
-            hub = StatusProxy(t, f"tcp://{bind}:{base + 1}", f"tcp://{bind}:{base + 2}", secure=True)
+            try:
+                hub = StatusProxy(t, f"tcp://{bind}:{base + 1}", f"tcp://{bind}:{base + 2}",
+                                  secure=True)
+            except TransportError as e:
+                raise TransportError(
+                    f"{e}: the launcher's ports {base}-{base + 2} are taken (another run on "
+                    "this machine?); stop it or pick another ports.base") from None
             frontend = f"tcp://{addr}:{base + 1}"
             self.sup = Supervisor(t, control=f"tcp://{bind}:{base}", run_id=self.run_dir.name,
                                   keys_dir=str((self.run_dir / "keys").resolve()),
@@ -628,7 +636,11 @@ def main(argv: list[str]) -> int:
     log.info("config", cluster=to_dict(cluster), experiment=to_dict(cluster.experiment_config))
     print(f"rollmesh: run directory {run_dir}")
     launcher = Launcher(cluster, run_dir, echo=not args.quiet, resume=bool(args.resume))
-    return asyncio.run(launcher.run())
+    try:
+        return asyncio.run(launcher.run())
+    except (RuntimeError, OSError) as e:  # before any role: run directory, ports, SSH reach
+        print(f"rollmesh launch: {e}", file=sys.stderr)
+        return 1
 
 
 def _run_dir(arg: str) -> Path:

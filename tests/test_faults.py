@@ -35,10 +35,9 @@ def proc_of(run_dir: Path, name: str) -> dict:
 def test_killed_role_is_restarted_and_the_run_completes(tmp_path, victim):
     run_dir = tmp_path / "run"
     steps = 30
-    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}", "--set", "ports.base=29600",
-                  "--set", "rollout.eval_every=0")
+    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}", "--set", "rollout.eval_every=0")
     try:
-        wait_for(lambda: len(metrics(run_dir)) >= 6, 300, "training under way")
+        wait_for(lambda: len(metrics(run_dir)) >= 6, 300, "training under way", proc)
         kill_and_await_restart(run_dir, victim)
     finally:
         out = finish(proc)
@@ -58,13 +57,12 @@ def test_killed_role_is_restarted_and_the_run_completes(tmp_path, victim):
 def test_killed_trainer_stops_the_run_and_resume_goes_on_from_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     steps = 24
-    common = ["--set", "ports.base=29700"]
     proc = launch(run_dir, "--set", f"trainer.total_steps={steps}",
-                  "--set", "trainer.checkpoint_every=4", "--set", "rollout.eval_every=0", *common)
+                  "--set", "trainer.checkpoint_every=4", "--set", "rollout.eval_every=0")
     try:
         # past a checkpoint, and not on one: some steps are lost with the trainer
         wait_for(lambda: len(metrics(run_dir)) >= 10 and len(metrics(run_dir)) % 4 != 0, 300,
-                 "training past a checkpoint")
+                 "training past a checkpoint", proc)
         os.kill(proc_of(run_dir, "trainer[0]")["pid"], signal.SIGKILL)
     finally:
         out = finish(proc)

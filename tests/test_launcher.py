@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +27,32 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+def free_ports_base(n: int = 64) -> int:
+    """The first of `n` consecutive ports that nothing on this machine holds now, picked at
+    random below the ephemeral range: fixed bases clashed with whatever else runs here."""
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", port))  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports in 20000-32000")
+
+
 def launch(run_dir: Path, *args: str, cluster: str = "launch/local.toml") -> subprocess.Popen:
+    """`rollmesh launch CLUSTER` in the background, on a free block of ports unless `args` set
+    `ports.base`."""
+    if not any(a.startswith("ports.base=") for a in args):
+        args = (*args, "--set", f"ports.base={free_ports_base()}")
     return subprocess.Popen([sys.executable, "-m", "rollmesh", "launch", cluster, "--quiet",
                              "--run-dir", str(run_dir), *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -36,12 +63,16 @@ def rollmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def wait_for(predicate, timeout_s: float, what: str):
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    """Poll `predicate`; with the launcher's `proc`, stop as soon as it exits and say why."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the launcher exited with {proc.returncode} while waiting for "
+                                 f"{what}:\n{proc.stdout.read()[-4000:] if proc.stdout else ''}")
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
 
@@ -113,7 +144,7 @@ def test_embedded_default_learns_within_the_bound_and_accounts_for_everything(tm
     proc = launch(run_dir)
     try:
         # While it runs: the monitor attaches read-only, and `rollmesh status` answers.
-        wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "the first trainer steps")
+        wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "the first trainer steps", proc)
         snap = rollmesh("monitor", str(run_dir), "--json", "--once", "--wait", "20")
         assert snap.returncode == 0, snap.stdout + snap.stderr
         snapshot = json.loads(snap.stdout)
@@ -152,7 +183,7 @@ def test_killed_agent_worker_is_restarted_and_the_run_completes(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", "trainer.total_steps=40")
     try:
-        wait_for(lambda: len(metrics(run_dir)) >= 5, 300, "training under way")
+        wait_for(lambda: len(metrics(run_dir)) >= 5, 300, "training under way", proc)
         kill_and_await_restart(run_dir, "agent_worker[0]")
     finally:
         out = finish(proc)
@@ -168,7 +199,7 @@ def test_killed_engine_is_restarted_and_rejoins_at_the_current_weight_version(tm
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", "trainer.total_steps=60")
     try:
-        wait_for(lambda: len(metrics(run_dir)) >= 5, 300, "training under way")
+        wait_for(lambda: len(metrics(run_dir)) >= 5, 300, "training under way", proc)
         kill_and_await_restart(run_dir, "engine[0]")
 
         def caught_up():
@@ -253,7 +284,7 @@ def _run_over_ssh(tmp_path: Path, sshd: Sshd, run_dir: Path) -> tuple[str, subpr
         "[roles.rollouter]", 'host = "local"',
         "[roles.agent_worker]", 'host = "remote"', "count = 2",
         "[roles.reward_worker]", 'host = "remote"',
-        "[ports]", "base = 29100", ""]))
+        "[ports]", f"base = {free_ports_base()}", ""]))
     plan = rollmesh("launch", str(cluster), "--dry-run", "--run-dir", str(run_dir))
     assert plan.returncode == 0 and "over ssh" in plan.stdout, plan.stdout + plan.stderr
     assert "BatchMode=yes" in plan.stdout and "StrictHostKeyChecking" not in plan.stdout
@@ -284,3 +315,20 @@ def test_status_files_are_replaced_whole_so_a_reader_never_sees_half_of_one(tmp_
     t.join()
     assert not torn, f"{len(torn)} torn reads"
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary file left
+
+
+def test_set_up_failures_are_one_clear_line_not_a_traceback(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    out = rollmesh("launch", "launch/local.toml", "--quiet", "--run-dir", str(taken))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"rollmesh launch: run directory {taken} already exists" in out.stderr
+    base = free_ports_base()
+    with socket.socket() as holder:  # another program on the launcher's status port
+        holder.bind(("127.0.0.1", base + 1))
+        holder.listen()
+        out = rollmesh("launch", "launch/local.toml", "--quiet", "--run-dir",
+                       str(tmp_path / "run"), "--set", f"ports.base={base}")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert (f"cannot bind tcp://127.0.0.1:{base + 1}: Address already in use" in out.stderr
+            and f"the launcher's ports {base}-{base + 2} are taken" in out.stderr), out.stderr

@@ -352,7 +352,7 @@ def test_launcher_restarts_a_killed_queue_and_the_run_completes_accounting_for_e
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", "trainer.total_steps=40")
     try:
-        wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "training under way")
+        wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "training under way", proc)
         kill_and_await_restart(run_dir, "message_queue[0]")
     finally:
         out = finish(proc)

@@ -46,7 +46,7 @@ def fds(pid: int) -> int | None:
 def test_soak_memory_and_descriptors_stay_bounded_and_nothing_leaks(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", f"trainer.total_steps={STEPS}", "--set", "sync.sync_every=1",
-                  "--set", "rollout.eval_every=0", "--set", "ports.base=29400")
+                  "--set", "rollout.eval_every=0")
     samples: dict[str, list[tuple[int, float, int]]] = {}  # name -> (step, rss MiB, fds)
     pids: dict[str, int] = {}
     try:
