@@ -41,6 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rollmesh.durable_log import fsync_dir, write_atomic
 from rollmesh.ranks import Ranks, full_tensor
 
 FORMAT = 1
@@ -61,23 +62,6 @@ def latest(directory: str | Path) -> Path | None:
         return None
     path = Path(directory) / pointer.read_text().strip()
     return path if (path / "trainer_state.json").is_file() else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # -- RNG -------------------------------------------------------------------------------------------
@@ -212,8 +196,8 @@ def save(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.opti
         if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(directory)
-        _write_atomic(directory / LATEST, final.name + "\n")
+        fsync_dir(directory)
+        write_atomic(directory / LATEST, final.name + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

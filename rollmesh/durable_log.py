@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+import uuid
 import zlib
 from pathlib import Path
 from typing import Any, Iterable
@@ -73,12 +74,27 @@ def scan(data: bytes | memoryview) -> tuple[list[memoryview], int]:
     return records, offset
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in directory `path` survive a machine crash."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, text: str, fsync: bool = True) -> None:
+    """Replace `path` whole (a temporary file beside it, renamed over it): a reader sees the old
+    text or the new, never half of one. `fsync`: the new text is on disk before the rename (a
+    checkpoint's pointer); without it, only readers are protected (status files rewritten every
+    second)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class DurableLog:
@@ -134,7 +150,7 @@ class DurableLog:
             os.close(fd)
             raise
         if created:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         self = cls(path, fd, good, fsync_interval_s, log)
         self.discarded_bytes = discarded
         if discarded and log is not None:
@@ -211,7 +227,7 @@ class DurableLog:
             raise
         os.close(fd)
         os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         before = self.size
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_RDWR)

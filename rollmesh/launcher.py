@@ -35,6 +35,7 @@ from typing import Any
 from rollmesh.config import (
     ClusterConfig, ConfigError, ExperimentConfig, Process, load_cluster, to_dict, to_toml,
 )
+from rollmesh.durable_log import write_atomic
 from rollmesh.engine.client import API_KEY_FILE, EngineClient
 from rollmesh.engine.sglang import EngineLaunch, engine_launch
 from rollmesh.hosts import Host, SshHost, make_host, terminal_echo
@@ -191,14 +192,6 @@ class EngineProc:
     restarts: int = 0
     state: str = "starting"
     log_path: Path | None = None
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` whole: `rollmesh status`, the monitor and scripts read these files while
-    the launcher rewrites them (every second for status.json) and must never see half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class Launcher:
@@ -478,7 +471,7 @@ class Launcher:
                 "cluster_file": str(self.run_dir / "cluster.toml"),
                 "experiment_file": self.cluster.experiment,
                 "max_staleness": self.exp.staleness.max_staleness}
-        write_atomic(self.run_dir / "launcher.json", json.dumps(info, indent=2))
+        write_atomic(self.run_dir / "launcher.json", json.dumps(info, indent=2), fsync=False)
 
     def status(self) -> dict[str, Any]:
         procs = []
@@ -515,7 +508,8 @@ class Launcher:
 
     async def publish_once(self) -> None:
         status = self.status()
-        write_atomic(self.run_dir / "status.json", json.dumps(status, indent=2))
+        # read by `rollmesh status`, the monitor and scripts while rewritten every second
+        write_atomic(self.run_dir / "status.json", json.dumps(status, indent=2), fsync=False)
         await self.publisher.publish("launcher", Metrics(role="launcher", host=os.uname().nodename,
                                                          values=status))
 
@@ -575,7 +569,7 @@ class Launcher:
         summary = getattr(self, "summary", {})
         write_atomic(self.run_dir / "summary.json", json.dumps(
             {k: v for k, v in summary.items() if k not in ("rollouter", "message_queue")},
-            indent=2))
+            indent=2), fsync=False)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             plot_metric(metrics, "reward_mean", self.run_dir / "reward.png")

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from bucket_broadcast import post  # the script beside this one (its directory is on sys.path)
 from rollmesh.engine.models import build_tiny
 from rollmesh.weights import (
     broadcast_from_trainer,
@@ -22,16 +22,6 @@ from rollmesh.weights import (
     init_weight_update_group,
     update_request,
 )
-
-
-def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return json.loads(e.read())
 
 
 def main() -> None:
