@@ -79,7 +79,9 @@ def test_soak_memory_and_descriptors_stay_bounded_and_nothing_leaks(tmp_path):
     assert {"engine[0]", "trainer[0]", "rollouter[0]", "message_queue[0]", "synchronizer[0]",
             "agent_worker[0]", "reward_worker[0]"} <= set(samples), sorted(samples)
     for name, series in samples.items():
-        warm = [s for s in series if s[0] >= WARM_STEPS]
+        # steady state: after warm-up, before the last step (then come the final checkpoint
+        # and export, a one-off peak that on a slow machine fills much of a short run's end)
+        warm = [s for s in series if WARM_STEPS <= s[0] < STEPS]
         assert len(warm) >= 3, (name, series)
         # a leak is growth that stays: the median of the last third against the first third.
         # A one-off peak is not one: the final checkpoint and export for memory; for descriptors
