@@ -693,9 +693,6 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
                 await run(checkpoint.export_hf, Path(export_dir) / f"version_{state.version}",
                           model=state.model, tokenizer=state.tokenizer,
                           dtype=state.compute_dtype, ranks=state.ranks)
-        if ckpt_dir and every and state.step % every == 0:
-            await save_checkpoint(ctx, state, link, ckpt_dir)
-            saved_at = state.step
         if link is not None:
             latest = await link.latest_eval()
             if latest and latest != reported_eval:  # each evaluation once, on the next step
@@ -703,6 +700,11 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
                                eval_version=latest["version"], eval_samples=latest["n"])
                 reported_eval = link.eval = latest
             link.report(metrics)
+        # after the step's row: a checkpoint never holds a step whose row was not written
+        # (killed in between, the step is trained again and its row written again)
+        if ckpt_dir and every and state.step % every == 0:
+            await save_checkpoint(ctx, state, link, ckpt_dir)
+            saved_at = state.step
     if ckpt_dir and state.step != saved_at:
         await save_checkpoint(ctx, state, link, ckpt_dir)
     if config.get("final_export_dir"):  # the policy the run ends with, in Hugging Face format

@@ -116,15 +116,19 @@ async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents:
         "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": mq_rpc,
         **(rollouter_config or {})})
     eps = await sup.wait_ready(rollouter, 120)
-    agent_children = [sup.spawn("agent_worker", "rollmesh.agent_worker:main", instance=i, env=ENV,
-                                config={"experiment": spec, "rollouter": eps["channel"],
-                                        "engines": [engine.url], "credits": credits})
-                      for i in range(agents)]
     reward_children = [sup.spawn("reward_worker", "rollmesh.reward_worker:main", instance=i,
                                  env=ENV, config={"experiment": spec, "rollouter": eps["channel"],
                                                   "pool": 2})
                        for i in range(rewards)]
-    for c in agent_children + reward_children:
+    for c in reward_children:
+        await sup.wait_ready(c, 120)
+    # agent workers last: generation starts when the first one joins, so the test's body
+    # begins close to that moment however slowly the other processes started
+    agent_children = [sup.spawn("agent_worker", "rollmesh.agent_worker:main", instance=i, env=ENV,
+                                config={"experiment": spec, "rollouter": eps["channel"],
+                                        "engines": [engine.url], "credits": credits})
+                      for i in range(agents)]
+    for c in agent_children:
         await sup.wait_ready(c, 120)
     return Stack(sup, t, engine, mq, rollouter, agent_children, reward_children,
                  Driver(t, eps["rpc"], mq_rpc, engine.url))
