@@ -1,20 +1,50 @@
 """The /generate wire format of the built-in engine: request validation and response bodies.
 
-Pure functions over JSON-like values (no HTTP, no threads), so the contract in
-docs/sglang-contract.md can be checked field by field. A request the engine refuses raises
-`BadRequest` with the message the client gets in `{"error": ...}` (HTTP 400).
+Pure functions over JSON-like values (no HTTP, no threads), so SGLang's contract can be checked
+field by field. A request the engine refuses raises `BadRequest` with the message the client
+gets (HTTP 400).
+
+Forms, as SGLang's `GenerateReqInput.normalize_batch_and_arguments` and the tokenizer manager's
+`_handle_batch_request` define them:
+- one prompt (`text` a string, `input_ids` a list of ints) and n = 1: one response object;
+- a batch (`text` a list of strings, `input_ids` a list of lists), or n > 1: a JSON list of
+  response objects, prompt-major (prompt 0's n samples, then prompt 1's, ...). A string `rid` of
+  a batch becomes `rid_0`, `rid_1`, ... (one per response); a list of rids must have one per
+  prompt, and with n > 1 each sample's id is `<that rid>_<k>` (SGLang gives every sample a
+  fresh uuid instead; a prefix keeps /abort_request of the request's rid aborting them all);
+- streamed batches: every event is one response object, with `index` (its place in the list).
+Log-prob options (`logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs`) only
+matter with `return_logprob`; without it they are ignored, as in SGLang.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from rollmesh.engine.sampling import BadRequest, parse_sampling_params
+from rollmesh.engine.sampling import BadRequest, SamplingParams, parse_sampling_params
 from rollmesh.engine.scheduler import Request
+
+# GenerateReqInput fields this engine implements.
+_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
+           "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+# GenerateReqInput fields that do not change the answer here (metrics, scheduling priority,
+# cache namespaces of a prefix cache this engine does not have, data-parallel routing).
+_NO_EFFECT = {"log_metrics", "priority", "extra_key", "cache_salt", "data_parallel_rank",
+              "routed_dp_rank", "no_logs", "custom_labels", "conversation_id"}
+# GenerateReqInput fields that would change the answer and are not implemented: refused when set
+# to anything but null/false/empty.
+_REFUSED = ("input_embeds", "image_data", "video_data", "audio_data", "modalities",
+            "token_ids_logprob", "return_hidden_states", "return_routed_experts",
+            "return_entropy", "session_params", "lora_path", "lora_id",
+            "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+            "bootstrap_pair_key", "input_multi_ids", "require_reasoning", "background")
+
+_group_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -23,37 +53,42 @@ class ModelLimits:
     vocab_size: int
 
 
+@dataclass
+class GenerateCall:
+    """A parsed /generate body: its requests in response order, and how to answer."""
+
+    requests: list[Request]
+    batched: bool  # answer a JSON list (a batch, or n > 1), else one object
+    stream: bool
+    return_logprob: bool
+
+
 def _noop(_: Request) -> None:
     pass
 
 
 def parse_generate(body: Any, limits: ModelLimits, tokenizer: Any) -> tuple[Request, bool]:
-    """A validated scheduler Request and whether log-probs were asked for."""
+    """One validated scheduler Request and whether log-probs were asked for (a body with one
+    prompt and n = 1; batches and n > 1 go through `parse_generate_call`)."""
+    call = parse_generate_call(body, limits, tokenizer)
+    if call.batched:
+        raise BadRequest("this route takes one prompt with n = 1")
+    return call.requests[0], call.return_logprob
+
+
+def parse_generate_call(body: Any, limits: ModelLimits, tokenizer: Any) -> GenerateCall:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
-    if has_text == has_ids:
-        raise BadRequest("exactly one of text or input_ids is required")
-    if has_text:
-        if not isinstance(body["text"], str):
-            raise BadRequest("text must be a string (batched requests are not supported)")
-        input_ids = tokenizer.encode(body["text"], add_special_tokens=False)
-    else:
-        input_ids = _token_ids(body["input_ids"], limits.vocab_size)
-    if not input_ids:
-        raise BadRequest("the prompt is empty")
-
-    rid = body.get("rid")
-    if rid is None:
-        rid = uuid.uuid4().hex
-    elif not isinstance(rid, str):
-        raise BadRequest("rid must be a string")
-    for key in ("return_logprob", "stream"):
-        if not isinstance(body.get(key, False), bool):
+    _check_fields(body)
+    prompts, batched = _prompts(body, limits, tokenizer)
+    for key in ("return_logprob", "stream", "return_text_in_logprobs"):
+        if not isinstance(body.get(key) if body.get(key) is not None else False, bool):
             raise BadRequest(f"{key} must be a boolean")
-    if body.get("logprob_start_len", -1) not in (-1, None):
-        raise BadRequest("logprob_start_len: the built-in engine returns output log-probs only "
-                         "(logprob_start_len -1)")
+    return_logprob = bool(body.get("return_logprob"))
+    stream = bool(body.get("stream"))
+    start = _int_option(body, "logprob_start_len", -1, minimum=-1)
+    top_n = _int_option(body, "top_logprobs_num", 0, minimum=0)
+    with_text = bool(body.get("return_text_in_logprobs"))
 
     raw_params = body.get("sampling_params")
     if isinstance(raw_params, dict):
@@ -62,11 +97,107 @@ def parse_generate(body: Any, limits: ModelLimits, tokenizer: Any) -> tuple[Requ
             # every range check (NaN < 0 is false) and sample from NaN probabilities.
             if isinstance(value, float) and not math.isfinite(value):
                 raise BadRequest(f"sampling_params.{key} must be a finite number, got {value!r}")
+    elif isinstance(raw_params, list):
+        raise BadRequest("sampling_params must be a JSON object (one for every prompt)")
     params = parse_sampling_params(raw_params, limits.vocab_size)
-    prompt = len(input_ids)
-    if prompt >= limits.context_length:
-        raise BadRequest(f"The input ({prompt} tokens) is longer than the model's context "
-                         f"length ({limits.context_length} tokens).")
+    n = params.n
+    batched = batched or n > 1
+    rids = _rids(body.get("rid"), len(prompts), n, batched)
+
+    requests: list[Request] = []
+    for p, input_ids in enumerate(prompts):
+        max_new = _max_new_tokens(len(input_ids), params, limits)
+        if return_logprob and start >= len(input_ids):
+            raise BadRequest(f"logprob_start_len ({start}) is greater than or equal to the "
+                             f"length of input_ids ({len(input_ids)})")
+        key = f"group-{next(_group_ids)}" if n > 1 else None
+        for k in range(n):
+            r = Request(rid=rids[p * n + k], input_ids=input_ids, params=params,
+                        max_new_tokens=max_new, on_progress=_noop, stream=stream,
+                        prefill_key=key)
+            if return_logprob:
+                r.logprob_start = len(input_ids) - 1 if start == -1 else start
+                r.top_logprobs_num = top_n
+                r.return_text_in_logprobs = with_text
+            requests.append(r)
+    return GenerateCall(requests, batched, stream, return_logprob)
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    for key in _REFUSED:
+        if body.get(key) not in (None, False, [], {}):
+            raise BadRequest(f"{key} is not supported by the built-in engine")
+    # Other keys are not SGLang's: FastAPI drops them there, and so does this engine.
+
+
+def _int_option(body: dict[str, Any], key: str, default: int, minimum: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise BadRequest(f"{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _prompts(body: dict[str, Any], limits: ModelLimits,
+             tokenizer: Any) -> tuple[list[list[int]], bool]:
+    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+    if has_text == has_ids:
+        raise BadRequest("exactly one of text or input_ids is required")
+    if has_text:
+        text = body["text"]
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a list of strings")
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    else:
+        value = body["input_ids"]
+        if not isinstance(value, list):
+            raise BadRequest("input_ids must be a list of token ids (or a list of such lists)")
+        batched = bool(value) and isinstance(value[0], list)
+        prompts = [_token_ids(v, limits.vocab_size) for v in (value if batched else [value])]
+    if batched and not prompts:
+        raise BadRequest("the batch is empty: text or input_ids lists no prompt")
+    for i, ids in enumerate(prompts):
+        where = f" (prompt {i} of the batch)" if batched else ""
+        if not ids:
+            raise BadRequest(f"the prompt is empty{where}")
+        if len(ids) >= limits.context_length:
+            raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context "
+                             f"length ({limits.context_length} tokens).{where}")
+    return prompts, batched
+
+
+def _token_ids(value: Any, vocab_size: int) -> list[int]:
+    if not isinstance(value, list):
+        raise BadRequest("input_ids: a batch must be a list of lists of token ids")
+    for t in value:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise BadRequest(f"input_ids: {t!r} is not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise BadRequest(f"input_ids: token id {t} is outside the vocabulary [0, {vocab_size})")
+    return list(value)
+
+
+def _rids(rid: Any, prompts: int, n: int, batched: bool) -> list[str]:
+    total = prompts * n
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(total)]
+    if isinstance(rid, str):
+        return [rid] if not batched else [f"{rid}_{i}" for i in range(total)]
+    if isinstance(rid, list) and batched and all(isinstance(r, str) for r in rid):
+        if len(rid) != prompts:
+            raise BadRequest(f"rid: {len(rid)} request ids for a batch of {prompts} prompts")
+        if len(set(rid)) != len(rid):
+            raise BadRequest(f"Duplicate request IDs detected within the request: {rid}")
+        return list(rid) if n == 1 else [f"{r}_{k}" for r in rid for k in range(n)]
+    raise BadRequest("rid must be a string (or, for a batch, a list of strings)")
+
+
+def _max_new_tokens(prompt: int, params: SamplingParams, limits: ModelLimits) -> int:
     max_new = params.max_new_tokens
     if max_new is None:
         max_new = limits.context_length - prompt - 1
@@ -78,22 +209,7 @@ def parse_generate(body: Any, limits: ModelLimits, tokenizer: Any) -> tuple[Requ
             f"completion. Please reduce the number of tokens in the input messages or the "
             f"completion to fit within the limit."
         )
-    request = Request(rid=rid, input_ids=input_ids, params=params, max_new_tokens=max_new,
-                      on_progress=_noop, stream=body.get("stream", False))
-    return request, body.get("return_logprob", False)
-
-
-def _token_ids(value: Any, vocab_size: int) -> list[int]:
-    if not isinstance(value, list):
-        raise BadRequest("input_ids must be a list of token ids")
-    if value and isinstance(value[0], list):
-        raise BadRequest("batched input_ids are not supported: send one request per prompt")
-    for t in value:
-        if not isinstance(t, int) or isinstance(t, bool):
-            raise BadRequest(f"input_ids: {t!r} is not an integer token id")
-        if not 0 <= t < vocab_size:
-            raise BadRequest(f"input_ids: token id {t} is outside the vocabulary [0, {vocab_size})")
-    return list(value)
+    return max_new
 
 
 def generate_response(r: Request, return_logprob: bool, tokenizer: Any) -> dict[str, Any]:
@@ -110,10 +226,38 @@ def generate_response(r: Request, return_logprob: bool, tokenizer: Any) -> dict[
         "e2e_latency": time.perf_counter() - r.received_at,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, t, None] for lp, t in zip(r.output_logprobs[:n], output_ids)
-        ]
+        meta.update(logprob_meta(r, n, tokenizer))
     return {"text": _text(r, output_ids, tokenizer), "output_ids": output_ids, "meta_info": meta}
+
+
+def logprob_meta(r: Request, n: int, tokenizer: Any) -> dict[str, Any]:
+    """SGLang's meta_info log-prob keys (TokenizerManager.add_logprob_to_meta_info): entries
+    `[logprob, token_id, text or null]`; top ones a list per position (None where the position
+    has no prediction: the first input token)."""
+    with_text = r.return_text_in_logprobs
+
+    def entries(values: list, ids: list[int]) -> list[list[Any]]:
+        texts = _texts(ids, tokenizer) if with_text else [None] * len(ids)
+        return [[v, t, s] for v, t, s in zip(values, ids, texts)]
+
+    def top(positions: list) -> list[list[list[Any]] | None]:
+        return [entries([v for v, _ in pos], [t for _, t in pos]) if pos else None
+                for pos in positions]
+
+    start = r.logprob_start if r.logprob_start is not None else len(r.input_ids) - 1
+    input_ids = r.input_ids[start:]
+    meta: dict[str, Any] = {
+        "input_token_logprobs": entries(r.input_logprobs, input_ids[: len(r.input_logprobs)]),
+        "output_token_logprobs": entries(r.output_logprobs[:n], r.output_ids[:n]),
+    }
+    if r.top_logprobs_num > 0:
+        meta["input_top_logprobs"] = top(r.input_top_logprobs)
+        meta["output_top_logprobs"] = top(r.output_top_logprobs[:n])
+    return meta
+
+
+def _texts(ids: list[int], tokenizer: Any) -> list[str]:
+    return [tokenizer.decode([t]) for t in ids]
 
 
 def _text(r: Request, output_ids: list[int], tokenizer: Any) -> str:

@@ -39,6 +39,15 @@ def _check(cache: DynamicCache) -> None:
             )
 
 
+def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Rows `index` of a freshly prefilled cache, in that order (repeats copy a row: the n
+    samples of one prompt)."""
+    _check(cache)
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)
+        layer.values = layer.values.index_select(0, index)
+
+
 class BatchKV:
     def __init__(self) -> None:
         self.cache: DynamicCache | None = None

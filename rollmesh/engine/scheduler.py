@@ -6,6 +6,11 @@ prefills them (requests with prompts of equal length share one forward pass), an
 batched decode step for every running request; finished requests leave the batch right away.
 Aborts, pauses and weight loads therefore take effect between two decode steps.
 
+Parallel sampling (`n` > 1, a GRPO group in one request): the n requests share a `prefill_key`
+and are admitted together; their prompt is prefilled once and its KV rows copied into n batch
+rows, so the group costs one prompt's prefill, not n. Input log-probs (`logprob_start`) come
+from the same prefill forward: it keeps the logits of the positions they need.
+
 Nothing else touches the model: the HTTP server talks to this thread through `submit` (commands
 answered with a concurrent Future) and through each request's `on_progress` callback.
 """
@@ -23,8 +28,8 @@ from typing import Any
 
 import torch
 
-from rollmesh.engine.kvcache import BatchKV, new_cache
-from rollmesh.engine.sampling import SamplingParams, sample
+from rollmesh.engine.kvcache import BatchKV, new_cache, select_rows
+from rollmesh.engine.sampling import SamplingParams, sample_rows, top_pairs
 from rollmesh.log import get_logger
 
 PREFILL_TOKEN_BUDGET = 8192  # tokens per prefill forward: bounds activation memory
@@ -52,6 +57,17 @@ class Request:
     generator: torch.Generator | None = None
     length: int = 0  # tokens of this request in the KV cache
     internal: bool = False  # the engine's own (warm-up, health check): not counted as served
+    # Log-prob options (api.py sets them; SGLang's names in brackets):
+    # first prompt position whose log-prob is reported [logprob_start_len], None = no input ones
+    logprob_start: int | None = None
+    top_logprobs_num: int = 0  # [top_logprobs_num]: per position, input and output
+    return_text_in_logprobs: bool = False  # [return_text_in_logprobs]
+    # Requests with the same non-None key (and prompt) are prefilled once (parallel sampling).
+    prefill_key: Any = None
+    # SGLang's layout: entry j is token input_ids[logprob_start + j]; the first is None.
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -88,6 +104,8 @@ class Scheduler:
         # against the tokens it received (nothing generated twice, nothing generated and lost).
         self.generated_tokens = 0
         self.peak_running = 0
+        self.prefill_forwards = 0  # model forwards over prompts (parallel sampling counts one)
+        self.prefill_tokens = 0
         self.fatal: BaseException | None = None
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._stop = False
@@ -102,6 +120,11 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self._commands.put(_Command("add", (request,)))
+
+    def add_all(self, requests: list[Request]) -> None:
+        """Queue several requests at once, in order (a batch, or a parallel-sampling group that
+        must be admitted together to share its prefill)."""
+        self._commands.put(_Command("add", tuple(requests)))
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self._commands.put(_Command("abort", (rid, abort_all)))
@@ -125,6 +148,8 @@ class Scheduler:
             "decode_steps": self.decode_steps,
             "generated_tokens": self.generated_tokens,
             "peak_running_requests": self.peak_running,
+            "prefill_forwards": self.prefill_forwards,
+            "prefill_tokens": self.prefill_tokens,
         }
 
     # ---- the loop (scheduler thread only below this line) ----
@@ -154,7 +179,8 @@ class Scheduler:
             except queue.Empty:
                 return
             if cmd.kind == "add":
-                self._finish(cmd.args[0], abort_reason("engine stopped", 503, "ServiceUnavailable"))
+                for r in cmd.args:
+                    self._finish(r, abort_reason("engine stopped", 503, "ServiceUnavailable"))
             elif cmd.future is not None and not cmd.future.cancelled():
                 cmd.future.set_exception(RuntimeError("engine stopped"))
 
@@ -182,7 +208,7 @@ class Scheduler:
 
     def _apply(self, cmd: _Command) -> Any:
         if cmd.kind == "add":
-            self.waiting.append(cmd.args[0])
+            self.waiting.extend(cmd.args)
         elif cmd.kind == "abort":
             rid, abort_all = cmd.args
             # SGLang: an abort goes through only if some request has exactly this rid (or
@@ -245,15 +271,23 @@ class Scheduler:
     # ---- admission and prefill ----
     def _admit(self) -> None:
         admitted: list[Request] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            r = self.waiting.popleft()
-            if r.max_new_tokens == 0:
-                self._finish(r, {"type": "length", "length": 0})
-                continue
-            if r.params.sampling_seed is not None:
-                r.generator = torch.Generator(device=self.device)
-                r.generator.manual_seed(r.params.sampling_seed)
-            admitted.append(r)
+        while self.waiting:
+            # A parallel-sampling group is admitted whole (it shares one prefill); a group larger
+            # than the running limit goes in alone once the batch is empty.
+            group = self._next_group()
+            room = self.max_running - len(self.running) - len(admitted)
+            if len(group) > room and (room < 1 or self.running or admitted):
+                break
+            for _ in group:
+                self.waiting.popleft()
+            for r in group:
+                if r.max_new_tokens == 0:
+                    self._finish(r, {"type": "length", "length": 0})
+                    continue
+                if r.params.sampling_seed is not None:
+                    r.generator = torch.Generator(device=self.device)
+                    r.generator.manual_seed(r.params.sampling_seed)
+                admitted.append(r)
         if not admitted:
             return
         by_len: dict[int, list[Request]] = {}
@@ -261,18 +295,81 @@ class Scheduler:
             by_len.setdefault(len(r.input_ids), []).append(r)
         for length, group in by_len.items():
             per_forward = max(1, PREFILL_TOKEN_BUDGET // length)
-            for i in range(0, len(group), per_forward):
-                self._prefill(group[i : i + per_forward])
+            chunk: list[Request] = []
+            prompts: set[Any] = set()
+            for r in group:  # chunks of at most per_forward distinct prompts, groups unsplit
+                key = r.prefill_key if r.prefill_key is not None else id(r)
+                if key not in prompts and len(prompts) == per_forward:
+                    self._prefill(chunk)
+                    chunk, prompts = [], set()
+                chunk.append(r)
+                prompts.add(key)
+            self._prefill(chunk)
+
+    def _next_group(self) -> list[Request]:
+        first = self.waiting[0]
+        if first.prefill_key is None:
+            return [first]
+        group = []
+        for r in self.waiting:
+            if r.prefill_key != first.prefill_key:
+                break
+            group.append(r)
+        return group
 
     def _prefill(self, group: list[Request]) -> None:
-        ids = torch.tensor([r.input_ids for r in group], device=self.device)
-        cache = new_cache()
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        """One forward over the group's distinct prompts; requests sharing a prefill_key get
+        copies of their prompt's KV rows and logits."""
+        uniques: list[Request] = []
+        rows: list[int] = []
+        seen: dict[Any, int] = {}
         for r in group:
-            r.length = len(r.input_ids)
+            if r.prefill_key is not None and r.prefill_key in seen:
+                rows.append(seen[r.prefill_key])
+                continue
+            if r.prefill_key is not None:
+                seen[r.prefill_key] = len(uniques)
+            rows.append(len(uniques))
+            uniques.append(r)
+        length = len(group[0].input_ids)
+        keep = max([length - r.logprob_start for r in uniques if r.logprob_start is not None],
+                   default=1)
+        ids = torch.tensor([r.input_ids for r in uniques], device=self.device)
+        cache = new_cache()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=keep)
+        self.prefill_forwards += 1
+        self.prefill_tokens += ids.numel()
+        logits = out.logits
+        for u, r in enumerate(uniques):
+            if r.logprob_start is not None:
+                self._input_logprobs(r, logits[u, keep - (length - r.logprob_start):])
+        index = torch.tensor(rows, device=self.device)
+        if rows != list(range(len(uniques))):
+            select_rows(cache, index)
+        for r, u in zip(group, rows):
+            r.length = length
+            if r is not uniques[u] and r.logprob_start is not None:
+                r.input_logprobs = list(uniques[u].input_logprobs)
+                r.input_top_logprobs = list(uniques[u].input_top_logprobs)
         self.kv.merge(cache)
         self.running.extend(group)
-        self._sample_and_advance(out.logits[:, -1, :], first_row=len(self.running) - len(group))
+        self._sample_and_advance(logits[:, -1, :].index_select(0, index),
+                                 first_row=len(self.running) - len(group))
+
+    @staticmethod
+    def _input_logprobs(r: Request, logits: torch.Tensor) -> None:
+        """SGLang's input log-probs from the logits of positions logprob_start..L-1: position p
+        scores token p + 1; the first entry (token logprob_start) is None, the last position
+        (which scores the first output token) is not an input log-prob. Raw log-softmax: no
+        temperature, as SGLang's logits processor by default."""
+        start = r.logprob_start
+        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+        targets = torch.tensor(r.input_ids[start + 1 :], device=logprobs.device)
+        r.input_logprobs = [None, *logprobs.gather(1, targets[:, None])[:, 0].tolist()]
+        if r.top_logprobs_num > 0:
+            top = top_pairs(logprobs, [r.top_logprobs_num] * logprobs.shape[0])
+            r.input_top_logprobs = [None, *top]
 
     # ---- decoding ----
     def _decode_step(self) -> None:
@@ -294,12 +391,18 @@ class Scheduler:
     def _sample_and_advance(self, logits: torch.Tensor, first_row: int) -> None:
         rows = self.running[first_row:]
         banned = [self._banned(r) for r in rows]
-        tokens, logprobs = sample(logits, [r.params for r in rows],
-                                  [r.generator for r in rows], self.generator, banned)
+        penalised = any(r.params.penalised for r in rows)
+        s = sample_rows(logits, [r.params for r in rows], [r.generator for r in rows],
+                        self.generator, banned=banned,
+                        outputs=[r.output_ids for r in rows] if penalised else None,
+                        top_logprobs=[r.top_logprobs_num for r in rows])
         self.generated_tokens += sum(not r.internal for r in rows)
-        for r, token, logprob in zip(rows, tokens, logprobs):
+        for r, token, logprob, top in zip(rows, s.tokens, s.logprobs, s.top):
             r.output_ids.append(token)
             r.output_logprobs.append(logprob)
+            if r.top_logprobs_num > 0:
+                r.output_top_logprobs.append(top)
+            r.weight_version = self.weight_version  # every streamed chunk carries it
             reason = self._check_finished(r)
             if reason is not None:
                 self._finish(r, reason)

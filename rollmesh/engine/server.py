@@ -13,9 +13,9 @@ the scheduler inside a collective.
 Where this engine differs from SGLang 0.5.23 (all within the contract): pause mode `retract`
 keeps requests and their KV in place like `in_place` (same results, no memory is reclaimed);
 there is no prefix cache, so `cached_tokens` is 0 and `flush_cache` only checks that nothing is
-pending; `logprob_start_len` other than -1, `n` > 1, penalties and constrained decoding are
-refused with a 400 naming the field; a streamed response sends the whole response so far in each
-event (cumulative `text` and `output_ids`).
+pending; constrained decoding and the other request fields api.py lists as refused get a 400
+naming the field; a streamed response sends the whole response so far in each event (cumulative
+`text` and `output_ids`); the n samples of one prompt get ids `<rid>_<k>`, not fresh uuids.
 """
 
 from __future__ import annotations
@@ -203,47 +203,57 @@ class EngineServer:
     # ---- generation ----
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
-        req, return_logprob = api.parse_generate(body, self.limits, self.tokenizer)
+        call = api.parse_generate_call(body, self.limits, self.tokenizer)
         if not self.scheduler.alive():
             return _error("engine scheduler is not running", 503)
         loop = asyncio.get_running_loop()
-        progress: asyncio.Queue[None] = asyncio.Queue()
+        progress: asyncio.Queue[int] = asyncio.Queue()  # index of the request that advanced
 
-        def on_progress(_: Request) -> None:  # scheduler thread
-            # RuntimeError: the event loop is closed, nobody is waiting any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(progress.put_nowait, None)
+        def on_progress_of(i: int) -> Any:
+            def on_progress(_: Request) -> None:  # scheduler thread
+                # RuntimeError: the event loop is closed, nobody is waiting any more.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(progress.put_nowait, i)
+            return on_progress
 
-        req.on_progress = on_progress
-        self.scheduler.add(req)
+        for i, req in enumerate(call.requests):
+            req.on_progress = on_progress_of(i)
+        self.scheduler.add_all(call.requests)  # together: a group shares its prefill
         try:
-            if req.stream:
-                return await self._stream(request, req, return_logprob, progress)
-            while not req.finished:
+            if call.stream:
+                return await self._stream(request, call, progress)
+            while not all(r.finished for r in call.requests):
                 await progress.get()
         except (asyncio.CancelledError, ConnectionResetError):
-            self.scheduler.abort_request(req)  # the client went away: free the batch slot
+            for req in call.requests:  # the client went away: free the batch slots
+                self.scheduler.abort_request(req)
             raise
-        status = (req.finish_reason or {}).get("status_code") or 200
-        return web.json_response(api.generate_response(req, return_logprob, self.tokenizer),
-                                 status=status)
+        bodies = [api.generate_response(r, call.return_logprob, self.tokenizer)
+                  for r in call.requests]
+        status = max((r.finish_reason or {}).get("status_code") or 200 for r in call.requests)
+        return web.json_response(bodies if call.batched else bodies[0], status=status)
 
-    async def _stream(self, request: web.Request, req: Request, return_logprob: bool,
-                      progress: asyncio.Queue[None]) -> web.StreamResponse:
-        # Each event carries the whole response so far (cumulative text and output_ids).
+    async def _stream(self, request: web.Request, call: api.GenerateCall,
+                      progress: asyncio.Queue[int]) -> web.StreamResponse:
+        # Each event carries one request's whole response so far (cumulative text and
+        # output_ids); in a batch (or n > 1) it also carries its `index` in the list, as SGLang's
+        # _handle_batch_request adds it.
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        sent = 0
-        while True:
-            await progress.get()
+        sent = [0] * len(call.requests)
+        done = [False] * len(call.requests)
+        while not all(done):
+            i = await progress.get()
+            req = call.requests[i]
             finished = req.finished
-            if len(req.output_ids) > sent or finished:
-                body = api.generate_response(req, return_logprob, self.tokenizer)
-                sent = len(body["output_ids"])
-                await resp.write(f"data: {json.dumps(body)}\n\n".encode())
-            if finished:
-                break
+            if done[i] or (len(req.output_ids) <= sent[i] and not finished):
+                continue
+            body = api.generate_response(req, call.return_logprob, self.tokenizer)
+            if call.batched:
+                body["index"] = i
+            sent[i], done[i] = len(body["output_ids"]), finished
+            await resp.write(f"data: {json.dumps(body)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

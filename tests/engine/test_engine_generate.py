@@ -11,6 +11,8 @@ import pytest
 import torch
 from engine_harness import chat_prompt, greedy_decode, teacher_forced_logprobs
 
+from rollmesh.algorithms.logits import token_logprobs
+
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April. How many clips?",
     "Weng earns $12 an hour for babysitting.",
@@ -82,22 +84,29 @@ def test_logprobs_match_teacher_forcing_at_temperature_one(engine, tiny):
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
 
 
-def test_logprobs_are_those_of_the_filtered_distribution(engine, tiny):
+@pytest.mark.parametrize(("top_p", "top_k"), [(0.5, -1), (1.0, 5), (0.5, 5)])
+def test_behaviour_logprobs_equal_the_trainers_recomputation(engine, tiny, top_p, top_k):
+    """With top-p / top-k sampling the engine reports the temperature-scaled distribution over
+    the whole vocabulary (SGLang's), which is what the trainer recomputes: its log-prob path
+    (token_logprobs(logits, tokens, temperature, shift=True)) on the same tokens agrees within
+    1e-4. The draws themselves stayed inside the filter."""
     model, tok = tiny
     prompt = chat_prompt(tok, QUESTIONS[2])
-    temp, top_k, top_p = 0.7, 50, 0.9
+    temp = 0.7
     out = engine.generate(prompt, max_new_tokens=25, temperature=temp, top_k=top_k, top_p=top_p,
                           ignore_eos=True)
-    ids = torch.tensor([prompt + out["output_ids"]])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temp
-    for row, (lp, token, _) in zip(logits, out["meta_info"]["output_token_logprobs"]):
+    tokens = torch.tensor([prompt + out["output_ids"]])
+    logits = model(input_ids=tokens).logits
+    trainer = token_logprobs(logits, tokens, temp, shift=True)[0, len(prompt):]
+    got = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
+    assert float((got - trainer).abs().max()) < 1e-4
+    scaled = logits[0, len(prompt) - 1 : -1].float() / temp
+    for row, token in zip(scaled, out["output_ids"]):
         values, order = row.sort(descending=True)
-        probs = torch.softmax(values[:top_k], dim=-1)
+        keep = top_k if top_k > 0 else len(values)
+        probs = torch.softmax(values[:keep], dim=-1)
         keep = int(((probs.cumsum(0) - probs) <= top_p).sum())
-        allowed = order[:keep]
-        assert token in allowed.tolist()
-        want = torch.log_softmax(row[allowed], dim=-1)[allowed.tolist().index(token)]
-        assert abs(lp - float(want)) < 1e-4
+        assert token in order[:keep].tolist()
 
 
 def test_greedy_is_deterministic_and_logprob_is_raw_log_softmax(engine, tiny):
@@ -180,6 +189,8 @@ def test_stream_sends_events_then_done(engine, tiny):
     for c in chunks[:-1]:
         assert c["meta_info"]["finish_reason"] is None
         assert c["output_ids"] == final["output_ids"][: len(c["output_ids"])]
+    # SGLang puts the server's weight version in every chunk, not only the last.
+    assert all(c["meta_info"]["weight_version"] == "default" for c in chunks)
 
 
 @pytest.mark.parametrize("path", ["/get_model_info", "/model_info"])

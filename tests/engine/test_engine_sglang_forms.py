@@ -1,0 +1,170 @@
+"""/generate forms SGLang serves beyond one prompt: batches, n > 1 (the GRPO group in one
+request, prefilled once), input log-probs from logprob_start_len, top log-probs, log-probs with
+text, repetition_penalty and logit_bias, a streamed batch."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import torch
+from engine_harness import chat_prompt, greedy_decode
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17], [5, 6, 7, 8]]
+
+
+def _post(engine, body: dict[str, Any]) -> Any:
+    status, out = engine.post("/generate", body)
+    assert status == 200, out
+    return out
+
+
+def _stream(engine, body: dict[str, Any]) -> list[Any]:
+    req = urllib.request.Request(engine.url + "/generate", data=json.dumps(body).encode(),
+                                 method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        events = [line[len(b"data: "):] for line in resp.read().split(b"\n\n") if line]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_batched_input_ids_answer_a_list_in_order_equal_to_one_by_one(engine):
+    sp = {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
+    out = _post(engine, {"input_ids": PROMPTS, "sampling_params": sp, "rid": "batch"})
+    assert isinstance(out, list) and len(out) == len(PROMPTS)
+    for i, (prompt, got) in enumerate(zip(PROMPTS, out)):
+        alone = _post(engine, {"input_ids": prompt, "sampling_params": sp})
+        assert got["output_ids"] == alone["output_ids"]
+        assert got["meta_info"]["prompt_tokens"] == len(prompt)
+        assert got["meta_info"]["id"] == f"batch_{i}"  # SGLang: a string rid becomes rid_i
+    listed = _post(engine, {"input_ids": PROMPTS[:2], "sampling_params": sp,
+                            "rid": ["x-1", "x-2"]})
+    assert [o["meta_info"]["id"] for o in listed] == ["x-1", "x-2"]
+
+
+def test_batched_text(engine, tiny):
+    model, tok = tiny
+    texts = ["Hello there", "What is 2+3?"]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    out = _post(engine, {"text": texts, "sampling_params": sp})
+    assert [o["output_ids"] for o in out] == [
+        greedy_decode(model, tok.encode(t, add_special_tokens=False), 6) for t in texts]
+    one = _post(engine, {"text": ["Hello there"], "sampling_params": sp})
+    assert isinstance(one, list) and len(one) == 1  # a list of one is still a batch
+
+
+def test_n_samples_share_one_prefill(engine, tiny):
+    _, tok = tiny
+    prompt = chat_prompt(tok, "Count the clips Natalia sold in April and May.")
+    before = engine.stats()
+    out = _post(engine, {"input_ids": prompt, "rid": "grp", "return_logprob": True,
+                         "sampling_params": {"n": 6, "max_new_tokens": 12, "temperature": 1.0,
+                                             "top_p": 0.9, "ignore_eos": True,
+                                             "custom_params": {"slime": True}}})
+    after = engine.stats()
+    assert isinstance(out, list) and len(out) == 6
+    assert after["prefill_forwards"] - before["prefill_forwards"] == 1
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt)
+    outputs = [tuple(o["output_ids"]) for o in out]
+    assert len(set(outputs)) == 6, "the n samples are not distinct"
+    assert [o["meta_info"]["id"] for o in out] == [f"grp_{k}" for k in range(6)]
+    for o in out:
+        assert len(o["output_ids"]) == 12 and o["meta_info"]["prompt_tokens"] == len(prompt)
+        assert [t[1] for t in o["meta_info"]["output_token_logprobs"]] == o["output_ids"]
+        assert o["meta_info"]["input_token_logprobs"] == [[None, prompt[-1], None]]
+
+
+def test_n_with_a_batch_is_prompt_major(engine):
+    sp = {"n": 2, "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    before = engine.stats()["prefill_forwards"]
+    out = _post(engine, {"input_ids": [[5, 6, 7], [9, 10, 11]], "rid": ["a", "b"],
+                         "sampling_params": sp})
+    assert [o["meta_info"]["id"] for o in out] == ["a_0", "a_1", "b_0", "b_1"]
+    assert out[0]["output_ids"] == out[1]["output_ids"] != out[2]["output_ids"]
+    assert out[2]["output_ids"] == out[3]["output_ids"]
+    assert engine.stats()["prefill_forwards"] - before == 1  # two prompts of one length
+
+
+def test_input_token_logprobs_equal_a_teacher_forced_forward(engine, tiny):
+    model, tok = tiny
+    prompt = chat_prompt(tok, "Weng earns $12 an hour for babysitting.")
+    logprobs = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    want = logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    for start in (0, 5, len(prompt) - 1):
+        out = _post(engine, {"input_ids": prompt, "return_logprob": True,
+                             "logprob_start_len": start,
+                             "sampling_params": {"max_new_tokens": 2, "temperature": 0.6}})
+        entries = out["meta_info"]["input_token_logprobs"]
+        # SGLang's layout: one entry per prompt token from logprob_start_len on, the first None.
+        assert [e[1] for e in entries] == prompt[start:]
+        assert entries[0][0] is None and all(e[2] is None for e in entries)
+        got = torch.tensor([e[0] for e in entries[1:]])
+        assert torch.allclose(got, want[start:], atol=1e-4, rtol=0)
+    # Without return_logprob, logprob_start_len is ignored (SGLang), not refused.
+    out = _post(engine, {"input_ids": prompt, "logprob_start_len": 0,
+                         "sampling_params": {"max_new_tokens": 2}})
+    assert "input_token_logprobs" not in out["meta_info"]
+
+
+def test_top_logprobs_and_text_in_logprobs(engine, tiny):
+    model, tok = tiny
+    prompt = chat_prompt(tok, "Betty is saving money for a new wallet.")
+    out = _post(engine, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 2,
+                         "top_logprobs_num": 4, "return_text_in_logprobs": True,
+                         "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                             "ignore_eos": True}})
+    meta = out["meta_info"]
+    assert len(meta["output_top_logprobs"]) == 8
+    for (lp, token, text), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert text == tok.decode([token])
+        assert len(top) == 4
+        values = [e[0] for e in top]
+        assert values == sorted(values, reverse=True)
+        assert top[0][1] == token and abs(top[0][0] - lp) < 1e-6  # greedy: the sampled leads
+        assert all(e[2] == tok.decode([e[1]]) for e in top)
+    inputs = meta["input_top_logprobs"]
+    assert len(inputs) == len(prompt) - 2 and inputs[0] is None
+    logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
+    want = torch.log_softmax(logits[2:-1], -1).topk(4)
+    assert [[e[1] for e in pos] for pos in inputs[1:]] == want.indices.tolist()
+    assert [e[2] for e in meta["input_token_logprobs"]] == [tok.decode([t]) for t in prompt[2:]]
+    # Top log-probs without text: the third element is null.
+    plain = _post(engine, {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2,
+                           "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert all(e[2] is None for pos in plain["meta_info"]["output_top_logprobs"] for e in pos)
+    assert plain["meta_info"]["input_top_logprobs"] == [None]
+
+
+def test_repetition_penalty_and_logit_bias_change_greedy_output(engine, tiny):
+    model, tok = tiny
+    prompt = chat_prompt(tok, "Hi")
+    sp = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    plain = _post(engine, {"input_ids": prompt, "sampling_params": sp})["output_ids"]
+    assert plain == greedy_decode(model, prompt, 40)
+    assert len(set(plain)) < len(plain), "the fixture expects greedy to repeat some token"
+    # A strong repetition penalty: tokens already generated are pushed down.
+    rep = _post(engine, {"input_ids": prompt,
+                         "sampling_params": {**sp, "repetition_penalty": 2.0}})["output_ids"]
+    assert rep != plain and len(set(rep)) > len(set(plain))
+    # logit_bias: a large bias on one token makes greedy pick it every step...
+    target = 1234
+    biased = _post(engine, {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        **sp, "max_new_tokens": 5, "logit_bias": {str(target): 100.0}}})
+    assert biased["output_ids"] == [target] * 5
+    # ...and a large negative one bans the token greedy would pick first.
+    banned = _post(engine, {"input_ids": prompt, "sampling_params": {
+        **sp, "max_new_tokens": 3, "logit_bias": {str(plain[0]): -100.0}}})["output_ids"]
+    assert banned[0] != plain[0]
+
+
+def test_a_streamed_batch_carries_index_and_weight_version(engine):
+    body = {"input_ids": [[5, 6, 7], [9, 10]], "stream": True, "return_logprob": True,
+            "sampling_params": {"n": 2, "max_new_tokens": 5, "temperature": 1.0,
+                                "ignore_eos": True}}
+    chunks = _stream(engine, body)
+    assert {c["index"] for c in chunks} == {0, 1, 2, 3}
+    assert all(c["meta_info"]["weight_version"] == "default" for c in chunks)
+    finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert all(len(c["output_ids"]) == 5 for c in finals.values())
