@@ -282,6 +282,7 @@ class Scheduler:
                 self.waiting.popleft()
             for r in group:
                 if r.max_new_tokens == 0:
+                    self._score(r)  # prefill only: its input log-probs, if asked
                     self._finish(r, {"type": "length", "length": 0})
                     continue
                 if r.params.sampling_seed is not None:
@@ -356,6 +357,18 @@ class Scheduler:
         self.running.extend(group)
         self._sample_and_advance(logits[:, -1, :].index_select(0, index),
                                  first_row=len(self.running) - len(group))
+
+    def _score(self, r: Request) -> None:
+        """A request with max_new_tokens 0 generates nothing; with input log-probs asked (a
+        prompt scored, as SGLang's prefill-only requests) one forward computes them."""
+        if r.logprob_start is None:
+            return
+        keep = len(r.input_ids) - r.logprob_start
+        out = self.model(input_ids=torch.tensor([r.input_ids], device=self.device),
+                         logits_to_keep=keep)
+        self.prefill_forwards += 1
+        self.prefill_tokens += len(r.input_ids)
+        self._input_logprobs(r, out.logits[0])
 
     @staticmethod
     def _input_logprobs(r: Request, logits: torch.Tensor) -> None:

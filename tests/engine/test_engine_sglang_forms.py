@@ -101,6 +101,18 @@ def test_input_token_logprobs_equal_a_teacher_forced_forward(engine, tiny):
         assert entries[0][0] is None and all(e[2] is None for e in entries)
         got = torch.tensor([e[0] for e in entries[1:]])
         assert torch.allclose(got, want[start:], atol=1e-4, rtol=0)
+    # max_new_tokens 0 scores the prompt (SGLang's prefill-only request); a one-token prompt
+    # has nothing to score but its first-token None.
+    out = _post(engine, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                         "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 0}})
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert out["output_ids"] == [] and out["meta_info"]["output_token_logprobs"] == []
+    assert torch.allclose(torch.tensor([e[0] for e in entries[1:]]), want, atol=1e-4, rtol=0)
+    assert len(out["meta_info"]["input_top_logprobs"]) == len(prompt)
+    out = _post(engine, {"input_ids": [7], "return_logprob": True, "logprob_start_len": 0,
+                         "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 2}})
+    assert out["meta_info"]["input_token_logprobs"] == [[None, 7, None]]
+    assert out["meta_info"]["input_top_logprobs"] == [None]
     # Without return_logprob, logprob_start_len is ignored (SGLang), not refused.
     out = _post(engine, {"input_ids": prompt, "logprob_start_len": 0,
                          "sampling_params": {"max_new_tokens": 2}})
