@@ -108,15 +108,18 @@ def parse_generate_call(body: Any, limits: ModelLimits, tokenizer: Any) -> Gener
     for p, input_ids in enumerate(prompts):
         max_new = _max_new_tokens(len(input_ids), params, limits)
         if return_logprob and start >= len(input_ids):
-            raise BadRequest(f"logprob_start_len ({start}) is greater than or equal to the "
-                             f"length of input_ids ({len(input_ids)})")
+            raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input "
+                             f"tokens ({len(input_ids)}); use a smaller logprob_start_len")
         key = f"group-{next(_group_ids)}" if n > 1 else None
         for k in range(n):
             r = Request(rid=rids[p * n + k], input_ids=input_ids, params=params,
                         max_new_tokens=max_new, on_progress=_noop, stream=stream,
                         prefill_key=key)
             if return_logprob:
-                r.logprob_start = len(input_ids) - 1 if start == -1 else start
+                # -1: output log-probs only; SGLang still lists the last prompt token (None),
+                # except for a prefill-only request (max_new_tokens 0), which lists none.
+                default = len(input_ids) - (1 if max_new else 0)
+                r.logprob_start = default if start == -1 else start
                 r.top_logprobs_num = top_n
                 r.return_text_in_logprobs = with_text
             requests.append(r)

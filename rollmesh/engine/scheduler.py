@@ -361,7 +361,7 @@ class Scheduler:
     def _score(self, r: Request) -> None:
         """A request with max_new_tokens 0 generates nothing; with input log-probs asked (a
         prompt scored, as SGLang's prefill-only requests) one forward computes them."""
-        if r.logprob_start is None:
+        if r.logprob_start is None or r.logprob_start >= len(r.input_ids):
             return
         keep = len(r.input_ids) - r.logprob_start
         out = self.model(input_ids=torch.tensor([r.input_ids], device=self.device),

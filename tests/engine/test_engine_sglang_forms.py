@@ -109,6 +109,9 @@ def test_input_token_logprobs_equal_a_teacher_forced_forward(engine, tiny):
     assert out["output_ids"] == [] and out["meta_info"]["output_token_logprobs"] == []
     assert torch.allclose(torch.tensor([e[0] for e in entries[1:]]), want, atol=1e-4, rtol=0)
     assert len(out["meta_info"]["input_top_logprobs"]) == len(prompt)
+    out = _post(engine, {"input_ids": prompt, "return_logprob": True,
+                         "sampling_params": {"max_new_tokens": 0}})
+    assert out["meta_info"]["input_token_logprobs"] == []  # prefill-only, start -1: none
     out = _post(engine, {"input_ids": [7], "return_logprob": True, "logprob_start_len": 0,
                          "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 2}})
     assert out["meta_info"]["input_token_logprobs"] == [[None, 7, None]]
