@@ -60,7 +60,7 @@ class GenerateCall:
     requests: list[Request]
     batched: bool  # answer a JSON list (a batch, or n > 1), else one object
     stream: bool
-    return_logprob: bool
+    return_logprob: bool  # by any prompt (each request's own: logprob_start is not None)
 
 
 def _noop(_: Request) -> None:
@@ -81,49 +81,99 @@ def parse_generate_call(body: Any, limits: ModelLimits, tokenizer: Any) -> Gener
         raise BadRequest("the request body must be a JSON object")
     _check_fields(body)
     prompts, batched = _prompts(body, limits, tokenizer)
-    for key in ("return_logprob", "stream", "return_text_in_logprobs"):
+    for key in ("stream", "return_text_in_logprobs"):
         if not isinstance(body.get(key) if body.get(key) is not None else False, bool):
             raise BadRequest(f"{key} must be a boolean")
-    return_logprob = bool(body.get("return_logprob"))
     stream = bool(body.get("stream"))
-    start = _int_option(body, "logprob_start_len", -1, minimum=-1)
-    top_n = _int_option(body, "top_logprobs_num", 0, minimum=0)
     with_text = bool(body.get("return_text_in_logprobs"))
-
-    raw_params = body.get("sampling_params")
-    if isinstance(raw_params, dict):
-        for key, value in raw_params.items():
-            # Python's json accepts NaN and Infinity (not JSON): a NaN temperature would pass
-            # every range check (NaN < 0 is false) and sample from NaN probabilities.
-            if isinstance(value, float) and not math.isfinite(value):
-                raise BadRequest(f"sampling_params.{key} must be a finite number, got {value!r}")
-    elif isinstance(raw_params, list):
-        raise BadRequest("sampling_params must be a JSON object (one for every prompt)")
-    params = parse_sampling_params(raw_params, limits.vocab_size)
-    n = params.n
+    params = _sampling_params(body.get("sampling_params"), len(prompts), batched, limits)
+    n = params[0].n
+    if any(p.n != n for p in params):
+        raise BadRequest("sampling_params.n must be the same for every prompt of a batch")
     batched = batched or n > 1
+    # SGLang's per-prompt options: one value for all prompts, or (a batch, n = 1) a list.
+    lists = batched and n == 1
+    return_logprob = _option(body, "return_logprob", False, len(prompts), lists, _boolean)
+    starts = _option(body, "logprob_start_len", -1, len(prompts), lists, _integer(-1))
+    tops = _option(body, "top_logprobs_num", 0, len(prompts), lists, _integer(0))
     rids = _rids(body.get("rid"), len(prompts), n, batched)
 
     requests: list[Request] = []
     for p, input_ids in enumerate(prompts):
-        max_new = _max_new_tokens(len(input_ids), params, limits)
-        if return_logprob and start >= len(input_ids):
+        sp = params[p]
+        max_new = _max_new_tokens(len(input_ids), sp, limits)
+        start = starts[p]
+        where = f" (prompt {p} of the batch)" if batched else ""
+        if return_logprob[p] and start >= len(input_ids):
             raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input "
-                             f"tokens ({len(input_ids)}); use a smaller logprob_start_len")
+                             f"tokens ({len(input_ids)}); use a smaller logprob_start_len{where}")
         key = f"group-{next(_group_ids)}" if n > 1 else None
         for k in range(n):
-            r = Request(rid=rids[p * n + k], input_ids=input_ids, params=params,
+            r = Request(rid=rids[p * n + k], input_ids=input_ids, params=sp,
                         max_new_tokens=max_new, on_progress=_noop, stream=stream,
                         prefill_key=key)
-            if return_logprob:
+            if return_logprob[p]:
                 # -1: output log-probs only; SGLang still lists the last prompt token (None),
                 # except for a prefill-only request (max_new_tokens 0), which lists none.
                 default = len(input_ids) - (1 if max_new else 0)
                 r.logprob_start = default if start == -1 else start
-                r.top_logprobs_num = top_n
+                r.top_logprobs_num = tops[p]
                 r.return_text_in_logprobs = with_text
             requests.append(r)
-    return GenerateCall(requests, batched, stream, return_logprob)
+    return GenerateCall(requests, batched, stream, any(return_logprob))
+
+
+def _sampling_params(raw: Any, prompts: int, batched: bool,
+                     limits: ModelLimits) -> list[SamplingParams]:
+    """One SamplingParams per prompt: one object for all, or (a batch) a list of objects."""
+    if isinstance(raw, list):
+        if not batched:
+            raise BadRequest("sampling_params must be a JSON object (a list is for a batch)")
+        if len(raw) != prompts:
+            raise BadRequest(f"sampling_params: {len(raw)} objects for a batch of {prompts} "
+                             f"prompts")
+        return [_one_sampling_params(r, limits) for r in raw]
+    return [_one_sampling_params(raw, limits)] * prompts
+
+
+def _one_sampling_params(raw: Any, limits: ModelLimits) -> SamplingParams:
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            # Python's json accepts NaN and Infinity (not JSON): a NaN temperature would pass
+            # every range check (NaN < 0 is false) and sample from NaN probabilities.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise BadRequest(f"sampling_params.{key} must be a finite number, got {value!r}")
+    return parse_sampling_params(raw, limits.vocab_size)
+
+
+def _option(body: dict[str, Any], key: str, default: Any, prompts: int, lists: bool,
+            check: Any) -> list[Any]:
+    """A per-prompt option's value for each prompt; a list of values where SGLang takes one
+    (a batch with n = 1)."""
+    value = body.get(key)
+    if isinstance(value, list):
+        if not lists:
+            raise BadRequest(f"{key}: a list of values is for a batch with n = 1")
+        if len(value) != prompts:
+            raise BadRequest(f"{key}: {len(value)} values for a batch of {prompts} prompts")
+        return [default if v is None else check(key, v) for v in value]
+    return [default if value is None else check(key, value)] * prompts
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be a boolean")
+    return value
+
+
+def _integer(minimum: int) -> Any:
+    def check(key: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise BadRequest(f"{key} must be an integer, got {value!r}")
+        if value < minimum:
+            raise BadRequest(f"{key} must be >= {minimum}, got {value}")
+        return value
+    return check
 
 
 def _check_fields(body: dict[str, Any]) -> None:
@@ -131,17 +181,6 @@ def _check_fields(body: dict[str, Any]) -> None:
         if body.get(key) not in (None, False, [], {}):
             raise BadRequest(f"{key} is not supported by the built-in engine")
     # Other keys are not SGLang's: FastAPI drops them there, and so does this engine.
-
-
-def _int_option(body: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise BadRequest(f"{key} must be an integer, got {value!r}")
-    if value < minimum:
-        raise BadRequest(f"{key} must be >= {minimum}, got {value}")
-    return value
 
 
 def _prompts(body: dict[str, Any], limits: ModelLimits,
@@ -231,6 +270,12 @@ def generate_response(r: Request, return_logprob: bool, tokenizer: Any) -> dict[
     if return_logprob:
         meta.update(logprob_meta(r, n, tokenizer))
     return {"text": _text(r, output_ids, tokenizer), "output_ids": output_ids, "meta_info": meta}
+
+
+def response_of(r: Request, tokenizer: Any) -> dict[str, Any]:
+    """`generate_response` with the request's own return_logprob (prompts of one batch may
+    differ)."""
+    return generate_response(r, r.logprob_start is not None, tokenizer)
 
 
 def logprob_meta(r: Request, n: int, tokenizer: Any) -> dict[str, Any]:

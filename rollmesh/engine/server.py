@@ -228,8 +228,7 @@ class EngineServer:
             for req in call.requests:  # the client went away: free the batch slots
                 self.scheduler.abort_request(req)
             raise
-        bodies = [api.generate_response(r, call.return_logprob, self.tokenizer)
-                  for r in call.requests]
+        bodies = [api.response_of(r, self.tokenizer) for r in call.requests]
         status = max((r.finish_reason or {}).get("status_code") or 200 for r in call.requests)
         return web.json_response(bodies if call.batched else bodies[0], status=status)
 
@@ -249,7 +248,7 @@ class EngineServer:
             finished = req.finished
             if done[i] or (len(req.output_ids) <= sent[i] and not finished):
                 continue
-            body = api.generate_response(req, call.return_logprob, self.tokenizer)
+            body = api.response_of(req, self.tokenizer)
             if call.batched:
                 body["index"] = i
             sent[i], done[i] = len(body["output_ids"]), finished

@@ -183,3 +183,21 @@ def test_a_streamed_batch_carries_index_and_weight_version(engine):
     finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
     assert sorted(finals) == [0, 1, 2, 3]
     assert all(len(c["output_ids"]) == 5 for c in finals.values())
+
+
+def test_per_prompt_options_of_a_batch(engine, tiny):
+    model, _ = tiny
+    out = _post(engine, {"input_ids": [[5, 6, 7], [9, 10, 11, 12]],
+                         "return_logprob": [True, False], "logprob_start_len": [1, None],
+                         "sampling_params": [{"max_new_tokens": 3, "temperature": 0},
+                                             {"max_new_tokens": 5, "temperature": 0}]})
+    assert [len(o["output_ids"]) for o in out] == [3, 5]
+    assert out[1]["output_ids"] == greedy_decode(model, [9, 10, 11, 12], 5)
+    assert [e[1] for e in out[0]["meta_info"]["input_token_logprobs"]] == [6, 7]
+    assert "output_token_logprobs" not in out[1]["meta_info"]
+    status, reply = engine.post("/generate", {"input_ids": [[5, 6], [7, 8]],
+                                              "sampling_params": [{"n": 2}, {"n": 3}]})
+    assert status == 400 and "same for every prompt" in json.dumps(reply)
+    status, reply = engine.post("/generate", {"input_ids": [[5, 6], [7, 8]],
+                                              "return_logprob": [True]})
+    assert status == 400 and "1 values for a batch of 2" in json.dumps(reply)
