@@ -57,6 +57,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,15 +73,18 @@ from rollmesh.algorithms import (
 )
 from rollmesh.config import AlgorithmConfig, ExperimentConfig, parse_config
 from rollmesh.engine.client import run_api_key
-from rollmesh.engine.models import load_model, resolve_device
+from rollmesh.engine.models import is_tiny, load_model, resolve_device
+from rollmesh.log import get_logger
 from rollmesh.packing import BatchData
 from rollmesh.protocol import Batch, GetBatch, Metrics, StatsRequest
 from rollmesh.publish import Publisher, sync_weights
 from rollmesh.ranks import Ranks, close_ranks, full_tensor, init_ranks
 from rollmesh.runtime import RoleContext
+from rollmesh.sharded_load import UnsupportedCheckpoint, load_causal_lm
 from rollmesh.transport import RpcClient, RpcServer
 from rollmesh.weights import dtype_from_name
 
+log = get_logger("rollmesh.trainer")
 run = asyncio.to_thread  # torch work leaves the event loop free for heartbeats and stats
 
 
@@ -137,25 +141,68 @@ class Critic(torch.nn.Module):
         return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
 
 
-def build_critic(exp: ExperimentConfig, device: torch.device, seed: int) -> Critic:
-    """The critic, from the policy's path (or tiny spec): the same decoder weights, and a value
-    head drawn from N(0, initializer_range) with `seed` (the same on every rank), bias 0."""
-    lm, _ = load_model(exp.model.path, device, torch.float32)
-    config = lm.config
-    with torch.random.fork_rng(devices=[]):  # leaves the global RNG stream as it was
-        critic = Critic(lm.base_model, config.hidden_size)
+def _value_head(config: Any, seed: int) -> dict[str, Tensor]:
+    """The critic's value head: weight from N(0, initializer_range) with `seed` (the same on every
+    rank), bias 0."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        head = critic.value_head
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator)
-                          * getattr(config, "initializer_range", 0.02))
-        head.bias.zero_()
-    return critic.to(device=device, dtype=torch.float32)
+    weight = (torch.randn((1, config.hidden_size), generator=generator)
+              * getattr(config, "initializer_range", 0.02))
+    return {"value_head.weight": weight, "value_head.bias": torch.zeros(1)}
+
+
+def _new_critic(lm: Any, seed: int) -> tuple[Critic, dict[str, Tensor]]:
+    with torch.random.fork_rng(devices=[]):  # leaves the global RNG stream as it was
+        critic = Critic(lm.base_model, lm.config.hidden_size)
+    return critic, _value_head(lm.config, seed)
+
+
+def load_models(exp: ExperimentConfig, ranks: Ranks, device: torch.device,
+                prepare: Callable[[torch.nn.Module], None], *,
+                critic_seed: int | None = None, whole: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer): the policy's architecture and weights (`critic_seed` given: the critic
+    around its decoder), `prepare`d, then sharded over the ranks, float32 master weights.
+
+    A checkpoint directory is built on meta and each rank reads only its shards
+    (`rollmesh.sharded_load`), so K ranks hold one model between them, not K; a checkpoint that
+    loader cannot read (it says why in the log), `whole`, and tiny specs (seeded, built the same
+    in every process) are built whole on every rank, then sharded."""
+    path, dtype = exp.model.path, torch.float32
+    compute_dtype = dtype_from_name(exp.model.dtype)
+    shard_fn = functools.partial(shard, ranks=ranks, device=device, compute_dtype=compute_dtype)
+    if not is_tiny(path) and not whole:
+        wrap = (None if critic_seed is None
+                else functools.partial(_new_critic, seed=critic_seed))
+        try:
+            model = load_causal_lm(path, device, dtype, shard_fn, prepare=prepare, wrap=wrap,
+                                   trust_remote_code=exp.model.trust_remote_code)
+            return model, _tokenizer(exp)
+        except UnsupportedCheckpoint as e:
+            log.warning("sharded_load_unsupported", path=path, reason=str(e),
+                        fallback="the whole model on every rank, then sharded")
+    lm, tokenizer = load_model(path, device, dtype)
+    model = lm
+    if critic_seed is not None:
+        model, head = _new_critic(lm, critic_seed)
+        with torch.no_grad():
+            for name, value in head.items():
+                model.get_parameter(name).copy_(value)
+        model = model.to(device=device, dtype=dtype)
+    prepare(model)
+    return shard_fn(model), tokenizer
+
+
+def _tokenizer(exp: ExperimentConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(exp.model.tokenizer_path or exp.model.path,
+                                         local_files_only=True,
+                                         trust_remote_code=exp.model.trust_remote_code)
 
 
 def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device,
           compute_dtype: torch.dtype) -> torch.nn.Module:
-    """FSDP2 over the trainer's ranks: each decoder layer, then the root (K = 1: as it is)."""
+    """FSDP2 over the trainer's ranks: each decoder layer, then the root (K = 1: as it is).
+    Parameters still on meta stay there: `rollmesh.sharded_load` fills the shards."""
     if ranks.world == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -171,28 +218,45 @@ def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device,
     return model
 
 
+def _trainable(gradient_checkpointing: bool) -> Callable[[torch.nn.Module], None]:
+    def prepare(model: torch.nn.Module) -> None:
+        model.train()
+        model.requires_grad_(True)
+        if gradient_checkpointing:  # the critic: on its decoder
+            (model.model if isinstance(model, Critic) else model).gradient_checkpointing_enable()
+    return prepare
+
+
+def _policy_prepare(gradient_checkpointing: bool) -> Callable[[torch.nn.Module], None]:
+    trainable = _trainable(gradient_checkpointing)
+
+    def prepare(model: torch.nn.Module) -> None:
+        model.config.architectures = [type(model).__name__]  # before FSDP renames the class
+        trainable(model)
+    return prepare
+
+
+def _frozen(model: torch.nn.Module) -> None:
+    model.requires_grad_(False)
+
+
 def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
-                device: torch.device = torch.device("cpu")) -> TrainState:
+                device: torch.device = torch.device("cpu"), *,
+                whole: bool = False) -> TrainState:
     """Policy (float32 master weights), optional frozen reference, AdamW, warm-up + schedule;
-    for GAE also the critic with its own AdamW and schedule."""
+    for GAE also the critic with its own AdamW and schedule. `whole`: every rank builds the
+    whole models before sharding (the loader's reference path; see `load_models`)."""
     t = exp.trainer
     seed = (t.seed if t.seed is not None else exp.seed) + ranks.rank
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
-    model, tokenizer = load_model(exp.model.path, device, torch.float32)
-    model.config.architectures = [type(model).__name__]  # before FSDP renames the class
-    model.train()
-    model.requires_grad_(True)
-    if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    model, tokenizer = load_models(exp, ranks, device, _policy_prepare(t.gradient_checkpointing),
+                                   whole=whole)
     compute_dtype = dtype_from_name(exp.model.dtype)
-    model = shard(model, ranks, device, compute_dtype)
     ref_model = None
     if exp.algorithm.use_reference:
-        ref_model, _ = load_model(exp.model.path, device, torch.float32)
-        ref_model.requires_grad_(False)
-        ref_model = shard(ref_model, ranks, device, compute_dtype)
+        ref_model, _ = load_models(exp, ranks, device, _frozen, whole=whole)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
                                   weight_decay=t.weight_decay)
     # The schedule is in trainer steps: every mini-batch update of one step has the same rate.
@@ -207,12 +271,9 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
         if exp.algorithm.critic_lr is None:  # parse_config refuses this; a hand-built config
             raise ValueError("algorithm.critic_lr: missing required value (expected float > 0, "
                              "as advantage = 'gae' trains a critic)")
-        critic = build_critic(exp, device, seed - ranks.rank)
-        critic.train()
-        critic.requires_grad_(True)
-        if t.gradient_checkpointing:
-            critic.model.gradient_checkpointing_enable()
-        state.critic = shard(critic, ranks, device, compute_dtype)
+        # the value head is drawn the same on every rank
+        state.critic, _ = load_models(exp, ranks, device, _trainable(t.gradient_checkpointing),
+                                      critic_seed=seed - ranks.rank, whole=whole)
         state.critic_optimizer = torch.optim.AdamW(
             state.critic.parameters(), lr=exp.algorithm.critic_lr, betas=tuple(t.betas),
             weight_decay=t.weight_decay)
