@@ -33,6 +33,7 @@ from rollmesh.engine.sampling import SamplingParams, sample_rows, top_pairs
 from rollmesh.log import get_logger
 
 PREFILL_TOKEN_BUDGET = 8192  # tokens per prefill forward: bounds activation memory
+INPUT_LOGPROB_CHUNK = 512  # prompt positions per float32 log-softmax for input log-probs
 
 
 def abort_reason(message: str = "Aborted", status_code: int | None = None,
@@ -376,13 +377,21 @@ class Scheduler:
         scores token p + 1; the first entry (token logprob_start) is None, the last position
         (which scores the first output token) is not an input log-prob. Raw log-softmax: no
         temperature, as SGLang's logits processor by default."""
-        start = r.logprob_start
-        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
-        targets = torch.tensor(r.input_ids[start + 1 :], device=logprobs.device)
-        r.input_logprobs = [None, *logprobs.gather(1, targets[:, None])[:, 0].tolist()]
+        targets = torch.tensor(r.input_ids[r.logprob_start + 1 :], device=logits.device)
+        values: list[float | None] = [None]
+        top: list[list[tuple[float, int]] | None] = [None]
+        # In chunks of positions: a long prompt's float32 log-probs over a large vocabulary
+        # would otherwise be gigabytes at once.
+        for s in range(0, len(targets), INPUT_LOGPROB_CHUNK):
+            logprobs = torch.log_softmax(logits[s : s + INPUT_LOGPROB_CHUNK].float(), dim=-1)
+            chunk = targets[s : s + INPUT_LOGPROB_CHUNK]
+            logprobs = logprobs[: len(chunk)]
+            values += logprobs.gather(1, chunk[:, None])[:, 0].tolist()
+            if r.top_logprobs_num > 0:
+                top += top_pairs(logprobs, [r.top_logprobs_num] * len(chunk))
+        r.input_logprobs = values
         if r.top_logprobs_num > 0:
-            top = top_pairs(logprobs, [r.top_logprobs_num] * logprobs.shape[0])
-            r.input_top_logprobs = [None, *top]
+            r.input_top_logprobs = top
 
     # ---- decoding ----
     def _decode_step(self) -> None:

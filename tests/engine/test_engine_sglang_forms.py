@@ -201,3 +201,22 @@ def test_per_prompt_options_of_a_batch(engine, tiny):
     status, reply = engine.post("/generate", {"input_ids": [[5, 6], [7, 8]],
                                               "return_logprob": [True]})
     assert status == 400 and "1 values for a batch of 2" in json.dumps(reply)
+
+
+def test_input_logprobs_in_chunks_equal_one_log_softmax(monkeypatch):
+    from rollmesh.engine import scheduler
+    from rollmesh.engine.sampling import SamplingParams
+
+    monkeypatch.setattr(scheduler, "INPUT_LOGPROB_CHUNK", 3)
+    ids = list(range(1, 12))
+    r = scheduler.Request("x", ids, SamplingParams(), 1, lambda _: None)
+    r.logprob_start, r.top_logprobs_num = 2, 2
+    logits = torch.randn(len(ids) - 2, 50)  # positions 2..10; the last scores the first output
+    scheduler.Scheduler._input_logprobs(r, logits)
+    full = torch.log_softmax(logits[:-1], -1)
+    want = full.gather(1, torch.tensor(ids[3:])[:, None])[:, 0]
+    assert r.input_logprobs[0] is None and len(r.input_logprobs) == len(ids) - 2
+    assert torch.allclose(torch.tensor(r.input_logprobs[1:]), want)
+    assert r.input_top_logprobs[0] is None
+    assert [[t for _, t in pos] for pos in r.input_top_logprobs[1:]] == \
+        full.topk(2).indices.tolist()
