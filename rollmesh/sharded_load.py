@@ -140,6 +140,9 @@ def checkpoint_keys(model: torch.nn.Module, files: CheckpointFiles,
     """Parameter name -> checkpoint key for every (deduplicated: tied = one) parameter of
     `model`, each checked to exist with the parameter's shape. `names`: id(parameter) -> key,
     for a model that holds another's parameters under other names (the critic's decoder)."""
+    aliases: dict[int, list[str]] = {}  # a tied parameter may be stored under any of its names
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
     keys: dict[str, str] = {}
     for name, param in model.named_parameters():
         if names is not None:
@@ -147,10 +150,7 @@ def checkpoint_keys(model: torch.nn.Module, files: CheckpointFiles,
                 continue  # filled by the caller (a new head)
             candidates = [names[id(param)]]
         else:
-            candidates = [name]
-            # a tied parameter may be stored under any of its names
-            candidates += [other for other, p in model.named_parameters(remove_duplicate=False)
-                           if p is param and other != name]
+            candidates = aliases[id(param)]
         key = next((k for k in candidates if k in files), None)
         if key is None:
             raise UnsupportedCheckpoint(f"{files.path}: no tensor {candidates[0]!r} in the "
