@@ -178,23 +178,71 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ModelSpecError(f"--dtype {dtype!r}: expected float32, bfloat16 or float16") from None
 
 
-def load_model(model: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    """(model, tokenizer) for `tiny[:...]` or a local checkpoint directory; never the network."""
+def load_model(model: str, device: torch.device, dtype: torch.dtype, *,
+               tokenizer_path: str | None = None, trust_remote_code: bool = False,
+               attn_implementation: str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) for `tiny[:...]` or a local checkpoint directory; never the network.
+
+    `tokenizer_path`: another directory to take the tokenizer from (`model.tokenizer_path`);
+    `trust_remote_code`: let a checkpoint's own modelling and tokenizer code run
+    (`model.trust_remote_code`); `attn_implementation`: the attention kernel, by default the
+    one `attention_implementation` picks for the architecture.
+    """
     if is_tiny(model):
         m, tokenizer = build_tiny(model)
+        if tokenizer_path is not None:
+            tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise ModelSpecError(
-                f"model {model!r}: not 'tiny[:...]' and not a checkpoint directory with config.json"
-            )
+        path = checkpoint_dir(model)
+        config = AutoConfig.from_pretrained(path, local_files_only=True,
+                                            trust_remote_code=trust_remote_code)
+        attn = attn_implementation or attention_implementation(config)
         m = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+            **({"attn_implementation": attn} if attn else {}),
         )
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(tokenizer_path or model, trust_remote_code=trust_remote_code)
     return m.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def checkpoint_dir(model: str) -> Path:
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ModelSpecError(
+            f"model {model!r}: not 'tiny[:...]' and not a checkpoint directory with config.json"
+        )
+    return path
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of `tiny[:...]` (the built-in one) or of a local directory."""
+    if is_tiny(path):
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise ModelSpecError(f"tokenizer {path!r}: not 'tiny[:...]' and not a directory")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                         trust_remote_code=trust_remote_code)
+
+
+def attention_implementation(config: Any) -> str | None:
+    """The attention kernel to load `config`'s architecture with: the one its config.json names,
+    else PyTorch's fused SDPA where the architecture supports it, else the eager reference
+    (Gemma2, for one, has no SDPA path: its logit soft-capping needs eager). None (transformers
+    decides) for an architecture transformers does not know, i.e. remote code."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    named = getattr(config, "_attn_implementation_internal", None)
+    if isinstance(named, str):
+        return named
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def build_tokenizer(gsm8k_dir: str | Path, out: str | Path = TOKENIZER_FILE) -> Path:

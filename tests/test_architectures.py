@@ -1,0 +1,201 @@
+"""Real architectures through every path a checkpoint takes: the built-in engine serves a local
+Qwen2.5 / Qwen3 / Llama-3.1 (tied and untied embeddings, sharded safetensors) or Gemma2
+directory; its greedy output is transformers' `generate`; the trainer's log-probs of that
+output are the engine's; a weight sync leaves the engine with the trainer's weights; and the
+exported `policy/` reloads in transformers with the same logits.
+
+The checkpoints are written by tests/hf_checkpoints.py (random weights, tiny shapes, each
+family's special tokens and chat template)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rollmesh.algorithms.logits import token_logprobs
+from rollmesh.checkpoint import export_hf
+from rollmesh.engine.models import load_model
+from rollmesh.weights import (
+    broadcast_from_trainer, check_update, destroy_weight_update_group,
+    init_weight_update_group, load_weights, model_tensors, update_request,
+)
+from tests.engine.engine_harness import Engine, free_port
+from tests.hf_checkpoints import write_checkpoint
+
+CPU = torch.device("cpu")
+# (family, tied embeddings, max_shard_size): every family once with a sharded checkpoint
+CASES = [("qwen2.5", False, "200KB"), ("qwen2.5", True, None), ("qwen3", True, "200KB"),
+         ("llama3.1", False, "200KB"), ("llama3.1", True, None)]
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
+NEW_TOKENS = 12
+# The engine decodes with a KV cache one token at a time; the trainer scores the whole sequence
+# in one pass: the same float32 model, different summation orders.
+LOGPROB_ATOL = 2e-4
+
+
+def _id(case) -> str:
+    family, tied, shards = case
+    return f"{family}-{'tied' if tied else 'untied'}{'-sharded' if shards else ''}"
+
+
+@pytest.fixture(scope="module", params=CASES, ids=_id)
+def served(request, tmp_path_factory):
+    family, tied, shards = request.param
+    root = tmp_path_factory.mktemp(_id(request.param))
+    path = write_checkpoint(family, root / "ckpt", tied=tied, max_shard_size=shards)
+    if shards:
+        assert len(list(path.glob("*.safetensors"))) >= 2
+    engine = Engine(root / "engine.log", "--weight-version", "0", "--device", "cpu",
+                    "--dtype", "float32", model=str(path))
+    model, tokenizer = load_model(str(path), CPU, torch.float32)
+    yield family, path, engine, model, tokenizer
+    assert engine.stop() == 0, engine.log()
+
+
+def _prompt(tokenizer, family: str) -> list[int]:
+    messages = [{"role": "system", "content": "You add numbers."},
+                {"role": "user", "content": "What is 12 plus 30?"}]
+    ids = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    assert len(ids) > 60  # the tools' system text is there
+    return list(ids)
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    gen = model.generation_config.__class__(do_sample=False, max_new_tokens=n, min_new_tokens=0,
+                                            eos_token_id=None, pad_token_id=0)
+    out = model.generate(torch.tensor([prompt]), generation_config=gen,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def _engine_greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    out = engine.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    logprobs = [float(lp) for lp, _tok, *_ in out["meta_info"]["output_token_logprobs"]]
+    return out["output_ids"], logprobs
+
+
+def _trainer_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
+    """The trainer's own scoring: one forward pass, `token_logprobs` with shift=True."""
+    tokens = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits
+    return token_logprobs(logits, tokens, 1.0, shift=True)[0, len(prompt):].tolist()
+
+
+def test_engine_greedy_is_transformers_generate(served):
+    family, path, engine, model, tokenizer = served
+    prompt = _prompt(tokenizer, family)
+    with torch.no_grad():
+        expected = _hf_greedy(model, prompt, NEW_TOKENS)
+    got, _ = _engine_greedy(engine, prompt)
+    assert got == expected
+    info = engine.get("/get_model_info")[1]
+    assert info["model_path"] == str(path)
+
+
+def test_trainer_logprobs_match_the_engines(served):
+    family, _, engine, model, tokenizer = served
+    prompt = _prompt(tokenizer, family)
+    output, engine_lp = _engine_greedy(engine, prompt)
+    trainer_lp = _trainer_logprobs(model, prompt, output)
+    assert len(engine_lp) == len(trainer_lp) == NEW_TOKENS
+    assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) < LOGPROB_ATOL
+
+
+def _trained(path) -> torch.nn.Module:
+    """The trainer's model after an optimizer step: every parameter (the tied one once) moved."""
+    model, _ = load_model(str(path), CPU, torch.float32)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    opt.step()
+    return model.eval()
+
+
+def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
+    family, path, engine, _, tokenizer = served
+    trainer = _trained(path)
+    named = [(n, p.detach()) for n, p in trainer.named_parameters()]  # what publish sends
+    # The engine's own loading code on an engine-side copy: every tensor lands bit for bit,
+    # the tied lm_head through its embedding.
+    receiver, _ = load_model(str(path), CPU, torch.float32)
+    check_update(receiver, [n for n, _ in named], [list(t.shape) for _, t in named],
+                 [str(t.dtype).removeprefix("torch.") for _, t in named])
+    assert load_weights(receiver, named) == len(named)
+    theirs = model_tensors(trainer)
+    for name, tensor in model_tensors(receiver).items():
+        assert torch.equal(tensor, theirs[name]), name
+
+    # The real engine, over the real wire: it then decodes as the trained model does.
+    port = free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(engine.post, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": "weight_update_group", "backend": "gloo"})
+        group = init_weight_update_group("127.0.0.1", port, 0, 2, backend="gloo",
+                                         timeout_s=60)
+        assert joining.result()[1]["success"]
+        try:
+            updating = pool.submit(engine.post, "/update_weights_from_distributed",
+                                   update_request(named, "1"))
+            broadcast_from_trainer(group, named)
+            assert updating.result()[1]["success"], updating.result()
+        finally:
+            engine.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})
+            destroy_weight_update_group(group)
+    prompt = _prompt(tokenizer, family)
+    with torch.no_grad():
+        expected = _hf_greedy(trainer, prompt, NEW_TOKENS)
+    got, engine_lp = _engine_greedy(engine, prompt)
+    assert got == expected
+    trainer_lp = _trainer_logprobs(trainer, prompt, got)
+    assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) < LOGPROB_ATOL
+
+
+def test_exported_policy_reloads_in_transformers(served, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    family, path, _, _, tokenizer = served
+    trainer = _trained(path)
+    out = export_hf(tmp_path / "policy", model=trainer, tokenizer=tokenizer)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] == trainer.config.tie_word_embeddings
+    reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tok.chat_template == tokenizer.chat_template
+    prompt = _prompt(tok, family)
+    assert prompt == _prompt(tokenizer, family)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, trainer(input_ids=ids).logits)
+
+
+def test_gemma2_is_served_with_the_attention_it_supports(tmp_path):
+    """Gemma2 has no SDPA path (soft-capped attention logits): the engine loads it eagerly
+    instead of failing, and decodes as transformers does."""
+    path = write_checkpoint("gemma2", tmp_path / "gemma2")
+    model, tokenizer = load_model(str(path), CPU, torch.float32)
+    assert model.config._attn_implementation == "eager"
+    engine = Engine(tmp_path / "engine.log", "--device", "cpu", "--dtype", "float32",
+                    model=str(path))
+    try:
+        prompt = list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 12 plus 30?"}], add_generation_prompt=True,
+            tokenize=True, return_dict=True)["input_ids"])
+        assert prompt[0] == tokenizer.bos_token_id
+        with torch.no_grad():
+            expected = _hf_greedy(model, prompt, NEW_TOKENS)
+        got, engine_lp = _engine_greedy(engine, prompt)
+        assert got == expected
+        trainer_lp = _trainer_logprobs(model, prompt, got)
+        assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) < LOGPROB_ATOL
+    finally:
+        assert engine.stop() == 0, engine.log()
