@@ -424,13 +424,17 @@ class PromptSource:
 
 
 def render_prompt(row: PromptRow, tokenizer: Any, system_prompt: str | None = None) -> list[int]:
-    """Prompt token ids: through the tokenizer's chat template (with the generation prompt, and
-    the row's tools) when the prompt is messages or a system prompt is given; plain encoding
-    (with the tokenizer's special tokens, e.g. BOS) for a text prompt otherwise."""
+    """Prompt token ids, through the tokenizer's own chat template (with the generation prompt
+    and the row's tools): a text prompt is the user's message (after `system_prompt`, when
+    given). Only a tokenizer without a chat template encodes a text prompt as it is (with the
+    tokenizer's special tokens, e.g. BOS); chat messages need a template."""
     prompt = with_system_prompt(row.prompt, system_prompt)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt, add_special_tokens=True))
-    if not getattr(tokenizer, "chat_template", None):
+        if not has_template:
+            return list(tokenizer.encode(prompt, add_special_tokens=True))
+        prompt = [{"role": "user", "content": prompt}]
+    elif not has_template:
         raise ValueError(
             f"row {row.index}: the prompt is chat messages but the tokenizer has no chat template"
         )

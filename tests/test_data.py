@@ -303,7 +303,8 @@ def ids(text: str) -> list[int]:
 
 def test_render_prompt(tokenizer):
     text = PromptRow(0, "hello world")
-    assert render_prompt(text, tokenizer) == ids("<s> hello world")
+    # a text prompt is the user's message, through the template, never encoded raw
+    assert render_prompt(text, tokenizer) == ids("<|user|> hello world <|end|> <|assistant|>")
     assert render_prompt(PromptRow(1, CHAT), tokenizer) == ids(
         "<|user|> what is 2 + 2 ? <|end|> <|assistant|>"
     )
@@ -314,8 +315,9 @@ def test_render_prompt(tokenizer):
     assert render_prompt(with_tools, tokenizer) == ids(
         "tool calc <|user|> what is 2 + 2 ? <|end|> <|assistant|>"
     )
-    kept = drop_long_prompts([text, PromptRow(1, CHAT)], tokenizer, max_prompt_tokens=5)
-    assert kept == [text]
+    short = PromptRow(3, "hello")
+    kept = drop_long_prompts([short, PromptRow(1, CHAT)], tokenizer, max_prompt_tokens=5)
+    assert kept == [short]
 
 
 def test_render_chat_needs_a_template(tokenizer):
@@ -324,3 +326,35 @@ def test_render_chat_needs_a_template(tokenizer):
     assert render_prompt(PromptRow(0, "hello"), bare) == ids("<s> hello")
     with pytest.raises(ValueError, match="row 3: the prompt is chat messages but the tokenizer"):
         render_prompt(PromptRow(3, CHAT), bare)
+
+
+QWEN_TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "llama3.1"])
+def test_prompts_render_through_the_real_chat_templates(family):
+    """Text and message prompts, with and without tools, come out exactly as the family's own
+    template renders them (Qwen2.5's default system prompt and tool block included)."""
+    from tests.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer(family)
+
+    def expected(messages, tools=None):
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=True)
+        return text, tok.encode(text, add_special_tokens=False)
+
+    user = [{"role": "user", "content": "What is 12 plus 30?"}]
+    text, want = expected(user)
+    assert render_prompt(PromptRow(0, "What is 12 plus 30?"), tok) == want
+    if family == "qwen2.5":
+        assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
+                        "helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 12 plus 30?"
+                        "<|im_end|>\n<|im_start|>assistant\n")
+    if family == "llama3.1":
+        assert want[0] == tok.bos_token_id and want.count(tok.bos_token_id) == 1
+    text, want = expected([{"role": "system", "content": "Be brief."}, *user], QWEN_TOOLS)
+    assert render_prompt(PromptRow(1, user, tools=QWEN_TOOLS), tok, "Be brief.") == want
+    assert '"name": "calculator"' in text and "Be brief." in text

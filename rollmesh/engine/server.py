@@ -241,6 +241,7 @@ class EngineServer:
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         sent = [0] * len(call.requests)
+        started = [False] * len(call.requests)
         done = [False] * len(call.requests)
         while not all(done):
             i = await progress.get()
@@ -248,10 +249,10 @@ class EngineServer:
             finished = req.finished
             if done[i] or (len(req.output_ids) <= sent[i] and not finished):
                 continue
-            body = api.response_of(req, self.tokenizer)
+            body = api.response_of(req, self.tokenizer, first_response=not started[i])
             if call.batched:
                 body["index"] = i
-            sent[i], done[i] = len(body["output_ids"]), finished
+            sent[i], started[i], done[i] = len(body["output_ids"]), True, finished
             await resp.write(f"data: {json.dumps(body)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
