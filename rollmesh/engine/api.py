@@ -254,28 +254,44 @@ def _max_new_tokens(prompt: int, params: SamplingParams, limits: ModelLimits) ->
     return max_new
 
 
-def generate_response(r: Request, return_logprob: bool, tokenizer: Any) -> dict[str, Any]:
-    """SGLang's response body for `r`, complete or (streaming) so far."""
+def generate_response(r: Request, return_logprob: bool, tokenizer: Any, *,
+                      first_response: bool = True) -> dict[str, Any]:
+    """SGLang's response body for `r`, complete or (streaming) so far.
+
+    meta_info as SGLang 0.5.23's tokenizer manager builds it (tests/fixtures/sglang/
+    generate_*.json): `weight_versions` (spans of output tokens per weight version) and
+    `e2e_latency` once finished, `response_sent_to_client_ts` on the first response sent
+    (`first_response`: every non-streamed answer, a stream's first chunk). Fields of features
+    this engine lacks have their neutral value: no retractions, no reasoning parser, no prefix
+    cache, one data-parallel rank.
+    """
     output_ids = list(r.output_ids)
     n = len(output_ids)
     meta: dict[str, Any] = {
         "id": r.rid,
         "finish_reason": r.finish_reason,
         "prompt_tokens": len(r.input_ids),
-        "completion_tokens": n,
-        "cached_tokens": 0,
         "weight_version": r.weight_version,
-        "e2e_latency": time.perf_counter() - r.received_at,
+        "num_retractions": 0,
     }
     if return_logprob:
         meta.update(logprob_meta(r, n, tokenizer))
+    meta.update(reasoning_tokens=0, completion_tokens=n, cached_tokens=0)
+    if r.finished:
+        meta["weight_versions"] = [dict(span) for span in r.weight_versions]
+    meta["dp_rank"] = 0
+    if r.finished:
+        meta["e2e_latency"] = time.perf_counter() - r.received_at
+    if first_response:
+        meta["response_sent_to_client_ts"] = time.time()
     return {"text": _text(r, output_ids, tokenizer), "output_ids": output_ids, "meta_info": meta}
 
 
-def response_of(r: Request, tokenizer: Any) -> dict[str, Any]:
+def response_of(r: Request, tokenizer: Any, *, first_response: bool = True) -> dict[str, Any]:
     """`generate_response` with the request's own return_logprob (prompts of one batch may
     differ)."""
-    return generate_response(r, r.logprob_start is not None, tokenizer)
+    return generate_response(r, r.logprob_start is not None, tokenizer,
+                             first_response=first_response)
 
 
 def logprob_meta(r: Request, n: int, tokenizer: Any) -> dict[str, Any]:
@@ -297,6 +313,7 @@ def logprob_meta(r: Request, n: int, tokenizer: Any) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "input_token_logprobs": entries(r.input_logprobs, input_ids[: len(r.input_logprobs)]),
         "output_token_logprobs": entries(r.output_logprobs[:n], r.output_ids[:n]),
+        "output_token_logprobs_length": n,
     }
     if r.top_logprobs_num > 0:
         meta["input_top_logprobs"] = top(r.input_top_logprobs)

@@ -69,6 +69,9 @@ class Request:
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # SGLang's weight_versions: [{"version", "start", "end"}], output tokens [start, end) per
+    # weight version they were sampled with.
+    weight_versions: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -425,6 +428,11 @@ class Scheduler:
             if r.top_logprobs_num > 0:
                 r.output_top_logprobs.append(top)
             r.weight_version = self.weight_version  # every streamed chunk carries it
+            spans, count = r.weight_versions, len(r.output_ids)
+            if spans and spans[-1]["version"] == self.weight_version:
+                spans[-1]["end"] = count
+            else:
+                spans.append({"version": self.weight_version, "start": count - 1, "end": count})
             reason = self._check_finished(r)
             if reason is not None:
                 self._finish(r, reason)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from engine_harness import chat_prompt, greedy_decode
 
@@ -220,3 +222,73 @@ def test_input_logprobs_in_chunks_equal_one_log_softmax(monkeypatch):
     assert r.input_top_logprobs[0] is None
     assert [[t for _, t in pos] for pos in r.input_top_logprobs[1:]] == \
         full.topk(2).indices.tolist()
+
+
+# -- held to SGLang 0.5.23's bodies (tests/fixtures/sglang/generate_*.json) ----------------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sglang"
+# The value of these depends on what the model generates, not on the wire format.
+_MODEL_DEPENDENT = {"finish_reason"}
+
+
+def _shape_diff(want: Any, got: Any, path: str = "") -> list[str]:
+    """Where `got` differs from `want` in keys, nesting or JSON types (values may differ)."""
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            return [f"{path}: expected an object, got {type(got).__name__}"]
+        out = [f"{path}.{k}: missing" for k in want if k not in got]
+        out += [f"{path}.{k}: not in SGLang's body" for k in got if k not in want]
+        for k in want:
+            if k in got and k not in _MODEL_DEPENDENT:
+                out += _shape_diff(want[k], got[k], f"{path}.{k}")
+        return out
+    if isinstance(want, list):
+        if not isinstance(got, list):
+            return [f"{path}: expected a list, got {type(got).__name__}"]
+        if len(want) == len(got):
+            return [d for i, (w, g) in enumerate(zip(want, got))
+                    for d in _shape_diff(w, g, f"{path}[{i}]")]
+        sample = next((w for w in want if w is not None), None)
+        return [] if sample is None else [
+            d for i, g in enumerate(got) for d in _shape_diff(sample, g, f"{path}[{i}]")]
+    if want is None or got is None:
+        return [] if want is got else [f"{path}: {got!r} where SGLang has {want!r}"]
+    number = (int, float)
+    if isinstance(want, bool) or isinstance(got, bool):
+        same = isinstance(want, bool) and isinstance(got, bool)
+    elif isinstance(want, float) or isinstance(got, float):
+        same = isinstance(want, number) and isinstance(got, number)
+    else:
+        same = type(want) is type(got)
+    return [] if same else [f"{path}: {type(got).__name__} where SGLang has "
+                            f"{type(want).__name__}"]
+
+
+def _fixture_cases() -> list[str]:
+    names = sorted(p.name for p in FIXTURES.glob("generate_*.json"))
+    return [n for n in names if n != "generate_abort.json"]  # abort: test_engine_interrupt
+
+
+@pytest.mark.parametrize("name", _fixture_cases())
+def test_engine_answers_fixture_requests_in_sglangs_shape(engine, name):
+    fx = json.loads((FIXTURES / name).read_text())
+    body = fx["request"]
+    if "stream" in fx:
+        chunks = _stream(engine, body)
+        want = fx["stream"]
+        # A stream's first and last chunks (and any between) have their own keys.
+        pairs = [(want[0], chunks[0]), (want[-1], chunks[-1])]
+        if len(want) > 2 and len(chunks) > 2:
+            pairs.append((want[1], chunks[1]))
+        if isinstance(body["input_ids"][0], list):  # a batch: per index
+            pairs = []
+            for index in {c["index"] for c in want}:
+                w = [c for c in want if c["index"] == index]
+                g = [c for c in chunks if c["index"] == index]
+                pairs += [(w[0], g[0]), (w[-1], g[-1])]
+        diffs = [d for w, g in pairs for d in _shape_diff(w, g, "chunk")]
+    else:
+        status, got = engine.post("/generate", body)
+        assert status == fx["status"], got
+        diffs = _shape_diff(fx["response"], got, "response")
+    assert not diffs, f"{name}: " + "; ".join(diffs)
