@@ -21,11 +21,12 @@ import inspect
 import json
 import operator
 import re
+from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from rollmesh.config import RolloutConfig
+from rollmesh.config import ModelConfig, RolloutConfig
 from rollmesh.engine.client import EngineClient, GenerateOutput
 from rollmesh.protocol import Trajectory
 
@@ -173,9 +174,43 @@ class SingleTurn:
 # --------------------------------------------------------------------------------------------
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-# Qwen2.5 / Hermes chat format: a tool result is a user turn wrapped in <tool_response>.
-TOOL_TURN = "\n<|im_start|>user\n{responses}<|im_end|>\n<|im_start|>assistant\n"
-TOOL_RESPONSE = "<tool_response>\n{content}\n</tool_response>"
+_ASSISTANT_PROBE = "rollmesh-assistant-turn"  # stands for the generated turn when rendering
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot render what a loop needs (named in the message)."""
+
+
+def tool_observation(tokenizer: Any, results: Sequence[str], *, turn_ended: bool) -> list[int]:
+    """The token ids that follow a generated assistant turn: the tool responses, rendered by the
+    tokenizer's own chat template, and the next assistant header.
+
+    The template renders [user, assistant, tool...] with the generation prompt; what comes after
+    the assistant turn's end (`eos_token`, e.g. Qwen's <|im_end|>) is the observation. The
+    rendering of [user] must be a prefix of it (a template that rewrites earlier turns cannot be
+    continued token by token). `turn_ended`: the generated turn already ends with `eos_token`;
+    otherwise (stopped by a stop string) the end-of-turn is part of the observation."""
+    eot = getattr(tokenizer, "eos_token", None)
+    if not getattr(tokenizer, "chat_template", None) or not eot:
+        raise ChatTemplateError("tool_agent: the tokenizer needs a chat template and an "
+                                "eos_token to render tool responses with")
+    user = [{"role": "user", "content": "?"}]
+    convo = [*user, {"role": "assistant", "content": _ASSISTANT_PROBE},
+             *({"role": "tool", "content": r} for r in results)]
+    try:
+        head = tokenizer.apply_chat_template(user, tokenize=False)
+        full = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja's TemplateError, raise_exception(...) in the template
+        raise ChatTemplateError(f"tool_agent: the chat template cannot render tool responses: "
+                                f"{type(e).__name__}: {e}") from e
+    at = full.find(_ASSISTANT_PROBE, len(head)) if full.startswith(head) else -1
+    end = full.find(eot, at + len(_ASSISTANT_PROBE)) if at >= 0 else -1
+    if end < 0:
+        raise ChatTemplateError(
+            "tool_agent: the chat template's rendering of [user, assistant, tool] does not "
+            f"continue its rendering of [user] with an assistant turn ended by {eot!r}")
+    text = full[end if not turn_ended else end + len(eot):]
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def parse_tool_calls(text: str) -> list[dict[str, Any]]:
@@ -257,9 +292,8 @@ class ToolAgent:
                 break
             results = await asyncio.gather(*(run_tool(tools, c, ctx.rollout.tool_timeout_s)
                                              for c in calls))
-            turn = TOOL_TURN.format(responses="\n".join(TOOL_RESPONSE.format(content=r)
-                                                        for r in results))
-            append_observation(traj, ctx.tokenizer.encode(turn, add_special_tokens=False))
+            ended = int(traj.token_ids[-1]) == ctx.tokenizer.eos_token_id
+            append_observation(traj, tool_observation(ctx.tokenizer, results, turn_ended=ended))
             state["turn_start"] = len(traj.token_ids)
             state.setdefault("tool_calls", 0)
             state["tool_calls"] += len(calls)
@@ -325,13 +359,12 @@ def get_agent_loop(name: str, loops: dict[str, type] | None = None) -> type:
     return loops[name]
 
 
-def load_tokenizer(model_path: str) -> Any:
-    """The tokenizer of `model.path`: tiny's built-in one or a local checkpoint's."""
-    from rollmesh.engine.models import is_tiny, tiny_tokenizer
+def load_tokenizer(model: ModelConfig | str) -> Any:
+    """The tokenizer of `[model]`: `model.tokenizer_path` when set, else tiny's built-in one or
+    the checkpoint's own; `model.trust_remote_code` lets a checkpoint's tokenizer code run. A
+    bare string is a model path with the defaults."""
+    from rollmesh.engine.models import load_tokenizer as load
 
-    if is_tiny(model_path):
-        return tiny_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-
+    if isinstance(model, str):
+        return load(model)
+    return load(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)

@@ -33,7 +33,7 @@ class AgentWorker:
         self.channel = channel
         self.loops = load_agent_loops()
         self.cancelling = asyncio.Event()
-        self.loop_ctx = LoopContext(client, load_tokenizer(exp.model.path), exp.rollout,
+        self.loop_ctx = LoopContext(client, load_tokenizer(exp.model), exp.rollout,
                                     max_context=exp.model.max_context, cancelling=self.cancelling)
         self.running: dict[str, asyncio.Task] = {}
         self.counts = {"finished": 0, "interrupted": 0, "failed": 0}

@@ -25,7 +25,7 @@ class RewardWorker:
     def __init__(self, ctx: RoleContext, exp: ExperimentConfig, sandbox: RewardSandbox,
                  channel: ChannelClient):
         self.ctx, self.exp, self.sandbox, self.channel = ctx, exp, sandbox, channel
-        self.tokenizer = load_tokenizer(exp.model.path)
+        self.tokenizer = load_tokenizer(exp.model)
         self.name = f"{ctx.spec.role}-{ctx.spec.instance}"
         self.counts = {"ok": 0, "error": 0, "timeout": 0}
         self.tasks: set[asyncio.Task] = set()

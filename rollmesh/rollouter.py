@@ -639,7 +639,7 @@ async def main(ctx: RoleContext) -> None:
     """Role entry. config: experiment, bind (worker channel), control (RPC), message_queue."""
     exp = parse_config(ExperimentConfig, ctx.config["experiment"], "rollouter spec")
     source = PromptSource.from_config(exp.data)
-    tokenizer = load_tokenizer(exp.model.path)
+    tokenizer = load_tokenizer(exp.model)
     channel = Channel(ctx.transport, ctx.config["bind"], name="rollouter")
     mq = RpcClient(ctx.transport, ctx.config["message_queue"], timeout_s=30, name="message queue")
     state_dir = ctx.config.get("state_dir")

@@ -86,3 +86,81 @@ def test_calculator_evaluates_arithmetic_and_nothing_else():
 def test_builtin_loops_are_registered_as_entry_points():
     loops = load_agent_loops()
     assert {"single_turn", "tool_agent"} <= set(loops)
+
+
+# -- tool responses through the chat template ----------------------------------------------
+
+
+def _generated_turn(tok, messages, tools, reply: str) -> list[int]:
+    """A prompt as the rollouter renders it, then the model's turn ending in eos."""
+    prompt = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                     add_generation_prompt=True)
+    return tok.encode(prompt + reply + tok.eos_token, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "llama3.1"])
+def test_tool_responses_continue_the_conversation_as_the_template_renders_it(family):
+    """prompt + generated turn + observation == the template's rendering of the whole
+    conversation with the tool results, token for token."""
+    from rollmesh.agent_loops import tool_observation
+    from tests.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer(family)
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    user = [{"role": "user", "content": "What is 12 plus 30?"}]
+    reply = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+30"}}\n</tool_call>'
+    results = ["42", "unknown tool 'x'"]
+    ids = _generated_turn(tok, user, tools, reply)
+    obs = tool_observation(tok, results, turn_ended=True)
+    whole = tok.apply_chat_template(
+        [*user, {"role": "assistant", "content": reply},
+         *({"role": "tool", "content": r} for r in results)],
+        tools=tools, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids + obs) == whole
+    assert ids + obs == tok.encode(whole, add_special_tokens=False)
+    if family == "qwen2.5":
+        assert tok.decode(obs) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n"
+                                   "<tool_response>\nunknown tool 'x'\n</tool_response><|im_end|>"
+                                   "\n<|im_start|>assistant\n")
+    # a turn cut by a stop string, not ended by eos: the observation closes it
+    cut = tool_observation(tok, results, turn_ended=False)
+    assert cut == tok.encode(tok.eos_token, add_special_tokens=False) + obs
+
+
+def test_a_template_that_cannot_render_tool_turns_is_a_clear_error():
+    from rollmesh.agent_loops import ChatTemplateError, tool_observation
+    from tests.hf_checkpoints import build_tokenizer
+
+    gemma = build_tokenizer("gemma2")  # roles must alternate user/assistant: no tool role
+    with pytest.raises(ChatTemplateError, match="cannot render tool responses: .*alternate"):
+        tool_observation(gemma, ["42"], turn_ended=True)
+    bare = build_tokenizer("qwen2.5")
+    bare.chat_template = None
+    with pytest.raises(ChatTemplateError, match="needs a chat template"):
+        tool_observation(bare, ["42"], turn_ended=True)
+
+
+def test_load_tokenizer_honours_tokenizer_path_and_trust_remote_code(tmp_path, monkeypatch):
+    """`model.tokenizer_path` replaces the model's tokenizer; `model.trust_remote_code` reaches
+    transformers."""
+    import transformers
+
+    from rollmesh.agent_loops import load_tokenizer
+    from rollmesh.config import ModelConfig
+    from tests.hf_checkpoints import build_tokenizer
+
+    build_tokenizer("llama3.1").save_pretrained(tmp_path / "tok")
+    assert load_tokenizer(ModelConfig(path="tiny")).eos_token == "<|im_end|>"
+    tok = load_tokenizer(ModelConfig(path="tiny", tokenizer_path=str(tmp_path / "tok")))
+    assert tok.eos_token == "<|eot_id|>"
+    seen = {}
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    load_tokenizer(ModelConfig(path="tiny", tokenizer_path=str(tmp_path / "tok"),
+                               trust_remote_code=True))
+    assert seen["trust_remote_code"] is True and seen["local_files_only"] is True
