@@ -271,7 +271,7 @@ def generate_response(r: Request, return_logprob: bool, tokenizer: Any, *,
         "id": r.rid,
         "finish_reason": r.finish_reason,
         "prompt_tokens": len(r.input_ids),
-        "weight_version": r.weight_version,
+        "weight_version": _version_of_token(r, n - 1),
         "num_retractions": 0,
     }
     if return_logprob:
@@ -285,6 +285,15 @@ def generate_response(r: Request, return_logprob: bool, tokenizer: Any, *,
     if first_response:
         meta["response_sent_to_client_ts"] = time.time()
     return {"text": _text(r, output_ids, tokenizer), "output_ids": output_ids, "meta_info": meta}
+
+
+def _version_of_token(r: Request, index: int) -> str:
+    """The weight version output token `index` was sampled with (SGLang: the last span's); the
+    engine's current one before the first token."""
+    for span in reversed(list(r.weight_versions)):
+        if span["start"] <= index < span["end"]:
+            return span["version"]
+    return r.weight_version
 
 
 def response_of(r: Request, tokenizer: Any, *, first_response: bool = True) -> dict[str, Any]:

@@ -423,16 +423,18 @@ class Scheduler:
                         top_logprobs=[r.top_logprobs_num for r in rows])
         self.generated_tokens += sum(not r.internal for r in rows)
         for r, token, logprob, top in zip(rows, s.tokens, s.logprobs, s.top):
-            r.output_ids.append(token)
+            # The token itself last: a response built meanwhile on the event loop copies
+            # output_ids first, and finds log-probs and weight-version spans for all of them.
             r.output_logprobs.append(logprob)
             if r.top_logprobs_num > 0:
                 r.output_top_logprobs.append(top)
-            r.weight_version = self.weight_version  # every streamed chunk carries it
-            spans, count = r.weight_versions, len(r.output_ids)
+            spans, count = r.weight_versions, len(r.output_ids) + 1
             if spans and spans[-1]["version"] == self.weight_version:
                 spans[-1]["end"] = count
             else:
                 spans.append({"version": self.weight_version, "start": count - 1, "end": count})
+            r.weight_version = self.weight_version  # every streamed chunk carries it
+            r.output_ids.append(token)
             reason = self._check_finished(r)
             if reason is not None:
                 self._finish(r, reason)

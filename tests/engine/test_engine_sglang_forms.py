@@ -292,3 +292,40 @@ def test_engine_answers_fixture_requests_in_sglangs_shape(engine, name):
         assert status == fx["status"], got
         diffs = _shape_diff(fx["response"], got, "response")
     assert not diffs, f"{name}: " + "; ".join(diffs)
+
+
+def test_weight_version_changes_mid_stream(tmp_path):
+    """Every chunk carries the engine's weight version of its newest token; the finished
+    response's weight_versions spans say which tokens came from which version."""
+    from engine_harness import Engine
+
+    e = Engine(tmp_path / "engine.log")
+    try:
+        body = {"input_ids": [5, 6, 7], "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "temperature": 0,
+                                    "ignore_eos": True}}
+        req = urllib.request.Request(e.url + "/generate", data=json.dumps(body).encode(),
+                                     method="POST")
+        chunks = []
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            for line in resp:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunks.append(json.loads(line[len(b"data: "):]))
+                if len(chunks) == 3:
+                    status, _ = e.post("/update_weight_version",
+                                       {"new_version": "v2", "abort_all_requests": False})
+                    assert status == 200
+    finally:
+        e.stop()
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"]["type"] == "length"
+    spans = final["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "v2"]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
+    assert spans[1]["end"] == 400
+    assert final["meta_info"]["weight_version"] == "v2"
+    assert chunks[0]["meta_info"]["weight_version"] == "default"
+    for c in chunks:  # each chunk: the version of its newest token
+        n = len(c["output_ids"])
+        assert c["meta_info"]["weight_version"] == ("default" if n <= spans[0]["end"] else "v2")
