@@ -34,7 +34,7 @@ import torch
 from aiohttp import web
 
 from rollmesh import __version__
-from rollmesh.engine import api, models
+from rollmesh.engine import api, models, openai_api
 from rollmesh.engine.sampling import BadRequest
 from rollmesh.engine.scheduler import Request, Scheduler
 from rollmesh.log import configure_logging
@@ -162,6 +162,7 @@ class EngineServer:
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weight_version", self.update_weight_version)
+        openai_api.OpenAIRoutes(self).register(r)  # /v1/models, /v1/completions, /v1/chat/...
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
         return app
@@ -540,6 +541,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default=None,
                    help="require `Authorization: Bearer <key>` on every route but /health, the "
                         "key read from this file (mode 0600); `rollmesh launch` makes one per run")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id of the OpenAI routes (/v1/models); default: --model")
+    p.add_argument("--tool-call-parser", choices=openai_api.TOOL_CALL_PARSERS, default=None,
+                   help="parse tool calls of /v1/chat/completions outputs into `tool_calls`, "
+                        "as SGLang's parser of that name (default: none, as SGLang)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 1 for a tiny model, whose matmuls are "
                         "too small to split and whose extra threads only fight the other roles "
