@@ -1,7 +1,7 @@
 """The one client every generating role uses: SGLang's HTTP API over one or more servers.
 
 Nothing above this module knows whether a server is real SGLang or rollmesh's built-in engine
-(`docs/sglang-contract.md`). It owns:
+(`docs/sglang-api.md`). It owns:
 
 - request ids: fixed width, so that SGLang's prefix matching on abort never hits another
   request (`s-4` would abort `s-42`);
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import random
 import time
@@ -41,6 +42,29 @@ class EngineError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.url = url
+
+
+def error_message(text: str) -> str:
+    """What an error body says, in any of SGLang's shapes (docs/sglang-api.md, "Errors"):
+    `{"error": {"message": ...}}` (a request its tokenizer manager refuses),
+    `{"error": "..."}` (the /generate schema check, a missing API key),
+    `{"object": "error", "message": ...}` (FastAPI validation), `{"success": false,
+    "message": ...}` (weight routes), `{"detail": ...}` (FastAPI's 404), or plain text
+    (/flush_cache). Unparseable text is returned as it is, cut to 500 characters."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:500]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if isinstance(body.get(key), str):
+                return body[key]
+    return text.strip()[:500]
 
 
 class EngineRequestError(EngineError):
@@ -199,7 +223,8 @@ class EngineClient:
                 text = await resp.text()
                 if resp.status >= 400:
                     cls = EngineRequestError if resp.status < 500 else EngineError
-                    raise cls(f"{url}: HTTP {resp.status}: {text[:500]}", resp.status, server.url)
+                    raise cls(f"{url}: HTTP {resp.status}: {error_message(text)}", resp.status,
+                              server.url)
                 if not text:
                     return None
                 try:

@@ -6,8 +6,12 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import json
+
 import pytest
 from engine_harness import Engine
+
+from rollmesh.engine.client import error_message
 
 GOOD = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
@@ -71,7 +75,10 @@ def _with(**changes):
 def test_bad_generate_is_refused_and_the_engine_keeps_serving(engine, body, needle):
     status, reply = engine.post("/generate", body)
     assert 400 <= status < 500
-    assert needle in reply["error"], reply
+    # SGLang's shapes: {"error": {"message": ...}}, or for a body that is no JSON object,
+    # FastAPI validation's {"object": "error", "message": ...}
+    assert isinstance(reply.get("error"), dict) or reply.get("object") == "error", reply
+    assert needle in error_message(json.dumps(reply)), reply
     status, reply = engine.post("/generate", GOOD)
     assert status == 200 and len(reply["output_ids"]) == 3
 
@@ -79,7 +86,8 @@ def test_bad_generate_is_refused_and_the_engine_keeps_serving(engine, body, need
 def test_malformed_json(engine):
     for raw in (b"{not json", b"", b"\xff\xfe"):
         status, reply = engine.post("/generate", raw=raw)
-        assert status == 400 and "JSON" in reply["error"]
+        assert status == 400 and reply["object"] == "error" and reply["code"] == 400
+        assert "JSON" in reply["message"]
     assert engine.post("/generate", GOOD)[0] == 200
 
 
