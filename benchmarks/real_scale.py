@@ -499,16 +499,24 @@ def main() -> int:
           f"GB); cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}, "
           f"{available() / GIB:.1f} GiB available", flush=True)
     rows = []
-    if "load" in args.only:
-        rows += part_load(args)
-    if "train" in args.only:
-        rows += part_train(args)
-    if args.only & {"sync", "decode"}:
-        rows += part_sync_decode(args, args.only)
+    parts = [(part_load, {"load"}), (part_train, {"train"}),
+             (lambda a: part_sync_decode(a, a.only), {"sync", "decode"})]
+    for part, names in parts:
+        if args.only & names:
+            since = os.getloadavg()[0]
+            rows += loaded(part(args), since)
     print(f"done in {(time.time() - started) / 60:.1f} min, load average "
           f"{os.getloadavg()[0]:.2f}")
     write(args.json, rows)
     return 0
+
+
+def loaded(rows: list[dict], since: float) -> list[dict]:
+    """Each row's note says the 1-minute load average at its part's start and end."""
+    now = os.getloadavg()[0]
+    for r in rows:
+        r["note"] += f"; load average {since:.1f} -> {now:.1f} (2 cores, shared machine)"
+    return rows
 
 
 if __name__ == "__main__":

@@ -23,13 +23,15 @@ version + 1 (protocol in `rollmesh.synchronizer`). A resumed trainer continues t
 Ranks: K processes (role instances 0..K-1), each its own role process, join the trainer's own
 process group at `rendezvous` (rank 0 hosts the TCPStore): gloo on CPU, nccl on GPUs. The model
 is sharded with FSDP2 (`fully_shard` per decoder layer, then the root) on both: FSDP2 trains on
-CPU ranks over gloo (2 CPU ranks match 1 rank within ~1e-6 after two steps). Rank 0 alone
-talks to the other roles; it sends each batch and each decision (train, sync, stop) to the
-other ranks as msgpack bytes (`rollmesh.ranks`). Every rank holds the whole batch and computes
-what is cheap on it (advantages, normalisers, every rank's micro-batch plan); forward and
-backward passes run only on its share of the sequences. Old and reference log-probs (and the
-critic's old values) are computed on the shares and summed across ranks, so every rank has them
-for the whole batch.
+CPU ranks over gloo (2 CPU ranks match 1 rank within ~1e-6 after two steps). A checkpoint
+directory is built on the meta device, sharded, and each rank reads only its own rows of every
+parameter (`rollmesh.sharded_load`): K ranks hold one copy of each model between them, not K.
+Rank 0 alone talks to the other roles; it sends each batch and each decision (train, sync,
+stop) to the other ranks as msgpack bytes (`rollmesh.ranks`). Every rank holds the whole batch
+and computes what is cheap on it (advantages, normalisers, every rank's micro-batch plan);
+forward and backward passes run only on its share of the sequences. Old and reference log-probs
+(and the critic's old values) are computed on the shares and summed across ranks, so every rank
+has them for the whole batch.
 Weight syncs: `rollmesh.publish`; checkpoints: `rollmesh.checkpoint`.
 
 Gradient accumulation: each micro-batch's loss is normalised by the token (or sequence) count
