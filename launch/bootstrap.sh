@@ -18,7 +18,17 @@ done
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 pip() { "$venv/bin/python" -m pip "$@"; }
 torch_version=2.13.0
-if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+torch_check='import torch'
+# SGLang pins an exact torch (launch/sglang-requirements.txt): with --sglang, that one, replacing
+# another version already in the venv.
+sglang_torch_version=2.14.1
+case ",$extras," in
+  *,sglang,*)
+    torch_version=$sglang_torch_version
+    torch_check="import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')"
+    ;;
+esac
+if ! "$venv/bin/python" -c "$torch_check" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install "torch==$torch_version"
   else
