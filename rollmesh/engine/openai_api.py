@@ -298,7 +298,8 @@ def parse_completion(body: Any, served: ServedModel, tokenizer: Any) -> OpenAICa
     }, served, tokenizer)
     echo_texts = None
     if echo:
-        prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+        batch = isinstance(prompt, list) and not isinstance(prompt[0], int)
+        prompts = prompt if batch else [prompt]
         echo_texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True)
                       for p in prompts]
     return OpenAICall("completion", model, gen.requests, n, stream, include_usage, continuous,
