@@ -351,10 +351,12 @@ def build_model(family: str, tokenizer: Any, *, tied: bool, seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
-        with torch.no_grad():  # random init is small: widen the logits so greedy is not flat
-            for p in model.parameters():
-                if p.dim() == 2:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2:  # random init is small: widen the logits so greedy is not flat
                     p.mul_(4.0)
+                elif "norm" in name:  # norms of random sign, as trained ones are not all 1:
+                    p.normal_()  # with tied embeddings, h . E^T would favour the last token
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = config.bos_token_id
