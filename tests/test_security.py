@@ -414,7 +414,9 @@ def test_engine_http_needs_the_runs_api_key(tmp_path):
             except urllib.error.HTTPError as e:
                 return e.code
 
-        assert call("/health", None) == 200  # liveness probes stay open
+        # liveness probes stay open: every /health* path, as SGLang's decide_request_auth
+        assert call("/health", None) == 200
+        assert call("/health_generate", None) == 200
         for path, body in (("/get_model_info", None), ("/generate", {"input_ids": [1, 2],
                            "sampling_params": {"max_new_tokens": 2}}),
                            ("/init_weights_update_group", {"master_address": "10.0.0.1",

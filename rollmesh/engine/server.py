@@ -5,7 +5,7 @@
         [--max-running-requests 64] [--seed S] [--threads N]
 
 This module owns the HTTP side and the process lifecycle: the aiohttp routes of
-docs/sglang-contract.md, start-up (load, warm up, serve) and graceful shutdown on SIGTERM/SIGINT.
+docs/sglang-api.md, start-up (load, warm up, serve) and graceful shutdown on SIGTERM/SIGINT.
 The model itself belongs to the scheduler thread (scheduler.py); handlers only submit work to it
 and await the answer, so the event loop stays responsive even while a weight broadcast blocks
 the scheduler inside a collective.
@@ -27,6 +27,7 @@ import hmac
 import json
 import os
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +57,33 @@ from rollmesh.weights import (
 )
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's /flush_cache text (http_server.py `flush_cache`).
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+           "or waiting requests, the operation will not be performed.)\n")
+# /v1/loads `include` sections (SGLang's LoadSnapshot.VALID_SECTIONS).
+LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 
 
 def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    """SGLang's error body for a request its tokenizer manager refuses (a ValueError:
+    http_server.py `_create_error_response`): `{"error": {"message": ...}}`."""
+    return web.json_response({"error": {"message": message}}, status=status)
 
 
-def _result(success: bool, message: str) -> web.Response:
-    return web.json_response({"success": success, "message": message},
+class MalformedBody(BadRequest):
+    """The body is not a JSON object: FastAPI's RequestValidationError in SGLang, answered in
+    the OpenAI ErrorResponse shape (http_server.py, the RequestValidationError handler)."""
+
+
+def _validation_error(message: str) -> web.Response:
+    return web.json_response({"object": "error", "message": message, "type": "Bad Request",
+                              "param": None, "code": 400}, status=400)
+
+
+def _result(success: bool, message: str, **extra: Any) -> web.Response:
+    """SGLang's weight-route body: `{"success", "message"}` (+ `num_paused_requests` from
+    /update_weights_from_disk), 200 or 400."""
+    return web.json_response({"success": success, "message": message, **extra},
                              status=200 if success else 400)
 
 
@@ -74,9 +94,9 @@ async def _body(request: web.Request, *, optional: bool = False) -> dict[str, An
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"malformed JSON: {e}") from None
+        raise MalformedBody(f"malformed JSON: {e}") from None
     if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+        raise MalformedBody("the request body must be a JSON object")
     return body
 
 
@@ -84,24 +104,31 @@ async def _body(request: web.Request, *, optional: bool = False) -> dict[str, An
 async def _bad_requests(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
+    except MalformedBody as e:
+        return _validation_error(str(e))
     except BadRequest as e:
         return _error(str(e))
 
 
+# Paths SGLang lets through without a key (utils/auth.py `decide_request_auth`: matched by
+# prefix, for probes and scrapers): /health, /health_generate, /ready, /metrics...
+OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
+
+
 def _api_key_guard(key: str) -> Any:
-    """Every route but GET /health needs `Authorization: Bearer <key>` (SGLang's --api-key
-    convention): the engine's HTTP is reachable by anyone on the network, and its weight
-    routes would let them replace the model."""
-    expected = f"Bearer {key}".encode()
+    """Every route but the /health* probes needs `Authorization: Bearer <key>` (SGLang's
+    --api-key convention): the engine's HTTP is reachable by anyone on the network, and its
+    weight routes would let them replace the model. A refusal is SGLang's 401
+    `{"error": "Unauthorized"}`."""
+    expected = key.encode()
 
     @web.middleware
     async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path != "/health":
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return web.json_response(
-                    {"error": {"message": "missing or wrong API key (Authorization: Bearer "
-                                          "<the run's engine key>)", "code": 401}}, status=401)
+        if request.method != "OPTIONS" and not request.path.startswith(OPEN_PATH_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if not (scheme.lower() == "bearer"
+                    and hmac.compare_digest(token.encode(), expected)):
+                return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     return guard
@@ -138,6 +165,10 @@ class EngineServer:
         # Receive buffer for flattened buckets that cannot land in the model directly (another
         # dtype than the model's) or are drained; kept while a weight-update group exists.
         self._recv_buffer: torch.Tensor | None = None
+        # /generate requests by rid until they finish: a second request with a live rid is
+        # refused, as SGLang's tokenizer manager refuses it (its rid_to_state).
+        self._live: dict[str, Request] = {}
+        self.startup_time = time.time()
         self.log = log
 
     def app(self) -> web.Application:
@@ -157,6 +188,11 @@ class EngineServer:
             r.add_get(path, self.model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
+        for path in ("/get_weight_version", "/weight_version"):
+            r.add_get(path, self.weight_version)
+        r.add_get("/v1/loads", self.loads)
+        for path in ("/tokenize", "/v1/tokenize"):
+            r.add_post(path, self.tokenize)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
@@ -201,6 +237,20 @@ class EngineServer:
             raise web.HTTPServiceUnavailable(text="engine scheduler is not running")
         return await asyncio.wrap_future(self.scheduler.submit(kind, *args))
 
+    def claim_rids(self, requests: list[Request]) -> None:
+        """Register a /generate call's requests under their rids before they are scheduled;
+        a rid that a request still in flight holds (or that the call names twice) is refused
+        with SGLang's 400 (tokenizer_manager.py: "Duplicate request ID detected: <rid>").
+        Finished requests are dropped here, so nothing needs releasing."""
+        for rid in [rid for rid, r in self._live.items() if r.finished]:
+            del self._live[rid]
+        seen: set[str] = set()
+        for req in requests:
+            if req.rid in self._live or req.rid in seen:
+                raise BadRequest(f"Duplicate request ID detected: {req.rid}")
+            seen.add(req.rid)
+        self._live.update((req.rid, req) for req in requests)
+
     # ---- generation ----
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
@@ -219,6 +269,7 @@ class EngineServer:
 
         for i, req in enumerate(call.requests):
             req.on_progress = on_progress_of(i)
+        self.claim_rids(call.requests)
         self.scheduler.add_all(call.requests)  # together: a group shares its prefill
         try:
             if call.stream:
@@ -263,7 +314,7 @@ class EngineServer:
         body = await _body(request, optional=True)
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
-            raise BadRequest("abort_request takes {'rid': str, 'abort_all': bool}")
+            raise MalformedBody("abort_request takes {'rid': str, 'abort_all': bool}")
         self.scheduler.abort(rid, abort_all)
         return web.Response(status=200)
 
@@ -271,7 +322,7 @@ class EngineServer:
         body = await _body(request, optional=True)
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
-            raise BadRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+            raise MalformedBody(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         await self._scheduler_call("pause", mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -282,7 +333,7 @@ class EngineServer:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if await self._scheduler_call("flush"):
-            return web.Response(text="Cache flushed.\n")
+            return web.Response(text=FLUSHED)
         return web.Response(status=400,
                             text="Cache not flushed: requests are running or waiting.\n")
 
@@ -334,10 +385,15 @@ class EngineServer:
         config = self.model.config
         return web.json_response({
             "model_path": self.args.model,
-            "tokenizer_path": self.args.model,
+            "served_model_name": self.args.model,
+            "tokenizer_path": self.args.tokenizer_path or self.args.model,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.scheduler.weight_version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": config.model_type,
@@ -347,16 +403,111 @@ class EngineServer:
     async def server_info(self, request: web.Request) -> web.Response:
         a = self.args
         return web.json_response({
-            "model_path": a.model, "tokenizer_path": a.model, "host": a.host, "port": a.port,
+            "model_path": a.model, "tokenizer_path": a.tokenizer_path or a.model,
+            "host": a.host, "port": a.port,
             "device": str(self.device), "dtype": str(self.model.dtype).removeprefix("torch."),
-            "tp_size": 1, "max_running_requests": a.max_running_requests,
+            "served_model_name": a.model, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+            "max_running_requests": a.max_running_requests,
             "random_seed": a.seed, "context_length": self.limits.context_length,
             "vocab_size": self.limits.vocab_size, "skip_tokenizer_init": False,
             "weight_version": self.scheduler.weight_version,
             "weight_update_groups": sorted(self.groups),
+            # SGLang's scheduler_info (scheduler.py `get_init_info`)
+            "status": "ready", "max_total_num_tokens": self._token_capacity(),
+            "max_req_input_len": self.limits.context_length - 1,
+            "startup_time": self.startup_time,
             "version": __version__, "engine": "rollmesh-builtin",
             "internal_states": [self.scheduler.stats()],
         })
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        """`{"weight_version": ...}`: SGLang's /get_weight_version and /weight_version before
+        0.5.23 (which answers 404 and reports it in /model_info); slime still polls it."""
+        return web.json_response({"weight_version": self.scheduler.weight_version})
+
+    def _token_capacity(self) -> int:
+        # No fixed KV pool here: the most tokens a full batch can hold.
+        return self.args.max_running_requests * self.limits.context_length
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang's /v1/loads (entrypoints/v1_loads.py, managers/load_snapshot.py): one load
+        per data-parallel rank, here the one rank 0, with the core keys (this engine has none
+        of the optional sections: memory, speculative, lora, disaggregation, queues)."""
+        q = request.query
+        include = {s.strip() for s in q.get("include", "").split(",") if s.strip()}
+        bad = include - LOAD_SECTIONS
+        if bad:
+            return _error(f"Invalid include sections: {sorted(bad)}. "
+                          f"Valid options: {sorted(LOAD_SECTIONS)}")
+        if q.get("dp_rank") not in (None, "0"):
+            return _error(f"dp_rank {q.get('dp_rank')!r}: this engine has one rank, 0")
+        fmt = q.get("format", "json")
+        if fmt not in ("json", "prometheus"):
+            return _error(f"format must be json or prometheus, got {fmt!r}")
+        s = self.scheduler
+        running, waiting = list(s.running), list(s.waiting)
+        used = sum(len(r.input_ids) + len(r.output_ids) for r in running)
+        capacity = self._token_capacity()
+        load = {
+            "timestamp": time.time(), "dp_rank": 0,
+            "num_running_reqs": len(running), "num_waiting_reqs": len(waiting),
+            "num_waiting_uncached_tokens": sum(len(r.input_ids) for r in waiting),
+            "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
+            "num_prealloc_ready_tokens": 0, "max_total_num_tokens": capacity,
+            "max_running_requests": self.args.max_running_requests,
+            "token_usage": used / capacity if capacity else 0.0,
+            "gen_throughput": 0.0, "cache_hit_rate": 0.0,
+            "utilization": len(running) / self.args.max_running_requests,
+            "total_prefill_uncached_tokens": s.prefill_tokens,
+            "total_prefill_busy_us": 0, "decode_moments": None,
+        }
+        if fmt == "prometheus":
+            lines = []
+            for key, value in load.items():
+                if key != "dp_rank" and isinstance(value, (int, float)):
+                    lines += [f"# TYPE sglang_{key} gauge", f'sglang_{key}{{dp_rank="0"}} {value}']
+            return web.Response(text="\n".join(lines) + "\n",
+                                content_type="text/plain", charset="utf-8")
+        return web.json_response({
+            "timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__,
+            "accelerator": torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda" else None,
+            "num_accelerators": 1, "loads": [load],
+        })
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """SGLang's /tokenize (openai/serving_tokenize.py): `prompt` (a string or a list of
+        them) or chat `messages` -> `{"tokens", "count", "max_model_len"}`."""
+        b = await _body(request)
+        prompt, messages = b.get("prompt"), b.get("messages")
+        if (prompt is None) == (messages is None):
+            raise MalformedBody("Exactly one of 'prompt' or 'messages' must be provided.")
+        special = b.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise MalformedBody("add_special_tokens must be a boolean")
+        max_len = getattr(self.tokenizer, "model_max_length", -1)
+        if not isinstance(max_len, int) or not -(2**63) <= max_len < 2**64:
+            max_len = self.limits.context_length
+        if messages is not None:
+            generation = b.get("add_generation_prompt")
+            if not isinstance(messages, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+                raise MalformedBody("messages must be a list of {role, content} objects")
+            if generation is not None and not isinstance(generation, bool):
+                raise MalformedBody("add_generation_prompt must be a boolean")
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True if generation is None else generation,
+                tokenize=True, return_dict=True)["input_ids"]
+            return web.json_response({"tokens": list(ids), "count": len(ids),
+                                      "max_model_len": max_len})
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=special)
+            return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": max_len})
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            ids_list = [self.tokenizer.encode(p, add_special_tokens=special) for p in prompt]
+            return web.json_response({"tokens": ids_list, "count": [len(i) for i in ids_list],
+                                      "max_model_len": max_len})
+        raise MalformedBody("prompt must be a string or a list of strings")
 
     # ---- weight updates ----
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -473,7 +624,7 @@ class EngineServer:
         b = await _body(request)
         path = b.get("model_path")
         if not isinstance(path, str):
-            return _result(False, "model_path (a checkpoint directory) is required")
+            raise MalformedBody("model_path (a checkpoint directory) is required")
         version = b.get("weight_version")
 
         def load(s: Scheduler) -> int:
@@ -495,14 +646,16 @@ class EngineServer:
             n = await self._scheduler_call("call", load)
         except (WeightUpdateError, OSError, RuntimeError, ValueError) as e:
             self.log.warning("weights_update_failed", source="disk", path=path, error=str(e))
-            return _result(False, f"update_weights_from_disk failed: {e}")
-        return _result(True, f"Succeeded to update model weights ({n} tensors).")
+            return _result(False, f"update_weights_from_disk failed: {e}",
+                           num_paused_requests=0)
+        return _result(True, f"Succeeded to update model weights ({n} tensors).",
+                       num_paused_requests=0)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         b = await _body(request)
         version = b.get("new_version")
-        if version is None:
-            return _result(False, "new_version is required")
+        if not isinstance(version, str):
+            raise MalformedBody(f"new_version (a string) is required, got {version!r}")
         if b.get("abort_all_requests", True):
             self.scheduler.abort(abort_all=True)
 
@@ -511,7 +664,9 @@ class EngineServer:
 
         await self._scheduler_call("call", set_version)
         self.log.info("weight_version_updated", weight_version=str(version))
-        return _result(True, f"Weight version updated to {version}.")
+        return web.json_response({"success": True,
+                                  "message": f"Weight version updated to {version}",
+                                  "new_version": version})
 
 
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
@@ -530,6 +685,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollmesh engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="'tiny[:key=value,...]' or a checkpoint dir")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="tokenizer directory (default: the model's own), as SGLang's flag")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the checkpoint's own modelling and tokenizer code run")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--weight-version", default="default")
@@ -576,7 +735,9 @@ def main(argv: list[str]) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        model, tokenizer = models.load_model(args.model, device, dtype)
+        model, tokenizer = models.load_model(
+            args.model, device, dtype, tokenizer_path=args.tokenizer_path,
+            trust_remote_code=args.trust_remote_code)
     except models.ModelSpecError as e:
         log.error("engine_bad_model", error=str(e))
         return 2
