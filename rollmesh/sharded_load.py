@@ -91,7 +91,8 @@ def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device and their buffers for real.
 
     The parameter is moved as it is registered, before the module's own init runs on it (which
-    then costs nothing); its transient `torch.empty` is never touched, so never resident."""
+    then costs nothing); its transient `torch.empty` is never touched, so never resident. The
+    patch is process-wide while it lasts: no other thread may build modules meanwhile."""
     register = torch.nn.Module.register_parameter
 
     def register_on_meta(module: torch.nn.Module, name: str, param: Any) -> None:
@@ -110,9 +111,11 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def empty_causal_lm(path: str | Path, dtype: torch.dtype, *, trust_remote_code: bool = False,
-                    attn_implementation: str | None = "sdpa") -> Any:
+                    attn_implementation: str | None = None) -> Any:
     """The causal LM of checkpoint directory `path`: config and generation config as
-    `from_pretrained` reads them, parameters on meta in `dtype`, buffers computed, eval mode."""
+    `from_pretrained` reads them, parameters on meta in `dtype`, buffers computed, eval mode.
+    `attn_implementation` None: transformers' choice, sdpa where the model supports it (the
+    engine's `load_model` asks for sdpa), else eager."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)

@@ -69,10 +69,41 @@ def test_one_rank_loads_what_from_pretrained_loads(checkpoints, name):
     assert state.model.config.to_dict() == {**want.config.to_dict(),
                                             "architectures": ["Qwen2ForCausalLM"]}
     assert state.model.generation_config.to_dict() == want.generation_config.to_dict()
+    assert state.model.config._attn_implementation == "sdpa"
     tied = state.model.lm_head.weight is state.model.model.embed_tokens.weight
     assert tied == CHECKPOINTS[name]["tied"]
     assert state.model.training and all(p.requires_grad for p in state.model.parameters())
     assert state.tokenizer.encode("48/2 = 24") == tiny_tokenizer().encode("48/2 = 24")
+
+
+def _other_architecture(name: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if name == "llama3_tied":  # Llama-3's rope scaling: inv_freq is not the plain formula
+        return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}))
+    return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("arch", ["llama3_tied", "qwen3_untied"])
+def test_other_architectures_load_as_from_pretrained_loads(tmp_path, arch):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = _other_architecture(arch)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    state = build_state(experiment(f'model.path="{tmp_path}"'))
+    want = reference(tmp_path)
+    assert_same(dict(state.model.named_parameters()), dict(want.named_parameters()), arch)
+    assert_same(dict(state.model.named_buffers()), dict(want.named_buffers()), arch)
+    assert (state.model.lm_head.weight is state.model.model.embed_tokens.weight) == (
+        arch == "llama3_tied")
 
 
 def test_a_checkpoint_with_other_names_is_refused_before_anything_is_allocated(tmp_path,
