@@ -5,7 +5,7 @@
         [--modes resume,restart] [--engine-cpus ""] [--seed 0] [--json PATH]
 
 One real `rollmesh engine` process (the built-in engine, the tiny model) serves both modes, one
-after the other, driven by the same loop over its HTTP API (docs/sglang-contract.md):
+after the other, driven by the same loop over its HTTP API (docs/sglang-api.md):
 
   * --samples requests (chat-templated prompts of configs/data/letters_train.jsonl), each with
     its own target length drawn from a lognormal (seeded; ignore_eos, temperature 1), at most

@@ -6,7 +6,7 @@ and reports (SyncDone); the other ranks take part in gathering each parameter fr
 shards (`full_tensor`, a collective) in the same order. Flow and failure handling of the whole
 sync: `rollmesh.synchronizer`.
 
-The broadcast follows docs/sglang-contract.md: the first sync fires `/init_weights_update_group`
+The broadcast follows docs/sglang-api.md: the first sync fires `/init_weights_update_group`
 at every engine, joins the group as rank 0, then collects the replies; every bucket fires
 `/update_weights_from_distributed` (its names, dtypes, shapes), broadcasts the bucket's tensors
 in that order (`rollmesh.weight_buckets`), then collects. Engines report the new version only

@@ -5,7 +5,7 @@ larger parameter is a bucket by itself). Each bucket is one `/update_weights_fro
 call announcing its names, dtypes and shapes, and travels in one of two forms, always in the
 order of the announced names:
 
-- "tensor": one broadcast per tensor. This is the contract (docs/sglang-contract.md) that both
+- "tensor": one broadcast per tensor. This is the contract (docs/sglang-api.md) that both
   SGLang and the built-in engine (`rollmesh.weights.receive_weights`) implement.
 - "flattened_bucket": one broadcast of a uint8 buffer holding the bucket's tensors back to back,
   each tensor's raw bytes at its offset, no padding: the layout of SGLang's

@@ -1,6 +1,6 @@
 """Weight sync between the trainer and the engines: the code both sides of the broadcast share.
 
-The group is built as SGLang, verl and slime build it (see docs/sglang-contract.md): a
+The group is built as SGLang, verl and slime build it (see docs/sglang-api.md): a
 rendezvous on `tcp://addr:port`, a `PrefixStore(group_name, store)`, and torch's internal
 `_new_process_group_helper`, because a process can own only one default WORLD group and the
 trainer's WORLD belongs to training. Rank 0 is the trainer; it broadcasts every tensor in the
