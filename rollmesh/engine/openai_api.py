@@ -659,6 +659,15 @@ def call_usage(call: OpenAICall) -> dict[str, Any]:
                  sum(len(r.output_ids) for r in call.requests))
 
 
+def weight_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """`metadata` of an answer (weight_versions.build_endpoint_weight_version_metadata): the
+    first choice's weight_version, and its spans where /generate lists them."""
+    out = {"weight_version": meta["weight_version"]}
+    if "weight_versions" in meta:
+        out["weight_versions"] = meta["weight_versions"]
+    return out
+
+
 def _finish(r: Request) -> tuple[str | None, Any]:
     reason = r.finish_reason
     return (reason["type"], reason.get("matched")) if reason else (None, None)
@@ -677,9 +686,10 @@ def abort_error(call: OpenAICall) -> OpenAIError | None:
 
 def completion_response(call: OpenAICall, tokenizer: Any,
                         token_bytes: TokenBytes) -> dict[str, Any]:
-    choices = []
+    choices, metas = [], []
     for i, r in enumerate(call.requests):
         body = api.response_of(r, tokenizer)
+        metas.append(body["meta_info"])
         text = body["text"]
         if call.echo is not None:
             text = call.echo[i // call.n] + text
@@ -693,7 +703,7 @@ def completion_response(call: OpenAICall, tokenizer: Any,
         choices.append(choice)
     return {"id": call.requests[0].rid, "object": "text_completion", "created": call.created,
             "model": call.model, "choices": choices, "usage": call_usage(call),
-            "metadata": {"weight_version": call.requests[0].weight_version}}
+            "metadata": weight_metadata(metas[0])}
 
 
 def _completion_choice_logprobs(call: OpenAICall, body: dict[str, Any],
@@ -712,9 +722,10 @@ def _completion_choice_logprobs(call: OpenAICall, body: dict[str, Any],
 
 def chat_response(call: OpenAICall, tokenizer: Any, token_bytes: TokenBytes,
                   parser: str | None) -> dict[str, Any]:
-    choices = []
+    choices, metas = [], []
     for i, r in enumerate(call.requests):
         body = api.response_of(r, tokenizer)
+        metas.append(body["meta_info"])
         reason, matched = _finish(r)
         text, tool_calls = body["text"], None
         if call.tools is not None and parser is not None:
@@ -742,7 +753,7 @@ def chat_response(call: OpenAICall, tokenizer: Any, token_bytes: TokenBytes,
         choices.append(choice)
     return {"id": call.requests[0].rid, "object": "chat.completion", "created": call.created,
             "model": call.model, "choices": choices, "usage": call_usage(call),
-            "metadata": {"weight_version": call.requests[0].weight_version}}
+            "metadata": weight_metadata(metas[0])}
 
 
 def stream_safe(text: str, stops: list[str]) -> str:

@@ -86,7 +86,9 @@ def test_greedy_chat_equals_generate_on_the_rendered_prompt(served: Engine,
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens == len(ref["output_ids"])
     assert out.usage.total_tokens == len(ids) + len(ref["output_ids"])
-    assert out.metadata == {"weight_version": "default"}
+    n = len(ref["output_ids"])
+    assert out.metadata == {"weight_version": "default",
+                            "weight_versions": [{"version": "default", "start": 0, "end": n}]}
 
 
 def test_streamed_chat_adds_up_to_the_answer(client: openai.OpenAI):
