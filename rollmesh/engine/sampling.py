@@ -78,8 +78,11 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
 
-# Keys SGLang accepts that change sampling and are not implemented here: allowed only unset.
-_UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag")
+# Keys SGLang (0.5.23) accepts that change sampling and are not implemented here: allowed only
+# unset (null, or their neutral value), refused otherwise.
+_UNSUPPORTED = {"json_schema": (), "regex": (), "ebnf": (), "structural_tag": (),
+                "stop_regex": ("", []), "choice": ([],), "watermark": (False,),
+                "beam_width": (0, 1)}
 # Keys SGLang accepts that do not change what is sampled: accepted and ignored.
 _IGNORED = ("stream_interval",)
 
@@ -125,7 +128,9 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
         if key in _IGNORED:
             continue
         if key in _UNSUPPORTED:
-            if value is not None:
+            neutral = _UNSUPPORTED[key]
+            if value is not None and not any(value == v and type(value) is type(v)
+                                              for v in neutral):
                 raise BadRequest(f"sampling_params.{key} is not supported by the built-in engine")
             continue
         if key not in known:

@@ -30,9 +30,11 @@ def test_parse_defaults_nulls_and_normalisation():
                 {"presence_penalty": -3}, {"repetition_penalty": 0}, {"repetition_penalty": 2.1},
                 {"n": 0}, {"logit_bias": {"100": 1.0}}, {"logit_bias": {"x": 1.0}},
                 {"logit_bias": [1]}, {"logit_bias": {"3": "big"}}, {"custom_params": 3},
-                {"regex": "a+"}):
+                {"regex": "a+"}, {"stop_regex": "x+"}, {"beam_width": 4}, {"watermark": True},
+                {"choice": ["a", "b"]}):
         with pytest.raises(BadRequest):
             parse_sampling_params(bad, vocab_size=100)
+    p = _params(stop_regex=None, beam_width=1, watermark=False, choice=[])  # neutral: fine
     p = _params(n=4, repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=2,
                 logit_bias={"7": -1.5}, custom_params={"thinking_budget": 10})
     assert (p.n, p.repetition_penalty, p.logit_bias) == (4, 1.3, {7: -1.5})
