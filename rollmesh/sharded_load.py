@@ -37,6 +37,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from rollmesh.engine.models import attention_implementation
+
 # (parameter name, first row, end row) -> those rows of the parameter's full value
 RowReader = Callable[[str, int, int], Tensor]
 
@@ -114,8 +116,8 @@ def empty_causal_lm(path: str | Path, dtype: torch.dtype, *, trust_remote_code: 
                     attn_implementation: str | None = None) -> Any:
     """The causal LM of checkpoint directory `path`: config and generation config as
     `from_pretrained` reads them, parameters on meta in `dtype`, buffers computed, eval mode.
-    `attn_implementation` None: transformers' choice, sdpa where the model supports it (the
-    engine's `load_model` asks for sdpa), else eager."""
+    `attn_implementation` None: the kernel the engine's `load_model` picks for the
+    architecture (`rollmesh.engine.models.attention_implementation`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
@@ -124,8 +126,9 @@ def empty_causal_lm(path: str | Path, dtype: torch.dtype, *, trust_remote_code: 
     config = AutoConfig.from_pretrained(path, local_files_only=True,
                                         trust_remote_code=trust_remote_code)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
+    attn = attn_implementation or attention_implementation(config)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
     # fork_rng: building must not move the caller's RNG stream (from_pretrained does not)
     with torch.random.fork_rng(devices=[]), parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, **kwargs)

@@ -75,7 +75,7 @@ from rollmesh.algorithms import (
 )
 from rollmesh.config import AlgorithmConfig, ExperimentConfig, parse_config
 from rollmesh.engine.client import run_api_key
-from rollmesh.engine.models import is_tiny, load_model, resolve_device
+from rollmesh.engine.models import is_tiny, load_model, load_tokenizer, resolve_device
 from rollmesh.log import get_logger
 from rollmesh.packing import BatchData
 from rollmesh.protocol import Batch, GetBatch, Metrics, StatsRequest
@@ -181,7 +181,8 @@ def load_models(exp: ExperimentConfig, ranks: Ranks, device: torch.device,
         except UnsupportedCheckpoint as e:
             log.warning("sharded_load_unsupported", path=path, reason=str(e),
                         fallback="the whole model on every rank, then sharded")
-    lm, tokenizer = load_model(path, device, dtype)
+    lm, tokenizer = load_model(path, device, dtype, tokenizer_path=exp.model.tokenizer_path,
+                               trust_remote_code=exp.model.trust_remote_code)
     model = lm
     if critic_seed is not None:
         model, head = _new_critic(lm, critic_seed)
@@ -194,11 +195,8 @@ def load_models(exp: ExperimentConfig, ranks: Ranks, device: torch.device,
 
 
 def _tokenizer(exp: ExperimentConfig) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(exp.model.tokenizer_path or exp.model.path,
-                                         local_files_only=True,
-                                         trust_remote_code=exp.model.trust_remote_code)
+    return load_tokenizer(exp.model.tokenizer_path or exp.model.path,
+                          trust_remote_code=exp.model.trust_remote_code)
 
 
 def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rollmesh.engine.models import tiny_tokenizer
+from rollmesh.engine.models import load_model, tiny_tokenizer
 from rollmesh.packing import from_groups
 from rollmesh.sharded_load import (
     CheckpointFiles, UnsupportedCheckpoint, checkpoint_keys, empty_causal_lm,
@@ -77,7 +77,10 @@ def test_one_rank_loads_what_from_pretrained_loads(checkpoints, name):
 
 
 def _other_architecture(name: str) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     tokenizer = tiny_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
@@ -88,10 +91,12 @@ def _other_architecture(name: str) -> Any:
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
             "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128}))
+    if name == "gemma2_tied":  # no SDPA path: eager attention, as the engine loads it
+        return Gemma2ForCausalLM(Gemma2Config(**common, head_dim=12, tie_word_embeddings=True))
     return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=False))
 
 
-@pytest.mark.parametrize("arch", ["llama3_tied", "qwen3_untied"])
+@pytest.mark.parametrize("arch", ["llama3_tied", "qwen3_untied", "gemma2_tied"])
 def test_other_architectures_load_as_from_pretrained_loads(tmp_path, arch):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(5)
@@ -99,11 +104,13 @@ def test_other_architectures_load_as_from_pretrained_loads(tmp_path, arch):
     model.to(torch.bfloat16).save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     state = build_state(experiment(f'model.path="{tmp_path}"'))
-    want = reference(tmp_path)
+    want, _ = load_model(str(tmp_path), torch.device("cpu"), torch.float32)  # the engine's load
     assert_same(dict(state.model.named_parameters()), dict(want.named_parameters()), arch)
     assert_same(dict(state.model.named_buffers()), dict(want.named_buffers()), arch)
+    assert state.model.config._attn_implementation == want.config._attn_implementation == (
+        "eager" if arch == "gemma2_tied" else "sdpa")
     assert (state.model.lm_head.weight is state.model.model.embed_tokens.weight) == (
-        arch == "llama3_tied")
+        arch != "qwen3_untied")
 
 
 def test_a_checkpoint_with_other_names_is_refused_before_anything_is_allocated(tmp_path,
