@@ -374,3 +374,37 @@ def write_checkpoint(family: str, path: str | Path, *, tied: bool = False, seed:
     model.save_pretrained(path, **kw)
     tokenizer.save_pretrained(path)
     return path
+
+
+REMOTE_CONFIG = '''from transformers import Qwen2Config
+
+
+class RemoteConfig(Qwen2Config):
+    model_type = "rollmesh_remote"
+'''
+REMOTE_MODELING = '''from transformers import Qwen2ForCausalLM
+
+from .configuration_remote import RemoteConfig
+
+
+class RemoteForCausalLM(Qwen2ForCausalLM):
+    """The checkpoint's own code: transformers runs it only with trust_remote_code."""
+
+    config_class = RemoteConfig
+'''
+
+
+def write_remote_code_checkpoint(path: str | Path) -> Path:
+    """A Qwen2.5 checkpoint whose config.json names its own modelling code (`auto_map`), as
+    checkpoints of architectures transformers does not ship do."""
+    import json
+
+    path = write_checkpoint("qwen2.5", path)
+    (path / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    (path / "modeling_remote.py").write_text(REMOTE_MODELING)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="rollmesh_remote", architectures=["RemoteForCausalLM"], auto_map={
+        "AutoConfig": "configuration_remote.RemoteConfig",
+        "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

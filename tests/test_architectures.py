@@ -17,7 +17,7 @@ import torch
 
 from rollmesh.algorithms.logits import token_logprobs
 from rollmesh.checkpoint import export_hf
-from rollmesh.engine.models import load_model
+from rollmesh.engine.models import ModelSpecError, load_model
 from rollmesh.weights import (
     broadcast_from_trainer, check_update, destroy_weight_update_group,
     init_weight_update_group, load_weights, model_tensors, update_request,
@@ -54,10 +54,18 @@ def engines(tmp_path_factory):
     paths = {case: write_checkpoint(case[0], root / _id(case), tied=case[1],
                                     max_shard_size=case[2]) for case in [*CASES, GEMMA2]}
 
+    # Gemma2's tokenizer lives elsewhere: its engine is given --tokenizer-path
+    gemma_tokenizer = root / "gemma2-tokenizer"
+    gemma_tokenizer.mkdir()
+    for f in list(paths[GEMMA2].iterdir()):
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            f.rename(gemma_tokenizer / f.name)
+    flags = {GEMMA2: ["--tokenizer-path", str(gemma_tokenizer)]}
+
     def start(case):
         return paths[case], Engine(root / f"{_id(case)}.log", "--weight-version", "0",
                                    "--device", "cpu", "--dtype", "float32",
-                                   model=str(paths[case]))
+                                   *flags.get(case, []), model=str(paths[case]))
 
     with ThreadPoolExecutor(len(paths)) as pool:
         started = list(pool.map(start, paths))
@@ -200,15 +208,48 @@ def test_gemma2_is_served_with_the_attention_it_supports(engines):
     """Gemma2 has no SDPA path (soft-capped attention logits): the engine loads it eagerly
     instead of failing, and decodes as transformers does."""
     path, engine = engines[GEMMA2]
-    model, tokenizer = load_model(str(path), CPU, torch.float32)
+    tokenizer_path = path.parent / "gemma2-tokenizer"
+    with pytest.raises(ModelSpecError, match="no tokenizer files"):  # none of its own
+        load_model(str(path), CPU, torch.float32)
+    model, tokenizer = load_model(str(path), CPU, torch.float32,
+                                  tokenizer_path=str(tokenizer_path))
     assert model.config._attn_implementation == "eager"
+    info = engine.get("/get_model_info")[1]
+    assert info["tokenizer_path"] == str(tokenizer_path)
     prompt = list(tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 12 plus 30?"}], add_generation_prompt=True,
         tokenize=True, return_dict=True)["input_ids"])
     assert prompt[0] == tokenizer.bos_token_id
     with torch.no_grad():
         expected = _hf_greedy(model, prompt, NEW_TOKENS)
+    out = engine.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    assert out["text"] == tokenizer.decode(out["output_ids"])  # detokenized by that tokenizer
     got, engine_lp = _engine_greedy(engine, prompt)
     assert got == expected and len(set(got)) > 1
     trainer_lp = _trainer_logprobs(model, prompt, got)
     assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) < LOGPROB_ATOL
+
+
+def test_trust_remote_code_runs_the_checkpoints_own_code(tmp_path):
+    """`model.trust_remote_code` reaches every loader: without it a checkpoint with its own
+    modelling code is refused; with it, that code builds the model. The engine's and SGLang's
+    command lines carry it and `model.tokenizer_path`."""
+    from rollmesh.config import EngineConfig, ModelConfig
+    from rollmesh.engine.sglang import engine_launch
+    from tests.hf_checkpoints import write_remote_code_checkpoint
+
+    path = write_remote_code_checkpoint(tmp_path / "remote")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_model(str(path), CPU, torch.float32)
+    model, tokenizer = load_model(str(path), CPU, torch.float32, trust_remote_code=True)
+    assert type(model).__name__ == "RemoteForCausalLM"
+    assert type(model).__module__.endswith("modeling_remote")
+    assert tokenizer.eos_token == "<|im_end|>"
+
+    cfg = ModelConfig(path=str(path), tokenizer_path="/tok", trust_remote_code=True)
+    for kind in ("builtin", "sglang"):
+        argv = engine_launch(EngineConfig(kind=kind), cfg, "127.0.0.1", 1).argv
+        at = argv.index("--tokenizer-path")
+        assert argv[at + 1] == "/tok" and "--trust-remote-code" in argv
+    argv = engine_launch(EngineConfig(kind="builtin"), ModelConfig(path="tiny"), "h", 1).argv
+    assert "--tokenizer-path" not in argv and "--trust-remote-code" not in argv

@@ -216,6 +216,9 @@ def checkpoint_dir(model: str) -> Path:
     return path
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
     """The tokenizer of `tiny[:...]` (the built-in one) or of a local directory."""
     if is_tiny(path):
@@ -224,6 +227,12 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
 
     if not Path(path).is_dir():
         raise ModelSpecError(f"tokenizer {path!r}: not 'tiny[:...]' and not a directory")
+    # transformers 5 builds an empty tokenizer of the config's type from a directory with no
+    # tokenizer files, without a word: refuse it here instead.
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelSpecError(
+            f"tokenizer {path!r}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+            "set model.tokenizer_path (--tokenizer-path) to the tokenizer's directory")
     return AutoTokenizer.from_pretrained(path, local_files_only=True,
                                          trust_remote_code=trust_remote_code)
 

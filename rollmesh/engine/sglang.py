@@ -41,7 +41,8 @@ def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
                 mem_fraction_static: float = 0.8, weight_version: str = "0",
                 dtype: str = "auto", random_seed: int | None = None,
                 extra_args: Sequence[str] = (), python: str = sys.executable,
-                api_key: str | None = None) -> list[str]:
+                api_key: str | None = None, tokenizer_path: str | None = None,
+                trust_remote_code: bool = False) -> list[str]:
     """`python -m sglang.launch_server` with the flags rollmesh relies on.
 
     --skip-server-warmup: the launcher waits for /health_generate itself.
@@ -53,6 +54,7 @@ def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
             "--host", host, "--port", str(port), "--tp-size", str(tp_size),
             "--mem-fraction-static", str(mem_fraction_static), "--skip-server-warmup",
             "--weight-version", weight_version, "--dtype", dtype]
+    argv += _model_flags(tokenizer_path, trust_remote_code)
     if random_seed is not None:
         argv += ["--random-seed", str(random_seed)]
     if api_key:  # SGLang takes the key itself on its command line
@@ -60,13 +62,21 @@ def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
     return argv + list(extra_args)
 
 
+def _model_flags(tokenizer_path: str | None, trust_remote_code: bool) -> list[str]:
+    """`model.tokenizer_path` and `model.trust_remote_code` as flags both servers take."""
+    flags = ["--tokenizer-path", tokenizer_path] if tokenizer_path else []
+    return flags + (["--trust-remote-code"] if trust_remote_code else [])
+
+
 def builtin_argv(model_path: str, host: str, port: int, *, dtype: str = "auto",
                  weight_version: str = "0", max_running_requests: int = 64,
                  seed: int | None = None, device: str = "auto",
-                 python: str = sys.executable, api_key_file: str | None = None) -> list[str]:
+                 python: str = sys.executable, api_key_file: str | None = None,
+                 tokenizer_path: str | None = None, trust_remote_code: bool = False) -> list[str]:
     argv = [python, "-m", "rollmesh", "engine", "--model", model_path, "--host", host,
             "--port", str(port), "--weight-version", weight_version, "--dtype", dtype,
-            "--max-running-requests", str(max_running_requests), "--device", device]
+            "--max-running-requests", str(max_running_requests), "--device", device,
+            *_model_flags(tokenizer_path, trust_remote_code)]
     if seed is not None:
         argv += ["--seed", str(seed)]
     if api_key_file:
@@ -86,12 +96,15 @@ def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int
         argv = sglang_argv(model.path, host, port, tp_size=engine.tp_size,
                            mem_fraction_static=engine.mem_fraction_static,
                            weight_version=weight_version, dtype=dtype, random_seed=seed,
-                           extra_args=engine.extra_args, python=python, api_key=api_key)
+                           extra_args=engine.extra_args, python=python, api_key=api_key,
+                           tokenizer_path=model.tokenizer_path,
+                           trust_remote_code=model.trust_remote_code)
     else:
         argv = builtin_argv(model.path, host, port, dtype=dtype, weight_version=weight_version,
                             max_running_requests=engine.max_running_requests, seed=seed,
                             device="cuda" if gpus else "auto", python=python,
-                            api_key_file=api_key_file)
+                            api_key_file=api_key_file, tokenizer_path=model.tokenizer_path,
+                            trust_remote_code=model.trust_remote_code)
     return EngineLaunch(engine.kind, host, port, argv, env)
 
 
