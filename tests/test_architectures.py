@@ -253,3 +253,21 @@ def test_trust_remote_code_runs_the_checkpoints_own_code(tmp_path):
         assert argv[at + 1] == "/tok" and "--trust-remote-code" in argv
     argv = engine_launch(EngineConfig(kind="builtin"), ModelConfig(path="tiny"), "h", 1).argv
     assert "--tokenizer-path" not in argv and "--trust-remote-code" not in argv
+
+
+def test_the_trainer_takes_tokenizer_path_and_trust_remote_code(tmp_path):
+    """The trainer's loaders (sharded from a directory; whole for tiny) honour both keys."""
+    from rollmesh.trainer import build_state
+    from tests.hf_checkpoints import build_tokenizer, write_remote_code_checkpoint
+    from tests.test_trainer import experiment
+
+    path = write_remote_code_checkpoint(tmp_path / "remote")
+    build_tokenizer("llama3.1").save_pretrained(tmp_path / "tok")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        build_state(experiment(f'model.path="{path}"'))
+    state = build_state(experiment(f'model.path="{path}"', "model.trust_remote_code=true",
+                                   f'model.tokenizer_path="{tmp_path / "tok"}"'))
+    assert "RemoteForCausalLM" in type(state.model).__name__
+    assert state.tokenizer.eos_token == "<|eot_id|>"
+    state = build_state(experiment(f'model.tokenizer_path="{tmp_path / "tok"}"'))
+    assert state.tokenizer.eos_token == "<|eot_id|>"
