@@ -1,6 +1,6 @@
 """Sampling for the built-in engine: `sampling_params` validation and the batched sampler.
 
-Validation follows SGLang (`python/sglang/srt/sampling/sampling_params.py`): an unknown key is
+Validation follows SGLang (0.5.23, `python/sglang/srt/sampling/sampling_params.py`): an unknown key is
 refused with `unknown field ...`; keys SGLang knows but this engine does not implement
 (constrained decoding) are refused when set, so nothing is silently ignored that would change
 what is sampled. `custom_params` is accepted and unused, as SGLang does without a custom logit
@@ -182,13 +182,10 @@ def _check_ranges(p: SamplingParams) -> None:
         raise BadRequest(f"sampling_params.min_new_tokens must be >= 0, got {p.min_new_tokens}")
     if p.n < 1:
         raise BadRequest(f"sampling_params.n must be >= 1, got {p.n}")
-    # SGLang's ranges (SamplingParams.verify).
-    if not 0.0 <= p.repetition_penalty <= 2.0:
-        raise BadRequest(f"sampling_params.repetition_penalty must be in [0, 2], got "
-                         f"{p.repetition_penalty}")
-    if p.repetition_penalty == 0.0:
-        # 0 would divide positive logits by zero (SGLang accepts it and produces inf/NaN).
-        raise BadRequest("sampling_params.repetition_penalty must be > 0 (1 = no penalty)")
+    # SGLang 0.5.23's ranges (SamplingParams.verify).
+    if not 0.0 < p.repetition_penalty <= 2.0:
+        raise BadRequest(f"sampling_params.repetition_penalty must be in (0, 2] (1.0 = no "
+                         f"penalty), got {p.repetition_penalty}")
     for key in ("frequency_penalty", "presence_penalty"):
         if not -2.0 <= getattr(p, key) <= 2.0:
             raise BadRequest(f"sampling_params.{key} must be in [-2, 2], got {getattr(p, key)}")

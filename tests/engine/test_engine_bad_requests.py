@@ -44,7 +44,7 @@ def _with(**changes):
         (_with(input_ids=[-1]), "outside the vocabulary"),
         (_with(input_ids=[]), "prompt is empty"),
         (_with(sp_n=0), "sampling_params.n must be >= 1"),
-        (_with(sp_repetition_penalty=2.5), "repetition_penalty must be in [0, 2]"),
+        (_with(sp_repetition_penalty=2.5), "repetition_penalty must be in (0, 2]"),
         (_with(sp_frequency_penalty=-3), "frequency_penalty"),
         (_with(sp_logit_bias={"5000": 1.0}), "logit_bias"),
         (_with(sp_custom_params="x"), "custom_params"),
