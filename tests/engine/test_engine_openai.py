@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -240,6 +241,60 @@ def test_the_api_key_is_required(served: Engine):
         wrong.models.list()
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+
+
+# ---- SGLang's shapes (tests/fixtures/sglang/v1_*.json) --------------------------------------
+def _post_raw(engine: Engine, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    req = urllib.request.Request(engine.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _chunk_kind(chunk: dict[str, Any]) -> str:
+    if not chunk["choices"]:
+        return "usage"
+    choice = chunk["choices"][0]
+    if choice.get("delta", {}).get("role"):
+        return "role"
+    return "finish" if choice["finish_reason"] else "content"
+
+
+@pytest.mark.parametrize("name", ["v1_models", "v1_chat_completions", "v1_completions",
+                                  "v1_chat_completions_error", "v1_chat_completions_stream",
+                                  "v1_completions_stream"])
+def test_answers_have_sglangs_shape(served: Engine, name: str):
+    from test_sglang_fixtures import Shape, load
+
+    fx = load(name)
+    shape = Shape(fx)
+    if fx["method"] == "GET":
+        status, raw = 200, urllib.request.urlopen(urllib.request.Request(
+            served.url + fx["path"], headers={"Authorization": f"Bearer {KEY}"})).read()
+    else:
+        status, raw = _post_raw(served, fx["path"], fx["request"])
+    assert status == fx["status"], raw
+    if "stream" not in fx:
+        reply = json.loads(raw)
+        assert shape.errors(reply, fx["response"]) == []
+        if name.endswith("error"):
+            assert reply["message"].startswith("max_completion_tokens is too large: 1000000000.")
+        return
+    events = [line[len("data: "):] for line in raw.decode().splitlines()
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    templates = {_chunk_kind(c): c for c in fx["stream"]}
+    templates.setdefault("finish", templates["content"])  # completions: on the last content
+    kinds = [_chunk_kind(c) for c in chunks]
+    assert set(kinds) == set(templates), kinds
+    errors = [f"chunk {i} ({k}): {e}" for i, (c, k) in enumerate(zip(chunks, kinds))
+              for e in shape.errors(c, templates[k])]
+    assert errors == [], "\n".join(errors)
 
 
 # ---- pure functions ------------------------------------------------------------------------
