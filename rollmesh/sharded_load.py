@@ -16,10 +16,12 @@ trainer of K FSDP2 ranks that did so would hold K whole float32 copies in host m
    widening of a bfloat16 or float16 checkpoint), so the weights are bit for bit those of
    `AutoModelForCausalLM.from_pretrained(path, dtype=...)`.
 
-A rank's peak is its shards plus one parameter's rows. Tied weights (tied embeddings) stay tied:
-the meta model ties them before sharding, so a tied pair is one parameter, read once from the
-key the checkpoint holds. Every parameter's key and shape is checked against the checkpoint
-before anything is allocated; a checkpoint whose names need transformers' own conversions
+A rank's peak is its shards plus one parameter's rows (and the pages of the files it read,
+mapped: shared, reclaimable page cache). Tied weights (tied embeddings) stay tied: the meta
+model ties them before sharding, so a tied pair is one parameter, read once from the key the
+checkpoint holds (`to_empty` gives each module a tensor of its own; they are tied again).
+Persistent buffers the checkpoint holds are read from it. Every parameter's key and shape is
+checked against the checkpoint before anything is allocated; a checkpoint whose names need transformers' own conversions
 (renamed or fused keys), or that has no safetensors files, raises `UnsupportedCheckpoint`
 naming what is missing, and the caller may load it the whole-model way instead.
 """
@@ -197,6 +199,13 @@ def _buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Tensor]
             for name, buf in module._buffers.items() if buf is not None]
 
 
+def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    return [(f"{prefix}.{name}" if prefix else name, buf)
+            for prefix, module in model.named_modules()
+            for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set]
+
+
 def materialize(model: torch.nn.Module, device: torch.device, read: RowReader) -> None:
     """Allocate a (sharded) meta model's parameters on `device` and fill each from `read`;
     the buffers it was built with are put back."""
@@ -263,6 +272,10 @@ def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype,
             return extra[name][start:stop] if name in extra else files.rows(keys[name], start, stop)
 
         materialize(model, device, read)
+        with torch.no_grad():
+            for name, buf in _persistent_buffers(model):
+                if name in files:  # as from_pretrained (which ignores a stored inv_freq)
+                    buf.copy_(files.rows(name, 0, len(buf) if buf.dim() else 0))
     finally:
         files.close()
     return model

@@ -123,6 +123,7 @@ def test_a_checkpoint_with_other_names_is_refused_before_anything_is_allocated(t
         (path / f.name).write_bytes(f.read_bytes())
     tensors = load_file(path / "model.safetensors")
     tensors["model.norm.scale"] = tensors.pop("model.norm.weight")
+    tensors["model.rotary_emb.inv_freq"] = torch.zeros(5)  # old checkpoints stored it
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     model = empty_causal_lm(path, torch.float32)
     assert all(p.is_meta for p in model.parameters())
@@ -131,6 +132,14 @@ def test_a_checkpoint_with_other_names_is_refused_before_anything_is_allocated(t
     # the trainer then falls back to the whole model, loaded as from_pretrained loads it
     state = build_state(experiment(f'model.path="{path}"'))
     assert not any(p.is_meta for p in state.model.parameters())
+
+    # a stored non-persistent buffer is ignored, as from_pretrained ignores it
+    tensors["model.norm.weight"] = tensors.pop("model.norm.scale")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    state = build_state(experiment(f'model.path="{path}"'))
+    want = reference(path)
+    assert_same(dict(state.model.named_buffers()), dict(want.named_buffers()), "buffers")
+    assert state.model.model.rotary_emb.inv_freq.abs().min() > 0
     with pytest.raises(UnsupportedCheckpoint, match="no model.safetensors"):
         CheckpointFiles(tmp_path)
 
