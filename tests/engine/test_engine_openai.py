@@ -423,3 +423,21 @@ def test_tools_and_fields_are_validated():
         served, tok)
     assert tok.decode(ok.requests[0].input_ids).endswith("user\na b<|im_end|>\n"
                                                           "<|im_start|>assistant\n")
+
+
+def test_chat_sampling_defaults_come_from_generation_config(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True}))
+    defaults = openai_api.generation_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    served = openai_api.ServedModel("m", api.ModelLimits(context_length=512, vocab_size=2048),
+                                    chat_defaults=defaults)
+    tok = tiny_tokenizer()
+    p = openai_api.parse_chat({"messages": MESSAGES, "max_tokens": 2, "top_p": 0.5},
+                              served, tok).requests[0].params
+    assert (p.temperature, p.top_p, p.top_k) == (0.7, 0.5, 20)  # the request's value wins
+    # completions keep the OpenAI defaults, as SGLang's
+    c = openai_api.parse_completion({"prompt": "Hi"}, served, tok).requests[0]
+    assert (c.params.temperature, c.params.top_p, c.params.top_k, c.max_new_tokens) == \
+        (1.0, 1.0, -1, 16)
+    assert openai_api.generation_defaults(str(tmp_path / "none")) == {}
