@@ -655,7 +655,7 @@ class EngineServer:
         b = await _body(request)
         version = b.get("new_version")
         if not isinstance(version, str):
-            raise MalformedBody(f"new_version (a string) is required, got {version!r}")
+            raise MalformedBody(f"new_version is required: a string, got {version!r}")
         if b.get("abort_all_requests", True):
             self.scheduler.abort(abort_all=True)
 
