@@ -478,6 +478,8 @@ class EngineServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         """SGLang's /tokenize (openai/serving_tokenize.py): `prompt` (a string or a list of
         them) or chat `messages` -> `{"tokens", "count", "max_model_len"}`."""
+        if request.content_type != "application/json":  # SGLang's validate_json_request
+            raise MalformedBody("Unsupported Media Type: Only 'application/json' is allowed")
         b = await _body(request)
         prompt, messages = b.get("prompt"), b.get("messages")
         if (prompt is None) == (messages is None):

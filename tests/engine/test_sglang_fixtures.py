@@ -21,6 +21,7 @@ import asyncio
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -244,7 +245,8 @@ def test_client_against_sglang_bodies():
         ("GET", "/get_model_info"): "get_model_info",
         ("GET", "/get_server_info"): "get_server_info",
         ("POST", "/init_weights_update_group"): "init_weights_update_group",
-        ("POST", "/update_weights_from_distributed"): "update_weights_from_distributed_flattened_bucket",
+        ("POST", "/update_weights_from_distributed"):
+            "update_weights_from_distributed_flattened_bucket",
         ("POST", "/destroy_weights_update_group"): "destroy_weights_update_group",
         ("POST", "/update_weights_from_disk"): "update_weights_from_disk",
         ("POST", "/update_weight_version"): "update_weight_version",
@@ -399,6 +401,16 @@ def test_engine_generate_has_sglangs_shape(engine, name):
         assert isinstance(reply["meta_info"]["finish_reason"]["matched"], int)
 
 
+def _wait_running(engine: Engine, result: dict[str, Any], timeout: float = 60) -> None:
+    """Until the engine runs a request (the one a thread just sent, whose reply lands in
+    `result`); fails if that request was answered first or nothing ran in time."""
+    deadline = time.monotonic() + timeout
+    while engine.stats()["running_requests"] == 0:
+        assert "r" not in result, f"answered before it could be interrupted: {result['r']}"
+        assert time.monotonic() < deadline, "the engine never ran the request"
+        time.sleep(0.01)
+
+
 def test_engine_abort_has_sglangs_shape(engine):
     fx = load("generate_abort")
     body = _engine_request(engine, "generate_abort")
@@ -406,8 +418,7 @@ def test_engine_abort_has_sglangs_shape(engine):
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.update(r=engine.post("/generate", body)))
     t.start()
-    while engine.stats()["running_requests"] == 0:
-        time.sleep(0.01)
+    _wait_running(engine, result)
     status, reply = engine.post("/abort_request", load("abort_request")["request"] | {
         "rid": body["rid"]})
     assert status == 200 and reply is None
@@ -425,8 +436,7 @@ def test_engine_refuses_a_duplicate_rid(engine):
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.update(r=engine.post("/generate", body)))
     t.start()
-    while engine.stats()["running_requests"] == 0:
-        time.sleep(0.01)
+    _wait_running(engine, result)
     status, reply = engine.post("/generate", body)
     assert status == fx["status"], reply
     assert Shape(fx).errors(reply, fx["response"]) == []
@@ -541,3 +551,28 @@ def test_engine_weight_sync_has_sglangs_shape(tmp_path, load_format):
                           ("destroy", "destroy_weights_update_group")):
             fx = load(name)
             assert Shape(fx).errors(replies[key], fx["response"]) == [], (name, replies[key])
+
+
+def test_engine_refusals_as_sglang(engine):
+    """SGLang's 400s on the routes it validates: /tokenize wants a JSON content type and one of
+    prompt or messages; /v1/loads knows its include sections."""
+    fx = load("error_validation")
+    shape = Shape(fx)
+    req = urllib.request.Request(engine.url + "/tokenize", data=b'{"prompt": "hi"}',
+                                 method="POST", headers={"Content-Type": "text/plain"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("a text/plain /tokenize was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400
+        reply = json.loads(e.read())
+    assert shape.errors(reply, fx["response"]) == [] and "application/json" in reply["message"]
+    status, reply = engine.post("/tokenize", {"prompt": "hi", "messages": []})
+    assert status == 400 and shape.errors(reply, fx["response"]) == []
+    assert "Exactly one of 'prompt' or 'messages'" in reply["message"]
+    status, reply = engine.get("/v1/loads?include=core,bogus")
+    assert status == 400 and "bogus" in reply["error"]["message"]
+    status, reply = engine.get("/v1/loads?include=core")
+    assert status == 200 and reply["loads"][0]["dp_rank"] == 0
+    status, reply = engine.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and reply["count"] == len(reply["tokens"]) > 0
