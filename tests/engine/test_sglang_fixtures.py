@@ -208,8 +208,7 @@ def _request_type_errors(name: str, sent: Any) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("generate")
-                                  and n not in ("generate_n", "generate_batch_text")])
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("generate")])
 def test_client_parses_generate_responses(name):
     fx = load(name)
     bodies = fx["response"] if "response" in fx else [fx["stream"][-1]]
