@@ -48,7 +48,7 @@ def _id(case) -> str:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Every case's checkpoint and engine, the engines started side by side (each takes
-    seconds to import and load); Gemma2 last."""
+    seconds to import and load); all stopped at the end, also when one fails to start."""
     root = tmp_path_factory.mktemp("architectures")
 
     paths = {case: write_checkpoint(case[0], root / _id(case), tied=case[1],
@@ -68,10 +68,17 @@ def engines(tmp_path_factory):
                                    *flags.get(case, []), model=str(paths[case]))
 
     with ThreadPoolExecutor(len(paths)) as pool:
-        started = list(pool.map(start, paths))
-    yield dict(zip([*CASES, GEMMA2], started, strict=True))
-    for _, engine in started:
-        assert engine.stop() == 0, engine.log()
+        futures = {case: pool.submit(start, case) for case in paths}
+    failed = [f.exception() for f in futures.values() if f.exception() is not None]
+    started = {case: f.result() for case, f in futures.items() if f.exception() is None}
+    try:
+        if failed:
+            raise failed[0]
+        yield started
+    finally:
+        codes = {_id(case): (engine.stop(), engine) for case, (_, engine) in started.items()}
+    for name, (code, engine) in codes.items():
+        assert code == 0, f"{name}: {engine.log()}"
 
 
 @pytest.fixture(params=CASES, ids=_id)
@@ -84,7 +91,7 @@ def served(request, engines):
     return family, path, engine, model, tokenizer
 
 
-def _prompt(tokenizer, family: str) -> list[int]:
+def _prompt(tokenizer) -> list[int]:
     messages = [{"role": "system", "content": "You add numbers."},
                 {"role": "user", "content": "What is 12 plus 30?"}]
     ids = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
@@ -116,8 +123,8 @@ def _trainer_logprobs(model, prompt: list[int], output: list[int]) -> list[float
 
 
 def test_engine_greedy_is_transformers_generate(served):
-    family, path, engine, model, tokenizer = served
-    prompt = _prompt(tokenizer, family)
+    _, path, engine, model, tokenizer = served
+    prompt = _prompt(tokenizer)
     with torch.no_grad():
         expected = _hf_greedy(model, prompt, NEW_TOKENS)
     got, _ = _engine_greedy(engine, prompt)
@@ -127,8 +134,8 @@ def test_engine_greedy_is_transformers_generate(served):
 
 
 def test_trainer_logprobs_match_the_engines(served):
-    family, _, engine, model, tokenizer = served
-    prompt = _prompt(tokenizer, family)
+    _, _, engine, model, tokenizer = served
+    prompt = _prompt(tokenizer)
     output, engine_lp = _engine_greedy(engine, prompt)
     trainer_lp = _trainer_logprobs(model, prompt, output)
     assert len(engine_lp) == len(trainer_lp) == NEW_TOKENS
@@ -147,7 +154,7 @@ def _trained(path) -> torch.nn.Module:
 
 
 def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
-    family, path, engine, _, tokenizer = served
+    _, path, engine, _, tokenizer = served
     trainer = _trained(path)
     named = [(n, p.detach()) for n, p in trainer.named_parameters()]  # what publish sends
     # The engine's own loading code on an engine-side copy: every tensor lands bit for bit,
@@ -177,7 +184,7 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
         finally:
             engine.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})
             destroy_weight_update_group(group)
-    prompt = _prompt(tokenizer, family)
+    prompt = _prompt(tokenizer)
     with torch.no_grad():
         expected = _hf_greedy(trainer, prompt, NEW_TOKENS)
     got, engine_lp = _engine_greedy(engine, prompt)
@@ -189,7 +196,7 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
 def test_exported_policy_reloads_in_transformers(served, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    family, path, _, _, tokenizer = served
+    _, path, _, _, tokenizer = served
     trainer = _trained(path)
     out = export_hf(tmp_path / "policy", model=trainer, tokenizer=tokenizer)
     config = json.loads((out / "config.json").read_text())
@@ -197,8 +204,8 @@ def test_exported_policy_reloads_in_transformers(served, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert tok.chat_template == tokenizer.chat_template
-    prompt = _prompt(tok, family)
-    assert prompt == _prompt(tokenizer, family)
+    prompt = _prompt(tok)
+    assert prompt == _prompt(tokenizer)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, trainer(input_ids=ids).logits)
