@@ -36,8 +36,8 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["expression"]}}}]
 NEW_TOKENS = 12
 # The engine decodes with a KV cache one token at a time; the trainer scores the whole sequence
-# in one pass: the same float32 model, different summation orders.
-LOGPROB_ATOL = 2e-4
+# in one pass: the same float32 model, different summation orders. Measured: at most 2e-6.
+LOGPROB_ATOL = 2e-5
 
 
 def _id(case) -> str:
