@@ -108,7 +108,8 @@ def test_tool_responses_continue_the_conversation_as_the_template_renders_it(fam
     tok = build_tokenizer(family)
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
     user = [{"role": "user", "content": "What is 12 plus 30?"}]
-    reply = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+30"}}\n</tool_call>'
+    reply = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+30"}}\n'
+             '</tool_call>')
     results = ["42", "unknown tool 'x'"]
     ids = _generated_turn(tok, user, tools, reply)
     obs = tool_observation(tok, results, turn_ended=True)
@@ -164,3 +165,51 @@ def test_load_tokenizer_honours_tokenizer_path_and_trust_remote_code(tmp_path, m
     load_tokenizer(ModelConfig(path="tiny", tokenizer_path=str(tmp_path / "tok"),
                                trust_remote_code=True))
     assert seen["trust_remote_code"] is True and seen["local_files_only"] is True
+
+
+def test_tool_agent_appends_the_templates_tool_turn_between_generated_turns():
+    """A whole tool_agent run with the Qwen2.5 template: prompt, a generated tool call, the
+    calculator's answer as the template renders a tool turn (mask 0), the final answer; the
+    token row is exactly the template's rendering of that conversation."""
+    from rollmesh.agent_loops import LoopContext, ToolAgent
+    from rollmesh.config import RolloutConfig
+    from rollmesh.data import PromptRow, render_prompt
+    from rollmesh.engine.client import GenerateOutput
+    from tests.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer("qwen2.5")
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    user = [{"role": "user", "content": "What is 12 plus 30?"}]
+    call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+30"}}\n'
+            '</tool_call>')
+    replies = [call, "The answer is 42."]
+    prompts = []
+
+    class Client:
+        def new_rid(self) -> str:
+            return f"r{len(prompts)}"
+
+        async def generate(self, ids, params, rid):
+            prompts.append(list(ids))
+            out = tok.encode(replies[len(prompts) - 1], add_special_tokens=False)
+            out.append(tok.eos_token_id)
+            return GenerateOutput(rid, "e", out, [-0.5] * len(out), "stop", "3", len(ids))
+
+    ctx = LoopContext(Client(), tok, RolloutConfig(max_new_tokens=64, max_turns=4),
+                      max_context=2048, cancelling=asyncio.Event())
+    prompt = render_prompt(PromptRow(0, user, tools=tools), tok)
+    traj = new_trajectory("s", "g", 0, prompt, agent_loop="tool_agent")
+    asyncio.run(ToolAgent(ctx).run(traj))
+    assert traj.num_turns == 2 and traj.loop_state["tool_calls"] == 1
+    whole = tok.apply_chat_template(
+        [*user, {"role": "assistant", "content": call}, {"role": "tool", "content": "42"},
+         {"role": "assistant", "content": replies[1]}], tools=tools, tokenize=False)
+    # the template ends the last turn with "<|im_end|>\n"; generation stops at <|im_end|>
+    assert tok.decode(traj.token_ids.tolist()) + "\n" == whole
+    observation = tok.decode(prompts[1][len(prompt):])
+    assert observation.endswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n"
+                                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    mask = traj.loss_mask[len(prompt):].tolist()
+    first = len(tok.encode(call, add_special_tokens=False)) + 1
+    n_obs = len(prompts[1]) - len(prompt) - first
+    assert mask == [1] * first + [0] * n_obs + [1] * (len(mask) - first - n_obs)
