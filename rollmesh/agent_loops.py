@@ -182,33 +182,41 @@ class ChatTemplateError(ValueError):
 
 
 def tool_observation(tokenizer: Any, results: Sequence[str], *, turn_ended: bool) -> list[int]:
-    """The token ids that follow a generated assistant turn: the tool responses, rendered by the
-    tokenizer's own chat template, and the next assistant header.
+    """The token ids that follow a generated assistant turn: the tool responses as the
+    tokenizer's own chat template renders tool messages, and the next assistant header."""
+    return next_turn_ids(tokenizer, [{"role": "tool", "content": r} for r in results],
+                         turn_ended=turn_ended)
 
-    The template renders [user, assistant, tool...] with the generation prompt; what comes after
-    the assistant turn's end (`eos_token`, e.g. Qwen's <|im_end|>) is the observation. The
+
+def next_turn_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
+                  turn_ended: bool) -> list[int]:
+    """The token ids that follow a generated assistant turn: `messages` (tool responses, a
+    user's reply) rendered by the tokenizer's own chat template, then the next assistant header.
+
+    The template renders [user, assistant, *messages] with the generation prompt; what comes
+    after the assistant turn's end (`eos_token`, e.g. Qwen's <|im_end|>) is the observation. The
     rendering of [user] must be a prefix of it (a template that rewrites earlier turns cannot be
     continued token by token). `turn_ended`: the generated turn already ends with `eos_token`;
-    otherwise (stopped by a stop string) the end-of-turn is part of the observation."""
+    otherwise (stopped by a stop string, say) the end of turn is part of the observation."""
     eot = getattr(tokenizer, "eos_token", None)
     if not getattr(tokenizer, "chat_template", None) or not eot:
-        raise ChatTemplateError("tool_agent: the tokenizer needs a chat template and an "
-                                "eos_token to render tool responses with")
+        raise ChatTemplateError("the tokenizer needs a chat template and an eos_token to "
+                                "render the next turn with")
+    roles = "/".join(sorted({str(m.get("role")) for m in messages}))
     user = [{"role": "user", "content": "?"}]
-    convo = [*user, {"role": "assistant", "content": _ASSISTANT_PROBE},
-             *({"role": "tool", "content": r} for r in results)]
+    convo = [*user, {"role": "assistant", "content": _ASSISTANT_PROBE}, *messages]
     try:
         head = tokenizer.apply_chat_template(user, tokenize=False)
         full = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja's TemplateError, raise_exception(...) in the template
-        raise ChatTemplateError(f"tool_agent: the chat template cannot render tool responses: "
-                                f"{type(e).__name__}: {e}") from e
+        raise ChatTemplateError(f"the chat template cannot render {roles} messages after an "
+                                f"assistant turn: {type(e).__name__}: {e}") from e
     at = full.find(_ASSISTANT_PROBE, len(head)) if full.startswith(head) else -1
     end = full.find(eot, at + len(_ASSISTANT_PROBE)) if at >= 0 else -1
     if end < 0:
         raise ChatTemplateError(
-            "tool_agent: the chat template's rendering of [user, assistant, tool] does not "
-            f"continue its rendering of [user] with an assistant turn ended by {eot!r}")
+            f"the chat template's rendering of [user, assistant, {roles}] does not continue its "
+            f"rendering of [user] with an assistant turn ended by {eot!r}")
     text = full[end if not turn_ended else end + len(eot):]
     return list(tokenizer.encode(text, add_special_tokens=False))
 

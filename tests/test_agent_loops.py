@@ -102,7 +102,7 @@ def _generated_turn(tok, messages, tools, reply: str) -> list[int]:
 def test_tool_responses_continue_the_conversation_as_the_template_renders_it(family):
     """prompt + generated turn + observation == the template's rendering of the whole
     conversation with the tool results, token for token."""
-    from rollmesh.agent_loops import tool_observation
+    from rollmesh.agent_loops import next_turn_ids, tool_observation
     from tests.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer(family)
@@ -123,6 +123,12 @@ def test_tool_responses_continue_the_conversation_as_the_template_renders_it(fam
         assert tok.decode(obs) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n"
                                    "<tool_response>\nunknown tool 'x'\n</tool_response><|im_end|>"
                                    "\n<|im_start|>assistant\n")
+    # any next turn, a user's reply too (what the example self_check loop appends)
+    check = [{"role": "user", "content": "Check your answer."}]
+    again = tok.apply_chat_template([*user, {"role": "assistant", "content": reply}, *check],
+                                    tools=tools, tokenize=False, add_generation_prompt=True)
+    assert ids + next_turn_ids(tok, check, turn_ended=True) == tok.encode(
+        again, add_special_tokens=False)
     # a turn cut by a stop string, not ended by eos: the observation closes it
     cut = tool_observation(tok, results, turn_ended=False)
     assert cut == tok.encode(tok.eos_token, add_special_tokens=False) + obs
@@ -133,7 +139,7 @@ def test_a_template_that_cannot_render_tool_turns_is_a_clear_error():
     from tests.hf_checkpoints import build_tokenizer
 
     gemma = build_tokenizer("gemma2")  # roles must alternate user/assistant: no tool role
-    with pytest.raises(ChatTemplateError, match="cannot render tool responses: .*alternate"):
+    with pytest.raises(ChatTemplateError, match="cannot render tool messages after an assistant turn: .*alternate"):
         tool_observation(gemma, ["42"], turn_ended=True)
     bare = build_tokenizer("qwen2.5")
     bare.chat_template = None

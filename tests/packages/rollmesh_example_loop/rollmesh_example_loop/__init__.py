@@ -8,10 +8,10 @@ trajectory interrupted by a weight sync resumes exactly where it stopped, on any
 
 from __future__ import annotations
 
-from rollmesh.agent_loops import LoopContext, append_observation
+from rollmesh.agent_loops import LoopContext, append_observation, next_turn_ids
 from rollmesh.protocol import Trajectory
 
-CHECK = "\n<|im_start|>user\nCheck your answer and give it again.<|im_end|>\n<|im_start|>assistant\n"
+CHECK = [{"role": "user", "content": "Check your answer and give it again."}]
 
 
 class SelfCheckLoop:
@@ -29,7 +29,10 @@ class SelfCheckLoop:
             done = len(traj.token_ids) - state["turn_start"]
             if done < budget:
                 await self.ctx.generate(traj, budget - done)  # Interrupted propagates: resumable
-            append_observation(traj, self.ctx.tokenizer.encode(CHECK, add_special_tokens=False))
+            # the user's turn as the model's own chat template writes it
+            tok = self.ctx.tokenizer
+            ended = int(traj.token_ids[-1]) == tok.eos_token_id
+            append_observation(traj, next_turn_ids(tok, CHECK, turn_ended=ended))
             state["phase"], state["turn_start"] = "check", len(traj.token_ids)
         if state["phase"] == "check":
             done = len(traj.token_ids) - state["turn_start"]
