@@ -134,12 +134,35 @@ def test_engine_greedy_is_transformers_generate(served):
 
 
 def test_trainer_logprobs_match_the_engines(served):
-    _, _, engine, model, tokenizer = served
+    """The trainer as it runs: its state built from the checkpoint (sharded loading, FSDP),
+    the engine's sample packed into a batch, `batch_logprobs` on it (the old log-probs it
+    recomputes) against the engine's behaviour log-probs."""
+    import numpy as np
+
+    from rollmesh.packing import from_groups
+    from rollmesh.protocol import Group, Trajectory
+    from rollmesh.trainer import batch_logprobs, build_state
+    from tests.test_trainer import experiment
+
+    _, path, engine, model, tokenizer = served
     prompt = _prompt(tokenizer)
     output, engine_lp = _engine_greedy(engine, prompt)
-    trainer_lp = _trainer_logprobs(model, prompt, output)
+    ids = np.asarray(prompt + output, np.int32)
+    mask = np.r_[np.zeros(len(prompt)), np.ones(len(output))].astype(np.uint8)
+    traj = Trajectory(sample_id="s", group_id="g", token_ids=ids, loss_mask=mask,
+                      logprobs=np.r_[np.zeros(len(prompt)), engine_lp].astype(np.float32),
+                      versions=np.where(mask == 1, 0, -1).astype(np.int32),
+                      prompt_len=len(prompt), index=0, status="finished", reward=1.0,
+                      reward_status="ok")
+    state = build_state(experiment(f'model.path="{path}"', "model.max_context=1024",
+                                   "trainer.micro_batch_tokens=1024"))
+    trainer_lp = batch_logprobs(state, from_groups([Group("g", [traj])]), state.model)
+    trainer_lp = trainer_lp[0, len(prompt):len(ids)].tolist()
     assert len(engine_lp) == len(trainer_lp) == NEW_TOKENS
     assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) < LOGPROB_ATOL
+    # the same as scoring the sequence in one pass outside the trainer
+    assert max(abs(a - b) for a, b in zip(_trainer_logprobs(model, prompt, output),
+                                          trainer_lp)) < LOGPROB_ATOL
 
 
 def _trained(path) -> torch.nn.Module:
