@@ -18,11 +18,8 @@ import torch
 from rollmesh.algorithms.logits import token_logprobs
 from rollmesh.checkpoint import export_hf
 from rollmesh.engine.models import ModelSpecError, load_model
-from rollmesh.weights import (
-    broadcast_from_trainer, check_update, destroy_weight_update_group,
-    init_weight_update_group, load_weights, model_tensors, update_request,
-)
-from tests.engine.engine_harness import Engine, free_port
+from rollmesh.weights import check_update, load_weights
+from tests.engine.engine_harness import Engine
 from tests.hf_checkpoints import write_checkpoint
 
 CPU = torch.device("cpu")
@@ -165,73 +162,91 @@ def test_trainer_logprobs_match_the_engines(served):
                                           trainer_lp)) < LOGPROB_ATOL
 
 
-def _trained(path) -> torch.nn.Module:
-    """The trainer's model after an optimizer step: every parameter (the tied one once) moved."""
-    model, _ = load_model(str(path), CPU, torch.float32)
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    tokens = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
-    model(input_ids=tokens, labels=tokens).loss.backward()
-    opt.step()
-    return model.eval()
+def _trained_state(path, *overrides: str):
+    """(experiment, trainer state) built from the checkpoint as the trainer builds it (sharded
+    loading, FSDP), after one policy update."""
+    from rollmesh.packing import from_groups
+    from rollmesh.trainer import build_state, prepare, update_policy
+    from tests.test_trainer import experiment, make_groups
+
+    exp = experiment(f'model.path="{path}"', *overrides)
+    state = build_state(exp)
+    update_policy(state, prepare(state, from_groups(make_groups(1))))
+    return exp, state
 
 
 def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
-    _, path, engine, _, tokenizer = served
-    trainer = _trained(path)
-    named = [(n, p.detach()) for n, p in trainer.named_parameters()]  # what publish sends
-    # The engine's own loading code on an engine-side copy: every tensor lands bit for bit,
-    # the tied lm_head through its embedding.
-    receiver, _ = load_model(str(path), CPU, torch.float32)
-    check_update(receiver, [n for n, _ in named], [list(t.shape) for _, t in named],
-                 [str(t.dtype).removeprefix("torch.") for _, t in named])
-    assert load_weights(receiver, named) == len(named)
-    theirs = model_tensors(trainer)
-    for name, tensor in model_tensors(receiver).items():
-        assert torch.equal(tensor, theirs[name]), name
+    """The trainer as it runs: state built from the checkpoint (sharded loading, FSDP), one
+    policy update, then its own publisher (FSDP gather, buckets, the weight-update group) to the
+    real engine. The engine's loading code places every gathered tensor bit for bit (the tied
+    lm_head through its embedding), and the engine then decodes as the trained model does."""
+    import asyncio
 
-    # The real engine, over the real wire: it then decodes as the trained model does.
-    port = free_port()
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(engine.post, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "group_name": "weight_update_group", "backend": "gloo"})
-        group = init_weight_update_group("127.0.0.1", port, 0, 2, backend="gloo",
-                                         timeout_s=60)
-        assert joining.result()[1]["success"]
-        try:
-            updating = pool.submit(engine.post, "/update_weights_from_distributed",
-                                   update_request(named, "1"))
-            broadcast_from_trainer(group, named)
-            assert updating.result()[1]["success"], updating.result()
-        finally:
-            engine.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})
-            destroy_weight_update_group(group)
+    from rollmesh.checkpoint import full_state_dict
+    from rollmesh.publish import Publisher
+    from rollmesh.ranks import Ranks
+    from rollmesh.transport import Transport
+
+    _, path, engine, before, tokenizer = served
+    exp, state = _trained_state(path, "sync.bucket_mb=0.05")  # several buckets
+    trained = full_state_dict(state.model, Ranks())
+    assert not all(torch.equal(t, before.get_parameter(n)) for n, t in trained.items())
+
+    # the engine's own loader, in an engine-side copy: bit for bit, aliases included
+    receiver, _ = load_model(str(path), CPU, torch.float32)
+    names = list(trained)
+    check_update(receiver, names, [list(t.shape) for t in trained.values()],
+                 ["float32"] * len(names))
+    assert load_weights(receiver, trained.items()) == len(trained)
+    for name, tensor in receiver.named_parameters(remove_duplicate=False):
+        source = name if name in trained else "model.embed_tokens.weight"  # tied lm_head
+        assert torch.equal(tensor, trained[source]), name
+
+    async def publish() -> int:
+        with Transport() as transport:
+            publisher = Publisher(transport, {"engines": [engine.url],
+                                              "synchronizer": "tcp://127.0.0.1:1"},
+                                  exp.sync, CPU)
+            await publisher.open()
+            try:
+                await publisher.join_weight_group()
+                sent = await publisher.broadcast(state.model, torch.float32, 1)
+            finally:
+                publisher.reset_group()
+                await publisher.engines.destroy_weights_update_group("weight_update_group")
+                await publisher.close()
+            return sent
+
+    assert asyncio.run(publish()) == sum(t.numel() * 4 for t in trained.values())
+    assert engine.get("/get_model_info")[1]["weight_version"] == "1"
     prompt = _prompt(tokenizer)
     with torch.no_grad():
-        expected = _hf_greedy(trainer, prompt, NEW_TOKENS)
+        expected = _hf_greedy(receiver, prompt, NEW_TOKENS)
     got, engine_lp = _engine_greedy(engine, prompt)
     assert got == expected
-    trainer_lp = _trainer_logprobs(trainer, prompt, got)
+    trainer_lp = _trainer_logprobs(receiver, prompt, got)
     assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) < LOGPROB_ATOL
 
 
 def test_exported_policy_reloads_in_transformers(served, tmp_path):
+    """The trainer's export of its FSDP policy reloads in transformers (tied or not, the chat
+    template kept) with the trainer's logits, bit for bit."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, path, _, _, tokenizer = served
-    trainer = _trained(path)
-    out = export_hf(tmp_path / "policy", model=trainer, tokenizer=tokenizer)
+    _, state = _trained_state(path)
+    out = export_hf(tmp_path / "policy", model=state.model, tokenizer=state.tokenizer)
     config = json.loads((out / "config.json").read_text())
-    assert config["tie_word_embeddings"] == trainer.config.tie_word_embeddings
+    assert config["tie_word_embeddings"] == state.model.config.tie_word_embeddings
     reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert tok.chat_template == tokenizer.chat_template
     prompt = _prompt(tok)
     assert prompt == _prompt(tokenizer)
     ids = torch.tensor([prompt])
+    state.model.eval()
     with torch.no_grad():
-        assert torch.equal(reloaded(input_ids=ids).logits, trainer(input_ids=ids).logits)
+        assert torch.equal(reloaded(input_ids=ids).logits, state.model(input_ids=ids).logits)
 
 
 def test_gemma2_is_served_with_the_attention_it_supports(engines):
