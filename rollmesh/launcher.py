@@ -154,6 +154,9 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
                         "synchronizer": _connect(sync.host, sync.proc.port),
                         "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
                         "engines": engine_urls,
+                        # The weight-update group has 1 + sum(TP sizes) ranks: each engine's TP
+                        # ranks join it (rank_offset = 1 + the TP sizes before it).
+                        "engine_tp_sizes": [exp.engine.tp_size] * len(engine_urls),
                         "metrics_path": f"{run_dir}/metrics.jsonl" if host.local
                         else f"{run_here}/trainer/metrics.jsonl",
                         "final_export_dir": f"{run_here}/policy",
