@@ -351,6 +351,14 @@ class EngineConfig:
     def validate(self) -> None:
         if self.kind == "builtin" and self.tp_size != 1:
             raise _Invalid("tp_size", f"expected 1 for kind = 'builtin', got {self.tp_size}")
+        if self.kind == "builtin" and self.extra_args:
+            # the engine's own parser, now, rather than a usage line in its log after launch
+            from rollmesh.engine.sglang import EngineArgsError, check_builtin_args
+
+            try:
+                check_builtin_args(self.extra_args)
+            except EngineArgsError as e:
+                raise _Invalid("extra_args", str(e).removeprefix("engine.extra_args: ")) from None
 
 
 @dataclass(kw_only=True)

@@ -739,7 +739,7 @@ def test_to_toml_round_trip_odd_values(exp_file: Path) -> None:
             'data.system_prompt="a \\"quoted\\"\\n\\ttab \\\\ back \\u0001 ünï"',
             "algorithm.dual_clip=3.5",
             "trainer.lr=1e-7",
-            "engine.extra_args=['--x', \"y z\"]",
+            "engine.extra_args=['--served-model-name', \"y z\"]",
             "rollout.tool_timeout_s=inf",
         ],
     )

@@ -40,6 +40,7 @@ class EngineLaunch:
 def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
                 mem_fraction_static: float = 0.8, weight_version: str = "0",
                 dtype: str = "auto", random_seed: int | None = None,
+                max_running_requests: int | None = None,
                 extra_args: Sequence[str] = (), python: str = sys.executable,
                 api_key: str | None = None, tokenizer_path: str | None = None,
                 trust_remote_code: bool = False) -> list[str]:
@@ -55,6 +56,8 @@ def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
             "--mem-fraction-static", str(mem_fraction_static), "--skip-server-warmup",
             "--weight-version", weight_version, "--dtype", dtype]
     argv += _model_flags(tokenizer_path, trust_remote_code)
+    if max_running_requests is not None:
+        argv += ["--max-running-requests", str(max_running_requests)]
     if random_seed is not None:
         argv += ["--random-seed", str(random_seed)]
     if api_key:  # SGLang takes the key itself on its command line
@@ -72,7 +75,10 @@ def builtin_argv(model_path: str, host: str, port: int, *, dtype: str = "auto",
                  weight_version: str = "0", max_running_requests: int = 64,
                  seed: int | None = None, device: str = "auto",
                  python: str = sys.executable, api_key_file: str | None = None,
-                 tokenizer_path: str | None = None, trust_remote_code: bool = False) -> list[str]:
+                 tokenizer_path: str | None = None, trust_remote_code: bool = False,
+                 extra_args: Sequence[str] = ()) -> list[str]:
+    """`python -m rollmesh engine` with rollmesh's flags, then `extra_args` (the engine's own
+    flags, as for SGLang: a later flag overrides an earlier one, so `--seed 7` wins)."""
     argv = [python, "-m", "rollmesh", "engine", "--model", model_path, "--host", host,
             "--port", str(port), "--weight-version", weight_version, "--dtype", dtype,
             "--max-running-requests", str(max_running_requests), "--device", device,
@@ -81,7 +87,7 @@ def builtin_argv(model_path: str, host: str, port: int, *, dtype: str = "auto",
         argv += ["--seed", str(seed)]
     if api_key_file:
         argv += ["--api-key-file", api_key_file]
-    return argv
+    return argv + list(extra_args)
 
 
 def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int, *,
@@ -95,6 +101,7 @@ def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int
     if engine.kind == "sglang":
         argv = sglang_argv(model.path, host, port, tp_size=engine.tp_size,
                            mem_fraction_static=engine.mem_fraction_static,
+                           max_running_requests=engine.max_running_requests,
                            weight_version=weight_version, dtype=dtype, random_seed=seed,
                            extra_args=engine.extra_args, python=python, api_key=api_key,
                            tokenizer_path=model.tokenizer_path,
@@ -104,8 +111,36 @@ def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int
                             max_running_requests=engine.max_running_requests, seed=seed,
                             device="cuda" if gpus else "auto", python=python,
                             api_key_file=api_key_file, tokenizer_path=model.tokenizer_path,
-                            trust_remote_code=model.trust_remote_code)
+                            trust_remote_code=model.trust_remote_code,
+                            extra_args=engine.extra_args)
+        check_builtin_args(engine.extra_args)
     return EngineLaunch(engine.kind, host, port, argv, env)
+
+
+class EngineArgsError(ValueError):
+    """`engine.extra_args` that the built-in engine does not take."""
+
+
+def check_builtin_args(extra_args: Sequence[str]) -> None:
+    """Refuse, before anything starts, extra arguments the built-in engine's parser would refuse
+    at start (an engine that exits with a usage line in its log is a worse error)."""
+    if not extra_args:
+        return
+    import argparse
+
+    from rollmesh.engine.server import _parser
+
+    parser = _parser()
+    parser.exit_on_error = False
+    required = ["--model", "m", "--port", "1"]
+    try:
+        _, unknown = parser.parse_known_args(required + list(extra_args))
+    except argparse.ArgumentError as e:
+        raise EngineArgsError(f"engine.extra_args: {e}") from None
+    if unknown:
+        raise EngineArgsError(
+            f"engine.extra_args: the built-in engine does not take {unknown} "
+            f"(see `rollmesh engine --help`)")
 
 
 def start(launch: EngineLaunch, *, log_path: str | None = None) -> subprocess.Popen:
