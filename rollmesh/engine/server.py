@@ -198,6 +198,8 @@ class EngineServer:
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
         openai_api.OpenAIRoutes(self).register(r)  # /v1/models, /v1/completions, /v1/chat/...
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
@@ -669,6 +671,32 @@ class EngineServer:
         return web.json_response({"success": True,
                                   "message": f"Weight version updated to {version}",
                                   "new_version": version})
+
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's test route: the first `truncate_size` rows (or elements) of a parameter, as
+        float32 numbers (`models/llama.py` get_weights_by_name: a tied lm_head answers with the
+        embedding). Exact for float32 and bfloat16 weights, so a test can check a sync bit for
+        bit; an unknown name is SGLang's 400 "Get parameter by name failed"."""
+        b = await _body(request)
+        name, truncate = b.get("name"), b.get("truncate_size", 100)
+        if not isinstance(name, str):
+            raise MalformedBody(f"name is required: a string, got {name!r}")
+        if not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 0:
+            raise MalformedBody(f"truncate_size must be an integer >= 0, got {truncate!r}")
+
+        def read(s: Scheduler) -> list | None:
+            params = dict(s.model.named_parameters(remove_duplicate=False))
+            tensor = params.get(name)
+            if tensor is None:
+                return None
+            return tensor.detach()[:truncate].to("cpu", torch.float32).tolist()
+
+        values = await self._scheduler_call("call", read)
+        if values is None:
+            self.log.warning("get_weights_by_name_unknown", name=name)
+            return _error("Get parameter by name failed")
+        return web.json_response(values)
 
 
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:

@@ -54,6 +54,19 @@ def test_trainer_broadcast_replaces_the_weights(fresh_engine, dtype, seed):
     assert after["meta_info"]["weight_version"] == version
     assert after["output_ids"] == greedy_decode(new_model, prompt, 20)
     assert after["output_ids"] != before["output_ids"]
+    # bit for bit, read back through SGLang's /get_weights_by_name (float32 lists are exact)
+    for name, param in new_model.named_parameters(remove_duplicate=False):
+        status, rows = fresh_engine.request("POST", "/get_weights_by_name",
+                                            {"name": name, "truncate_size": 3})
+        assert status == 200, rows
+        assert torch.equal(torch.tensor(rows, dtype=torch.float32), param.detach()[:3]), name
+
+
+def test_get_weights_by_name_refuses_an_unknown_name(fresh_engine):
+    status, body = fresh_engine.request("POST", "/get_weights_by_name", {"name": "no.such"})
+    assert (status, body) == (400, {"error": {"message": "Get parameter by name failed"}})
+    status, body = fresh_engine.request("POST", "/get_weights_by_name", {"truncate_size": 1})
+    assert status == 400 and "name is required" in json.dumps(body)
 
 
 def test_a_refused_broadcast_leaves_the_model_intact(fresh_engine):
