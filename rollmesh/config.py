@@ -582,6 +582,10 @@ class ClusterConfig:
     hosts: dict[str, HostConfig] = _field("machines, by name", factory=dict)
     roles: RolesConfig = _field("where each role runs")
     ports: PortsConfig = _field("port plan", factory=PortsConfig)
+    share_gpus: bool = _field(
+        "let an engine and trainer ranks use the same GPUs (one GPU for both; the experiment's "
+        "sync.backend must then be gloo: NCCL refuses two ranks on one device)", False
+    )
     # Derived: filled by load_cluster, never read from the file, not compared or written out.
     experiment_config: ExperimentConfig | None = field(
         default=None,
@@ -658,6 +662,9 @@ class ClusterConfig:
             i, first = _placement_of(placements, proc.index)
             for g, gpu in enumerate(proc.gpus):
                 slot = (self.hosts[proc.host].address, gpu)
+                if self.share_gpus and proc.role in ("engine", "trainer"):
+                    # colocated: one engine and one trainer rank per GPU, never two of a role
+                    slot = (*slot, proc.role)
                 if slot in owner:
                     # Its position in the placement's `gpus` list, for the key path.
                     k = len(proc.gpus) * (proc.index - first) + g
@@ -1086,6 +1093,10 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
                 f"{cluster.experiment}), got {placed}",
             )
     _check_local_model(cluster, exp)
+    if cluster.share_gpus and exp.sync.backend != "gloo":
+        # 'auto' would pick nccl for a CUDA trainer
+        ctx.fail("share_gpus", f"expected sync.backend = 'gloo' in {cluster.experiment} "
+                               f"(NCCL refuses two ranks on one GPU), got {exp.sync.backend!r}")
     if exp.engine.kind == "sglang":
         placements = cluster.roles.engine
         for i, p in enumerate(placements):
