@@ -63,7 +63,7 @@ ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batc
                 "max_turns, tool_timeout_s, max_retries, over_sampling, group_filter, reward, "
                 "reward_timeout_s, eval_every, eval_temperature")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
-CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports"
+CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus"
 HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
 
 # (id, file text, expected message): {file} is the broken file, {exp} the experiment, {dir} tmp.

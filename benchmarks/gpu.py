@@ -1,0 +1,268 @@
+"""The GPU figures: rollmesh on one CUDA device, each beside a baseline measured in the same run.
+
+    python benchmarks/gpu.py [--dir DIR] [--only engine,train,sync,launch] [--requests 32]
+        [--new-tokens 128] [--seqs 8] [--tokens 512] [--launch-steps 20] [--json PATH]
+    python benchmarks/gpu.py --device cpu --small        # a smoke run of the script itself
+
+    engine  built-in engine decode tokens/s on CUDA (bf16, KV cache on the GPU) for --requests
+            greedy requests x --new-tokens, all at once, vs transformers `generate` of the same
+            batch on the same GPU;
+    train   trainer tokens/s of one step (`prepare` + `update_policy`, bf16 autocast over float32
+            master weights, 1 rank) vs a plain transformers step (forward, cross-entropy,
+            backward, AdamW) on the same tokens; peak GPU memory of each;
+    sync    one weight sync CUDA trainer -> CUDA engine on the same GPU over gloo through host
+            memory (NCCL refuses two ranks on one device), the real path (gather, buckets,
+            HTTP, the engine's load), vs one raw gloo broadcast of the same bytes;
+    launch  `rollmesh launch launch/single_gpu.toml` (engine and trainer sharing the GPU):
+            samples/s consumed by the trainer over --launch-steps steps, async (max_staleness 1)
+            vs the synchronous baseline (staleness.sync_mode) on the same GPU.
+
+The model is Qwen2.5-0.5B's shape with random weights (benchmarks/real_scale.py writes it once
+into --dir); --small uses the random `tiny` model instead. Needs CUDA unless --device cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import real_scale  # noqa: E402
+from benchmarks.engine_proc import start_engine  # noqa: E402
+from benchmarks.results import row, write  # noqa: E402
+
+GIB = 2**30
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else float("nan")
+
+
+def _dtype(device: torch.device) -> str:
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def part_engine(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    prompts = real_scale.prompts(args.requests)
+    proc, url = start_engine("--model", str(args.dir), "--device", device.type, "--dtype",
+                             _dtype(device), python=sys.executable, timeout_s=600)
+    try:
+        wall = asyncio.run(real_scale.generate_all(url, prompts, args.new_tokens))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    engine_tps = args.requests * args.new_tokens / wall
+
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=getattr(torch, _dtype(device)),
+                                                 attn_implementation="sdpa").to(device).eval()
+    pad = model.config.pad_token_id or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    config = GenerationConfig(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                              do_sample=False, pad_token_id=pad, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(input_ids=ids[:1], attention_mask=mask[:1], generation_config=config)
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        _sync(device)
+    hf_tps = args.requests * args.new_tokens / (time.perf_counter() - start)
+    del model
+    print(f"engine: {engine_tps:.0f} tokens/s, generate {hf_tps:.0f} tokens/s", flush=True)
+    return [row(f"engine decode tokens/s on {device.type}", engine_tps, hf_tps, "tokens/s",
+                baseline_name="transformers generate, the same batch on the same device",
+                higher_is_better=True,
+                note=f"{args.requests} x {args.new_tokens} greedy tokens, {_dtype(device)}")]
+
+
+def part_train(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from rollmesh.trainer import build_state, prepare, update_policy
+
+    data = real_scale.batch(args.seqs, args.tokens)
+    tokens = args.seqs * args.tokens
+    exp = real_scale.experiment(args.dir, f'trainer.device="{device.type}"',
+                                f'model.dtype="{_dtype(device)}"',
+                                f"trainer.micro_batch_tokens={args.tokens * 2}")
+    state = build_state(exp, device=device)
+    update_policy(state, prepare(state, data))  # warm-up: kernels, allocator, optimizer state
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    start = time.perf_counter()
+    update_policy(state, prepare(state, data))
+    _sync(device)
+    ours, ours_mem = time.perf_counter() - start, _peak(device)
+    del state
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32,
+                                                 attn_implementation="sdpa").to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    mb = {k: v.to(device) for k, v in data.rows(list(range(data.size))).items()}
+
+    def plain() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=mb["tokens"], attention_mask=mb["attention_mask"]).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb["tokens"][:, 1:, None])
+        mask = mb["mask"][:, 1:]
+        (-(logp[..., 0] * mask).sum() / mask.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    plain()
+    _sync(device)
+    start = time.perf_counter()
+    plain()
+    _sync(device)
+    base, base_mem = time.perf_counter() - start, _peak(device)
+    del model, optimizer
+    print(f"train: {tokens / ours:.0f} tokens/s (peak {ours_mem:.2f} GiB), plain "
+          f"{tokens / base:.0f} tokens/s (peak {base_mem:.2f} GiB)", flush=True)
+    note = (f"{args.seqs} x {args.tokens} tokens, 1 rank; the rollmesh step also recomputes the "
+            f"old log-probs; peak GPU memory rollmesh {ours_mem:.2f} GiB, plain {base_mem:.2f} GiB")
+    return [row(f"trainer tokens/s on {device.type}", tokens / ours, tokens / base, "tokens/s",
+                baseline_name="plain transformers step + torch AdamW (autocast bf16)",
+                higher_is_better=True, note=note)]
+
+
+def part_sync(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    from rollmesh.publish import Publisher
+    from rollmesh.trainer import build_state
+    from rollmesh.transport import Transport
+
+    exp = real_scale.experiment(args.dir, f'trainer.device="{device.type}"',
+                                f'model.dtype="{_dtype(device)}"')
+    state = build_state(exp, device=device)
+    proc, url = start_engine("--model", str(args.dir), "--device", device.type, "--dtype",
+                             _dtype(device), python=sys.executable, timeout_s=600)
+
+    async def two_syncs() -> tuple[float, int]:
+        with Transport() as t:
+            publisher = Publisher(t, {"engines": [url], "synchronizer": "tcp://127.0.0.1:9"},
+                                  exp.sync, device)
+            await publisher.open()
+            try:
+                await publisher.broadcast(state.model, state.compute_dtype, 1)  # builds the group
+                start = time.perf_counter()
+                sent = await publisher.broadcast(state.model, state.compute_dtype, 2)
+                return time.perf_counter() - start, sent
+            finally:
+                await publisher.close()
+
+    try:
+        seconds, sent = asyncio.run(two_syncs())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    floor = real_scale.floor_broadcast(args, sent)
+    print(f"sync: {seconds:.2f} s for {sent / 1e9:.2f} GB, raw gloo broadcast {floor:.2f} s",
+          flush=True)
+    return [row(f"weight sync trainer -> engine on one {device.type} device over gloo", seconds,
+                floor, "s", baseline_name="one raw gloo broadcast of the same bytes",
+                higher_is_better=False,
+                note=f"{sent / 1e9:.2f} GB {_dtype(device)}, flattened buckets, a sync after "
+                     "the first (which also builds the group)")]
+
+
+def _launch(args: argparse.Namespace, *sets: str) -> float:
+    """samples/s consumed by the trainer, from the run's metrics (first to last step)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="rollmesh-gpu-bench-")) / "run"
+    overrides = [f"trainer.total_steps={args.launch_steps}", "rollout.eval_every=0", *sets]
+    if args.small:
+        overrides.append("model.path=tiny")
+    else:
+        overrides += [f"model.path={args.dir}", "model.max_context=1024"]
+    cmd = [sys.executable, "-m", "rollmesh", "launch", "launch/single_gpu.toml", "--quiet",
+           "--run-dir", str(run_dir)]
+    for s in overrides:
+        cmd += ["--set", s]
+    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+    first, last = rows[0], rows[-1]
+    return ((last["samples_consumed"] - first["samples_consumed"])
+            / (last["time"] - first["time"]))
+
+
+def part_launch(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    if device.type != "cuda":
+        print("launch: skipped (launch/single_gpu.toml places the engine on CUDA)")
+        return []
+    ours = _launch(args, "staleness.max_staleness=1")
+    base = _launch(args, "staleness.sync_mode=true")
+    print(f"launch: async {ours:.1f} samples/s, sync {base:.1f} samples/s", flush=True)
+    return [row("launch/single_gpu.toml samples/s", ours, base, "samples/s",
+                baseline_name="the same launch with staleness.sync_mode = true",
+                higher_is_better=True,
+                note=f"{args.launch_steps} trainer steps, engine and trainer on one GPU")]
+
+
+PARTS = {"engine": part_engine, "train": part_train, "sync": part_sync, "launch": part_launch}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", type=Path, default=Path("/tmp/rollmesh-qwen25-05b-random"))
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--small", action="store_true", help="the tiny model, for a smoke run")
+    p.add_argument("--only", default=",".join(PARTS))
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--seqs", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--launch-steps", type=int, default=20)
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/gpu.py: CUDA is not available on this host (--device cpu for a smoke "
+              "run of the script)", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if args.small:
+        from rollmesh.engine.models import materialize
+
+        args.dir = materialize("tiny", Path(tempfile.mkdtemp()) / "tiny")
+        args.requests, args.new_tokens, args.seqs, args.tokens = 4, 8, 2, 64
+    else:
+        real_scale.write_checkpoint(args.dir)
+    # real_scale's helpers read these
+    args.threads = 2
+    rows: list[dict] = []
+    for name in args.only.split(","):
+        if name not in PARTS:
+            p.error(f"--only: unknown part {name!r} (expected some of {list(PARTS)})")
+        rows += PARTS[name](args, device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    for r in rows:
+        r["note"] = f"{name}; {r['note']}"
+    write(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
