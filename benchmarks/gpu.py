@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -140,7 +139,6 @@ def part_train(args: argparse.Namespace, device: torch.device) -> list[dict]:
     plain()
     _sync(device)
     base, base_mem = time.perf_counter() - start, _peak(device)
-    del model, optimizer
     print(f"train: {tokens / ours:.0f} tokens/s (peak {ours_mem:.2f} GiB), plain "
           f"{tokens / base:.0f} tokens/s (peak {base_mem:.2f} GiB)", flush=True)
     note = (f"{args.seqs} x {args.tokens} tokens, 1 rank; the rollmesh step also recomputes the "

@@ -38,7 +38,6 @@ import signal
 import statistics
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 

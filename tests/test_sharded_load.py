@@ -19,7 +19,7 @@ from rollmesh.sharded_load import (
 )
 from rollmesh.trainer import build_state, prepare, update_policy
 from rollmesh.transport import free_port
-from tests.test_trainer import GAE, experiment, make_groups, torch_threads
+from tests.test_trainer import GAE, experiment, make_groups
 
 
 def write_checkpoint(path: Path, *, tied: bool, dtype: torch.dtype) -> Path:

@@ -37,7 +37,6 @@ template (SGLang keeps them as parts for templates that loop over them).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -968,33 +967,14 @@ class OpenAIRoutes:
         if not scheduler.alive():
             return error_response(OpenAIError("engine scheduler is not running", 503,
                                               "ServiceUnavailable"))
-        loop = asyncio.get_running_loop()
-        progress: asyncio.Queue[int] = asyncio.Queue()
-
-        def on_progress_of(i: int) -> Callable[[Request], None]:
-            def on_progress(_: Request) -> None:  # scheduler thread
-                with contextlib.suppress(RuntimeError):  # the loop is closed
-                    loop.call_soon_threadsafe(progress.put_nowait, i)
-            return on_progress
-
-        for i, req in enumerate(call.requests):
-            req.on_progress = on_progress_of(i)
-        claim = getattr(self.server, "claim_rids", None)  # a live rid is refused, as /generate
-        if claim is not None:
-            try:
-                claim(call.requests)
-            except BadRequest as e:
-                return error_response(OpenAIError(str(e)))
-        scheduler.add_all(call.requests)  # together: the n choices share one prefill
-        try:
+        try:  # a live rid is refused, as /generate refuses it
+            progress = self.server.submit(call.requests)
+        except BadRequest as e:
+            return error_response(OpenAIError(str(e)))
+        with self.server.abort_if_gone(call.requests):
             if call.stream:
                 return await self._stream(request, call, progress)
-            while not all(r.finished for r in call.requests):
-                await progress.get()
-        except (asyncio.CancelledError, ConnectionResetError):
-            for req in call.requests:  # the client went away: free the batch slots
-                scheduler.abort_request(req)
-            raise
+            await self.server.finished(call.requests, progress)
         error = abort_error(call)
         if error is not None:
             return error_response(error)

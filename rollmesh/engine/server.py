@@ -27,6 +27,7 @@ import hmac
 import json
 import os
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -254,13 +255,13 @@ class EngineServer:
         self._live.update((req.rid, req) for req in requests)
 
     # ---- generation ----
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        call = api.parse_generate_call(body, self.limits, self.tokenizer)
-        if not self.scheduler.alive():
-            return _error("engine scheduler is not running", 503)
+    def submit(self, requests: list[Request]) -> asyncio.Queue[int]:
+        """Claim the requests' rids (BadRequest for a live one), hook their progress to a queue
+        on this event loop (it receives the index of the request that advanced) and hand them
+        to the scheduler together: a group shares its prefill. /generate and the OpenAI routes
+        both come through here."""
         loop = asyncio.get_running_loop()
-        progress: asyncio.Queue[int] = asyncio.Queue()  # index of the request that advanced
+        progress: asyncio.Queue[int] = asyncio.Queue()
 
         def on_progress_of(i: int) -> Any:
             def on_progress(_: Request) -> None:  # scheduler thread
@@ -269,19 +270,38 @@ class EngineServer:
                     loop.call_soon_threadsafe(progress.put_nowait, i)
             return on_progress
 
-        for i, req in enumerate(call.requests):
+        for i, req in enumerate(requests):
             req.on_progress = on_progress_of(i)
-        self.claim_rids(call.requests)
-        self.scheduler.add_all(call.requests)  # together: a group shares its prefill
+        self.claim_rids(requests)
+        self.scheduler.add_all(requests)
+        return progress
+
+    @staticmethod
+    async def finished(requests: list[Request], progress: asyncio.Queue[int]) -> None:
+        while not all(r.finished for r in requests):
+            await progress.get()
+
+    @contextlib.contextmanager
+    def abort_if_gone(self, requests: list[Request]) -> Iterator[None]:
+        """A client that went away (its handler cancelled, its connection reset) aborts its
+        requests: their batch slots are freed."""
         try:
-            if call.stream:
-                return await self._stream(request, call, progress)
-            while not all(r.finished for r in call.requests):
-                await progress.get()
+            yield
         except (asyncio.CancelledError, ConnectionResetError):
-            for req in call.requests:  # the client went away: free the batch slots
+            for req in requests:
                 self.scheduler.abort_request(req)
             raise
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        call = api.parse_generate_call(body, self.limits, self.tokenizer)
+        if not self.scheduler.alive():
+            return _error("engine scheduler is not running", 503)
+        progress = self.submit(call.requests)
+        with self.abort_if_gone(call.requests):
+            if call.stream:
+                return await self._stream(request, call, progress)
+            await self.finished(call.requests, progress)
         bodies = [api.response_of(r, self.tokenizer) for r in call.requests]
         status = max((r.finish_reason or {}).get("status_code") or 200 for r in call.requests)
         return web.json_response(bodies if call.batched else bodies[0], status=status)
