@@ -179,7 +179,8 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
     """The trainer as it runs: state built from the checkpoint (sharded loading, FSDP), one
     policy update, then its own publisher (FSDP gather, buckets, the weight-update group) to the
     real engine. The engine's loading code places every gathered tensor bit for bit (the tied
-    lm_head through its embedding), and the engine then decodes as the trained model does."""
+    lm_head through its embedding), the engine's weights read back equal them, and the engine
+    then decodes as the trained model does."""
     import asyncio
 
     from rollmesh.checkpoint import full_state_dict
@@ -219,6 +220,12 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
 
     assert asyncio.run(publish()) == sum(t.numel() * 4 for t in trained.values())
     assert engine.get("/get_model_info")[1]["weight_version"] == "1"
+    # and in the engine itself, read back through SGLang's /get_weights_by_name
+    for name, tensor in receiver.named_parameters(remove_duplicate=False):
+        status, rows = engine.request("POST", "/get_weights_by_name",
+                                      {"name": name, "truncate_size": tensor.shape[0]})
+        assert status == 200, rows
+        assert torch.equal(torch.tensor(rows, dtype=torch.float32), tensor.detach()), name
     prompt = _prompt(tokenizer)
     with torch.no_grad():
         expected = _hf_greedy(receiver, prompt, NEW_TOKENS)

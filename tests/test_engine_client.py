@@ -174,7 +174,7 @@ def test_launch_commands_for_both_kinds():
         "python3", "-m", "sglang.launch_server", "--model-path", "/models/Qwen2.5-1.5B-Instruct",
         "--host", "10.0.0.5", "--port", "30000", "--tp-size", "2", "--mem-fraction-static", "0.7",
         "--skip-server-warmup", "--weight-version", "0", "--dtype", "bfloat16",
-        "--random-seed", "7"]
+        "--max-running-requests", "256", "--random-seed", "7"]
     assert sglang.env == {"CUDA_VISIBLE_DEVICES": "2,3"} and sglang.url == "http://10.0.0.5:30000"
     assert sglang.shell().startswith("CUDA_VISIBLE_DEVICES=2,3 python3 -m sglang.launch_server")
     builtin = engine_launch(EngineConfig(kind="builtin"), ModelConfig(path="tiny"), "127.0.0.1",

@@ -89,10 +89,14 @@ def test_soak_memory_and_descriptors_stay_bounded_and_nothing_leaks(tmp_path):
         # A one-off peak is not one: the final checkpoint and export for memory; for descriptors
         # a burst of requests, which opens HTTP keep-alive connections (up to the clients'
         # pool limit) that close again when idle.
+        # Descriptors: the middle third against the last. The clients' keep-alive pools fill
+        # up over the first third on a loaded machine (measured: the engine at 94 early, 110
+        # from the middle on, 110 throughout on a quiet one): a ramp that stops is no leak,
+        # while a leak of one per sync still grows by ~20 between the two.
         third = max(1, len(warm) // 3)
         early = statistics.median(s[1] for s in warm[:third])
         late = statistics.median(s[1] for s in warm[-third:])
-        fds_early = statistics.median(s[2] for s in warm[:third])
+        fds_early = statistics.median(s[2] for s in warm[third:-third] or warm[:third])
         fds_late = statistics.median(s[2] for s in warm[-third:])
         report[name] = {"rss_warm_mib": round(early, 1), "rss_end_mib": round(late, 1),
                         "rss_peak_mib": round(max(s[1] for s in warm), 1),
