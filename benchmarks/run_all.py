@@ -36,6 +36,9 @@ BENCHMARKS: dict[str, list[str]] = {
 }
 
 
+KEPT = "<!-- kept by run_all.py: the sections below are written by benchmarks run alone -->"
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -143,7 +146,12 @@ def main() -> int:
                 r["command"] = command
             results[name] = {"rows": rows, "code": code, "command": command,
                              "tail": "\n".join(output.strip().splitlines()[-15:])}
-    Path(a.out).write_text(render(results, started, time.monotonic() - t0))
+    out = Path(a.out)
+    # Sections of benchmarks run alone (real_scale.py, gpu.py, ...) sit below KEPT: kept as
+    # they are, not dropped with the table this run replaces.
+    previous = out.read_text() if out.exists() else ""
+    kept = previous[previous.index(KEPT):] if KEPT in previous else ""
+    out.write_text(render(results, started, time.monotonic() - t0).rstrip("\n") + "\n\n" + kept)
     print(f"wrote {a.out}")
     return 0 if all(r["rows"] is not None for r in results.values()) else 1
 
