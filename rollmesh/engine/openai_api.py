@@ -253,13 +253,20 @@ def _generate(gen_body: dict[str, Any], served: ServedModel, tokenizer: Any) -> 
         raise OpenAIError(message) from None
 
 
+def _opened(body: Any, served: ServedModel, known: set[str], refused: tuple[str, ...],
+            what: str) -> str:
+    """The checks every OpenAI body passes first: an object, fields this route takes, the
+    served model's name (returned)."""
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    _check_fields(body, known, refused, what)
+    return _model_name(body, served)
+
+
 # ---- /v1/completions ---------------------------------------------------------------------
 def parse_completion(body: Any, served: ServedModel, tokenizer: Any) -> OpenAICall:
     """A /v1/completions body as scheduler requests (serving_completions.py)."""
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    _check_fields(body, _COMPLETION_FIELDS, _REFUSED_COMMON, "completion")
-    model = _model_name(body, served)
+    model = _opened(body, served, _COMPLETION_FIELDS, _REFUSED_COMMON, "completion")
     prompt = body.get("prompt")
     if prompt is None:
         raise OpenAIError("prompt is required")
@@ -310,10 +317,7 @@ def parse_completion(body: Any, served: ServedModel, tokenizer: Any) -> OpenAICa
 # ---- /v1/chat/completions ----------------------------------------------------------------
 def parse_chat(body: Any, served: ServedModel, tokenizer: Any) -> OpenAICall:
     """A /v1/chat/completions body as scheduler requests (serving_chat.py)."""
-    if not isinstance(body, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    _check_fields(body, _CHAT_FIELDS, _REFUSED_CHAT, "chat completion")
-    model = _model_name(body, served)
+    model = _opened(body, served, _CHAT_FIELDS, _REFUSED_CHAT, "chat completion")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("Messages cannot be empty." if messages == [] else
