@@ -133,7 +133,8 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
             run_here = run_dir if host.local else f"runs/{Path(run_dir).name}"
             p.config = {"experiment": spec, "bind": _bind(host, port), "state_dir": f"{run_here}/rollouter",
                         "control": _bind(host, port + 1),
-                        "message_queue": _connect(mq.host, mq.proc.port)}
+                        "message_queue": _connect(mq.host, mq.proc.port),
+                        "engines": engine_urls}
         elif role == "agent_worker":
             p.config = {"experiment": spec, "rollouter": rollouter_channel, "engines": engine_urls}
         elif role == "reward_worker":
@@ -141,7 +142,8 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
         elif role == "synchronizer":
             p.config = {"experiment": spec, "bind": _bind(host, port),
                         "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
-                        "message_queue": _connect(mq.host, mq.proc.port)}
+                        "message_queue": _connect(mq.host, mq.proc.port),
+                        "engines": engine_urls}
         elif role == "trainer":
             # rank 0 hosts the ranks' rendezvous and joins the engines' weight-update group.
             # A trainer on another host writes its outputs there, under the run's remote
