@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import real_scale  # noqa: E402
-from benchmarks.engine_proc import start_engine  # noqa: E402
+from benchmarks.engine_proc import start_engine, with_repo_on_path  # noqa: E402
 from benchmarks.results import row, write  # noqa: E402
 
 GIB = 2**30
@@ -199,7 +199,7 @@ def _launch(args: argparse.Namespace, *sets: str) -> float:
            "--run-dir", str(run_dir)]
     for s in overrides:
         cmd += ["--set", s]
-    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(cmd, cwd=REPO, check=True, env=with_repo_on_path(REPO))
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
     first, last = rows[0], rows[-1]
     return ((last["samples_consumed"] - first["samples_consumed"])

@@ -56,6 +56,7 @@ import zmq.asyncio  # noqa: E402
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.engine_proc import with_repo_on_path  # noqa: E402
 
 from rollmesh.config import load_experiment, to_dict  # noqa: E402
 from rollmesh.protocol import GetBatch, Group, PutGroup, Trajectory, encode  # noqa: E402
@@ -233,7 +234,7 @@ async def mq_consume(p: dict[str, Any]) -> dict[str, Any]:
 def child(role: str, params: dict[str, Any]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--child", role, json.dumps(params)],
                             stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=with_repo_on_path(ROOT))
 
 
 def last_json(proc: subprocess.Popen, timeout_s: float) -> dict[str, Any]:

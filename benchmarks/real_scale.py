@@ -46,7 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine_proc import start_engine  # noqa: E402
+from benchmarks.engine_proc import start_engine, with_repo_on_path  # noqa: E402
 from benchmarks.results import row, write  # noqa: E402
 
 GIB = 2**30
@@ -211,7 +211,7 @@ def run_ranks(args: argparse.Namespace, role: str, world: int, mode: str = "shar
          "--rendezvous", rendezvous, "--mode", mode, "--dir", str(args.dir),
          "--seqs", str(args.seqs), "--tokens", str(args.tokens),
          "--threads", str(max(1, args.threads // world))],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        stdout=subprocess.PIPE, text=True, env=with_repo_on_path(REPO))
         for r in range(world)]
     outs = []
     for p in procs:
@@ -228,7 +228,7 @@ def child(args: argparse.Namespace, role: str, **extra: Any) -> dict[str, Any]:
     for key, value in extra.items():
         cmd += [f"--{key}", str(value)]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+                         env=with_repo_on_path(REPO)).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -341,7 +341,7 @@ def floor_broadcast(args: argparse.Namespace, nbytes: int, repeats: int = 2) -> 
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--role", "floor", "--port", str(port),
                              "--bytes", str(nbytes), "--repeats", str(repeats)],
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env=with_repo_on_path(REPO))
     group = init_weight_update_group("127.0.0.1", port, 0, 2, "floor", "gloo", 600)
     flat = torch.ones(nbytes, dtype=torch.uint8)
     times = []
