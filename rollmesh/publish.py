@@ -15,6 +15,11 @@ of its bytes (SGLang and the built-in engine both take it), pipelined: bucket i+
 bucket i is on the wire. Memory on rank 0: one gathered tensor, plus at most two bucket buffers
 (kept between syncs) when buckets travel flattened.
 
+In-place pause (`sync.pause_mode = "in_place"`): the rollouter pauses without cancelling
+anything, and rank 0 pauses the engines in place (`/pause_generation {"mode": "in_place"}`, the
+requests and their KV kept) right after SyncGo, before the first bucket, and resumes them
+(`/continue_generation`) after the broadcast, whether it worked or not, before SyncDone.
+
 Retries: a failed broadcast is tried again (SYNC_ATTEMPTS in all) with the group built anew, on
 any number of ranks: rank 0 finishes the gather loop in lock-step with the other ranks even
 after a failure (gathering, no longer sending), so every rank is back at `ranks.share` for the
@@ -133,11 +138,27 @@ class Publisher:
         i (the engines take the buckets in announcement order)."""
         specs = weight_specs(model, dtype)
         tensors = gathered(model, [s.name for s in specs])
+        in_place = self.sync.pause_mode == "in_place"
         try:
+            if in_place:  # the engines keep their requests (and KV) while the weights land
+                await self.engines.pause("in_place")
             return await self._broadcast(specs, tensors, version)
         finally:
             # the rest of the gather loop (nothing left after a success)
             await asyncio.to_thread(lambda: [None for _ in tensors])
+            if in_place:
+                await self.resume_engines()
+
+    async def resume_engines(self) -> None:
+        """/continue_generation on every engine after an in-place pause, whatever the broadcast
+        did (never raises: an engine that died meanwhile comes back unpaused; one that does not
+        answer is asked again once)."""
+        for attempt in (1, 2):
+            try:
+                await self.engines.resume()
+                return
+            except Exception as e:  # noqa: BLE001 - logged; SyncDone must still be sent
+                log.warning("engines_resume_failed", attempt=attempt, error=str(e)[:500])
 
     async def _broadcast(self, specs: list[WeightSpec], tensors: Iterator[torch.Tensor],
                          version: int) -> int:
