@@ -279,12 +279,25 @@ def generate_response(r: Request, return_logprob: bool, tokenizer: Any, *,
     meta.update(reasoning_tokens=0, completion_tokens=n, cached_tokens=0)
     if r.finished:
         meta["weight_versions"] = [dict(span) for span in r.weight_versions]
+    # rollmesh extension (not SGLang's; clients that do not read it ignore it): the weight
+    # version of every output token, on every response and stream chunk.
+    meta["output_token_weight_versions"] = token_versions(r, n)
     meta["dp_rank"] = 0
     if r.finished:
         meta["e2e_latency"] = time.perf_counter() - r.received_at
     if first_response:
         meta["response_sent_to_client_ts"] = time.time()
     return {"text": _text(r, output_ids, tokenizer), "output_ids": output_ids, "meta_info": meta}
+
+
+def token_versions(r: Request, n: int) -> list[str]:
+    """The weight version of each of the first `n` output tokens, from the request's spans
+    (`output_token_weight_versions`, a built-in-engine extension; docs/sglang-api.md). The
+    scheduler extends the spans before it appends a token, so they always cover `n`."""
+    out: list[str] = []
+    for span in list(r.weight_versions):
+        out += [span["version"]] * (span["end"] - span["start"])
+    return out[:n]
 
 
 def _version_of_token(r: Request, index: int) -> str:

@@ -87,6 +87,10 @@ class GenerateOutput:
     weight_version: str
     prompt_tokens: int
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    # The weight version of each output token, from the built-in engine's meta_info extension
+    # `output_token_weight_versions` (docs/sglang-api.md); None when the engine does not report
+    # it (SGLang): the caller then knows only `weight_version`, the last token's.
+    token_versions: list[int] | None = None
 
     @property
     def aborted(self) -> bool:
@@ -106,9 +110,29 @@ class GenerateOutput:
                        logprobs=[float(t[0]) for t in triples],
                        finish_reason=str(meta["finish_reason"]["type"]),
                        weight_version=str(meta.get("weight_version", "default")),
-                       prompt_tokens=int(meta.get("prompt_tokens", 0)), raw=body)
+                       prompt_tokens=int(meta.get("prompt_tokens", 0)), raw=body,
+                       token_versions=_token_versions(meta, len(output_ids)))
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(f"{server}/generate: malformed response ({e})", url=server) from None
+
+
+def _token_versions(meta: dict[str, Any], n: int) -> list[int] | None:
+    """`output_token_weight_versions` as ints, one per output token; None when absent, or when
+    a version is not an integer (an engine started with `--weight-version default`: rollmesh's
+    stamping refuses that through `weight_version` anyway). A list of another length is a
+    malformed response (ValueError): stamping tokens with guessed versions would hide stale
+    ones."""
+    versions = meta.get("output_token_weight_versions")
+    if versions is None:
+        return None
+    if not isinstance(versions, list) or len(versions) != n:
+        got = len(versions) if isinstance(versions, list) else type(versions).__name__
+        raise ValueError(f"output_token_weight_versions: expected a list of {n} versions, "
+                         f"got {got}")
+    try:
+        return [int(v) for v in versions]
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass

@@ -12,7 +12,9 @@ union, e.g. a log-prob entry's text `str|null`), `_optional` (a key SGLang sends
 sometimes, with when), `_open` (an object of which the fixture lists only some keys: SGLang's
 /get_server_info has one per server argument) and `_tuples` (fixed-length lists such as
 `[logprob, token_id, text]`). Every other key must be there, with the fixture value's type, and
-a key the fixture does not have is a mismatch too.
+a key the fixture does not have is a mismatch too, except the built-in engine's documented
+extensions (BUILTIN_EXTENSIONS: keys SGLang does not send, which clients that do not read them
+ignore; docs/sglang-api.md, "Built-in engine extensions").
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ def load(name: str) -> dict[str, Any]:
 # -- the shape comparison --------------------------------------------------------------------------
 
 
+# Keys the built-in engine adds to SGLang's bodies, by generic path (docs/sglang-api.md, "Built-in
+# engine extensions"): allowed in its answers, never required. Their values are tested where the
+# feature is (tests/engine/test_engine_in_place.py).
+BUILTIN_EXTENSIONS = frozenset({
+    "meta_info.output_token_weight_versions",  # the weight version of every output token
+})
+
+
 def _kind(v: Any) -> str:
     if v is None:
         return "null"
@@ -67,7 +77,7 @@ class Shape:
 
     def __init__(self, fixture: dict[str, Any]) -> None:
         self.types = {p: set(t.split("|")) for p, t in fixture.get("_types", {}).items()}
-        self.optional = set(fixture.get("_optional", {}))
+        self.optional = set(fixture.get("_optional", {})) | BUILTIN_EXTENSIONS
         self.open = set(fixture.get("_open", []))
         self.tuples = set(fixture.get("_tuples", []))
 
