@@ -10,6 +10,19 @@ A loop generates through `LoopContext.generate`, which appends the engine's toke
 trajectory (mask 1, the version that produced them) and raises `Interrupted` when the worker is
 cancelling (a weight sync): the loop then returns nothing; the worker ships the trajectory as it
 stands. Tool and environment tokens are appended with `append_observation` (mask 0, version -1).
+
+Version stamping (what the staleness bound counts on). A request can run across a weight sync
+(`sync.pause_mode = "in_place"`: the engines keep it and continue it under the new weights), so
+its tokens may come from several versions:
+- the built-in engine reports the version of every output token (meta_info
+  `output_token_weight_versions`, `GenerateOutput.token_versions`): each token gets its own;
+- an engine that reports one `weight_version` (SGLang: the last token's) is stamped
+  conservatively. The context remembers the version each engine reported last; a request
+  starts with `start` = the lowest of them (asked from the engines once before any answer).
+  If the answer reports `start`, no sync happened during it and every token gets that version;
+  otherwise every token gets the oldest version it can have been made with, min(start,
+  reported). Never newer than the truth: a token may count as staler than it is (and be
+  dropped early), never fresher.
 """
 
 from __future__ import annotations
@@ -58,20 +71,42 @@ def new_trajectory(sample_id: str, group_id: str, index: int, prompt_ids: list[i
 
 
 def append_tokens(traj: Trajectory, ids: list[int], logprobs: list[float] | None,
-                  version: int) -> None:
+                  version: int | Sequence[int]) -> None:
+    """Append tokens; `version` is one version for all of them or one per token."""
     n = len(ids)
     generated = logprobs is not None
     traj.token_ids = np.concatenate([traj.token_ids, np.asarray(ids, np.int32)])
     traj.logprobs = np.concatenate(
         [traj.logprobs, np.asarray(logprobs if generated else np.zeros(n), np.float32)])
-    traj.versions = np.concatenate([traj.versions, np.full(n, version if generated else -1,
-                                                           np.int32)])
+    if not generated:
+        versions = np.full(n, -1, np.int32)
+    elif isinstance(version, (int, np.integer)):
+        versions = np.full(n, version, np.int32)
+    else:
+        versions = np.asarray(version, np.int32)
+        if versions.shape != (n,):
+            raise ValueError(f"{versions.size} weight versions for {n} tokens")
+    traj.versions = np.concatenate([traj.versions, versions])
     traj.loss_mask = np.concatenate([traj.loss_mask, np.full(n, int(generated), np.uint8)])
 
 
 def append_observation(traj: Trajectory, ids: list[int]) -> None:
     """Tool, environment or template tokens: in the context, not in the loss."""
     append_tokens(traj, ids, None, -1)
+
+
+def token_stamps(out: GenerateOutput, start: int | None) -> int | list[int]:
+    """The weight version(s) to stamp `out`'s tokens with (the rule in the module docstring):
+    the engine's own per-token versions where it reports them (the built-in engine); otherwise
+    the reported version if no sync can have happened since the request started (it equals
+    `start`, the oldest version the worker knew an engine at when it started), else `start`,
+    the oldest version any of its tokens can carry."""
+    if out.token_versions is not None:
+        return out.token_versions
+    reported = parse_version(out.weight_version)
+    if start is None or reported == start:
+        return reported
+    return min(start, reported)
 
 
 def parse_version(weight_version: str) -> int:
@@ -96,6 +131,11 @@ class LoopContext:
         self.tools = tools if tools is not None else builtin_tools()
         self.active: set[str] = set()  # rids in flight, so a cancel can abort them
         self.generated_tokens = 0  # what the engines produced for this worker, all told
+        # Version stamping (module docstring): each engine's version as its last answer
+        # reported it, and whether an engine reports per-token versions.
+        self.server_versions: dict[str, int] = {}
+        self.per_token_versions = False
+        self._version_probe: asyncio.Future[int | None] | None = None
 
     def sampling_params(self, max_new_tokens: int, traj: Trajectory | None = None) -> dict[str, Any]:
         """The rollout's sampling, with the trajectory's own overrides (e.g. greedy evaluation)."""
@@ -121,6 +161,7 @@ class LoopContext:
         max_new_tokens = min(max_new_tokens, self.max_context - len(traj.token_ids) - 1)
         if max_new_tokens <= 0:
             raise ContextFull()
+        start = await self.start_version()
         rid = self.client.new_rid()
         self.active.add(rid)
         try:
@@ -128,12 +169,45 @@ class LoopContext:
                                              self.sampling_params(max_new_tokens, traj), rid=rid)
         finally:
             self.active.discard(rid)
-        append_tokens(traj, out.output_ids, out.logprobs, parse_version(out.weight_version))
+        append_tokens(traj, out.output_ids, out.logprobs, self.stamp(out, start))
         self.generated_tokens += len(out.output_ids)
         traj.finish_reason = out.finish_reason
         if out.aborted:
             raise Interrupted()
         return out
+
+    async def start_version(self) -> int | None:
+        """The oldest version an engine may hold as a request starts: the lowest any engine
+        reported last. Needed only for engines that do not report per-token versions; before
+        any answer it is asked once from the engines (/get_model_info), None if they cannot
+        say (the request's tokens then get the version it reports)."""
+        healthy = {s.url for s in getattr(self.client, "servers", []) if s.healthy}
+        known = [v for url, v in self.server_versions.items() if url in healthy]
+        if known or self.server_versions:
+            return min(known or self.server_versions.values())
+        if self.per_token_versions:
+            return None
+        if self._version_probe is None:
+            self._version_probe = asyncio.ensure_future(self._probe_versions())
+        version = await asyncio.shield(self._version_probe)
+        if version is None:
+            self._version_probe = None  # ask again next time
+        return version
+
+    async def _probe_versions(self) -> int | None:
+        try:
+            reported = await asyncio.wait_for(self.client.weight_versions(), 10)
+            return min(parse_version(v) for v in reported) if reported else None
+        except Exception:  # unreachable, an old route, a non-integer version: unknown
+            return None
+
+    def stamp(self, out: GenerateOutput, start: int | None) -> int | list[int]:
+        """The versions for `out`'s tokens (token_stamps), and what the answer tells about
+        its engine."""
+        stamps = token_stamps(out, start)
+        self.per_token_versions = self.per_token_versions or out.token_versions is not None
+        self.server_versions[out.server] = parse_version(out.weight_version)
+        return stamps
 
     async def abort_all(self) -> None:
         await asyncio.gather(*(self.client.abort(rid) for rid in list(self.active)),

@@ -12,7 +12,8 @@ the live weight version and groups_per_version = batch_groups * sync_every. A fi
 group frees its place; an accepted one counts for good.
 
 Pause (from the synchronizer): stop dispatching, send Cancel to every agent worker, answer
-Paused once no trajectory is out with a worker. Resume(version): dispatch the cancel queue
+Paused once no trajectory is out with a worker; with `sync.pause_mode = "in_place"` send no
+Cancel and answer Paused at once (the engines keep the requests through the sync). Resume(version): dispatch the cancel queue
 first, then new prompts. A worker that dies (silent for `liveness` heartbeats, or unreachable)
 has its trajectories re-queued as they were when dispatched. A rollouter restarted between a
 Pause and its Resume comes back paused (the journal records both) and waits for the Resume.
@@ -497,6 +498,13 @@ class Rollouter:
             self.journal.pause()
         self.paused = True
         self.drained.clear()
+        if mode == "in_place":
+            # The engines keep the requests (and their KV) through the sync and continue them
+            # under the new weights: no Cancel, nothing to drain. Dispatching stops; what is
+            # out with workers stays there and comes back as it finishes.
+            self.log.info("paused", mode=mode, in_flight=self.agent_out(),
+                          cancel_queue=len(self.cancel_queue))
+            return Paused(in_flight=self.agent_out(), cancel_queue=len(self.cancel_queue))
         started = time.monotonic()
         for w in list(self.workers.values()):
             if w.kind == "agent" and not await self.channel.send(w.peer, Cancel(reason=mode)):
