@@ -291,6 +291,9 @@ class SyncRequest:
 
     version: int
     step: int = 0
+    # The trainer sends `version` again (an engine restarted and serves older weights, or the
+    # trainer resumed): accepted at any version, and the weight-update group is built anew.
+    republish: bool = False
 
 
 @record

@@ -42,6 +42,7 @@ from rollmesh.engine.client import EngineClient, EngineError
 from rollmesh.log import get_logger
 from rollmesh.protocol import SyncDone, SyncGo, SyncRequest
 from rollmesh.ranks import full_tensor
+from rollmesh.synchronizer import engine_version
 from rollmesh.transport import RpcClient, Transport, free_port
 from rollmesh.weight_buckets import BucketSender, WeightSpec, plan_buckets, update_body
 from rollmesh.weights import init_weight_update_group
@@ -50,6 +51,9 @@ log = get_logger("publish")
 
 GROUP = "weight_update_group"
 SYNC_ATTEMPTS = 3  # broadcasts tried for one version before the trainer gives up
+# Attempts that failed because an engine died or restarted (the launcher brings it back) do not
+# count towards SYNC_ATTEMPTS, up to this many attempts in all.
+SYNC_ATTEMPTS_WITH_RESTARTS = 10
 
 
 def weight_specs(model: torch.nn.Module, dtype: torch.dtype) -> list[WeightSpec]:
@@ -110,6 +114,30 @@ class Publisher:
                 self.engines.weight_group_world_size, GROUP, self.backend, self.sync.timeout_s)
         finally:
             await joining
+
+    async def engines_behind(self, version: int) -> list[str]:
+        """The engines that serve weights other than `version`: each that answers
+        /get_server_info with another weight_version (a restarted engine has the initial
+        weights, version 0). One that does not answer is not serving and is left out: when it
+        is back, it answers behind."""
+        infos = await self.engines.server_info_each(timeout_s=5.0)
+        return [f"{s.url} at version {info.get('weight_version')}"
+                for s, info in zip(self.engines.servers, infos)
+                if info is not None and engine_version(info) not in (None, version)]
+
+    async def engine_restarted(self, old: int, new: int) -> bool:
+        """After a failed attempt: an engine is down, or serves neither `old` nor `new` (it came
+        back with the initial weights), so the failure was the engine's death, not a fault of
+        the weights or the trainer."""
+        infos = await self.engines.server_info_each(timeout_s=5.0)
+        return any(info is None or engine_version(info) not in (None, old, new) for info in infos)
+
+    async def verify(self, version: int) -> None:
+        """After a broadcast: every engine that serves holds `version`, else EngineError."""
+        behind = await self.engines_behind(version)
+        if behind:
+            raise EngineError(f"after the broadcast of version {version}: "
+                              f"{'; '.join(behind)} (restarted during the sync?)")
 
     def _start_update(self, body: dict[str, Any]) -> asyncio.Task:
         return self.engines.start_update_weights_from_distributed(
@@ -226,10 +254,12 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
         return {}
     started = time.monotonic()
     told = False  # the other ranks have their last order ("done" or "abort")
+    old = state.version
+    failures = 0  # failed attempts that no engine restart explains
     try:
-        for attempt in range(1, SYNC_ATTEMPTS + 1):
+        for attempt in range(1, SYNC_ATTEMPTS_WITH_RESTARTS + 1):
             go: SyncGo = await publisher.synchronizer.request(
-                SyncRequest(version=version, step=state.step))
+                SyncRequest(version=version, step=state.step, republish=republish))
             await asyncio.to_thread(ranks.share, {"op": "broadcast"})
             paused = time.monotonic()
             if go.rebuild_group or attempt > 1:
@@ -238,24 +268,34 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
                 # Whatever fails, this returns (or raises) only after the whole gather loop,
                 # so the other ranks are back waiting for the next order.
                 sent = await publisher.broadcast(state.model, state.compute_dtype, version)
+                broadcast = time.monotonic()
+                # ok only if every serving engine holds the version (one that restarted
+                # during the sync has the initial weights): checked here, and again by the
+                # synchronizer before it publishes the version (it refuses SyncDone if not)
+                await publisher.verify(version)
+                await publisher.synchronizer.request(SyncDone(
+                    version=version, broadcast_s=broadcast - paused, bytes=sent))
                 break
             except BaseException as e:
                 # An engine died or refused mid-sync (the launcher restarts a dead one): keep
                 # rollout paused, build the group anew once every engine answers, and send the
                 # whole weights again, on every rank (they gather again). After the last
-                # attempt rollout resumes at the old version and this trainer stops.
-                retrying = attempt < SYNC_ATTEMPTS and isinstance(e, Exception)
+                # attempt rollout resumes at the old version and this trainer stops. An engine
+                # restart is what an attempt is retried for: it does not use up the attempts.
+                restarted = (isinstance(e, Exception)
+                             and await publisher.engine_restarted(old, version))
+                failures += not restarted
+                retrying = (failures < SYNC_ATTEMPTS and attempt < SYNC_ATTEMPTS_WITH_RESTARTS
+                            and isinstance(e, Exception))
                 log.warning("sync_broadcast_failed", version=version, attempt=attempt,
-                            retrying=retrying, ranks=ranks.world, error=str(e)[:500])
+                            retrying=retrying, engine_restarted=restarted, ranks=ranks.world,
+                            error=str(e)[:500])
                 await publisher.synchronizer.request(SyncDone(version=version, ok=False,
                                                               error=str(e)[:2000],
                                                               retrying=retrying))
                 if not retrying:
                     raise
                 await publisher.engines.wait_healthy(publisher.sync.timeout_s)
-        broadcast = time.monotonic()
-        await publisher.synchronizer.request(SyncDone(version=version,
-                                                      broadcast_s=broadcast - paused, bytes=sent))
         told = True
         await asyncio.to_thread(ranks.share, {"op": "done"})
     except BaseException:

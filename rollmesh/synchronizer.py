@@ -17,6 +17,16 @@ The answer to SyncRequest is the synchronizer's "broadcast" to the trainer: the 
 no server of its own, and the broadcast runs while no RPC is outstanding on the synchronizer's
 side, so neither can wait on the other. The trainer is idle from SyncRequest to the Ok.
 
+A sync is `ok` only if every engine that is serving holds the new version: before publishing it
+to the MessageQueue, the synchronizer reads every engine's /get_server_info (config `engines`);
+an engine that answers with another version (it restarted during or after the broadcast, with
+the initial weights) makes SyncDone(ok) fail with an error naming it, the sync stays in
+progress, and the trainer reports the attempt failed and tries again with the group rebuilt.
+An engine that does not answer is not serving (the launcher is restarting it); when it is back,
+the trainer's check (`rollmesh.publish.Publisher.engines_behind`, at every step and whenever
+its wait for a batch comes back empty) sees it behind and sends it the current weights again:
+SyncRequest(republish=True), accepted at any version, always with the group rebuilt.
+
 Failure: SyncDone(ok=False) resumes rollout at the old version (the trainer fails loudly, the
 engines' weights are suspect); a trainer that never reports back within `sync.timeout_s` after
 SyncGo gets the same (rollout must not stay paused forever). A repeated SyncRequest for the
@@ -41,11 +51,22 @@ from rollmesh.protocol import (
     EnginesChanged, Metrics, Ok, Pause, Paused, Resume, StatsRequest, SyncDone, SyncGo, SyncRequest,
     WeightVersion,
 )
+from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.runtime import RoleContext
 from rollmesh.transport import RpcClient, RpcServer
 
 
 PAUSE_RETRY_S = 10.0
+
+
+def engine_version(info: dict[str, Any]) -> int | None:
+    """The weight version an engine's /get_server_info reports; None when it reports none or
+    not an integer (an SGLang started without --weight-version says "default"): such an engine
+    is not judged by its version (rollmesh starts its engines with --weight-version 0)."""
+    try:
+        return int(info.get("weight_version"))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass
@@ -56,11 +77,12 @@ class Sync:
     paused: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     watchdog: asyncio.Task | None = None
+    changes: int = 0  # the engine restarts this sync's group rebuild covers
 
 
 class Synchronizer:
     def __init__(self, ctx: RoleContext, exp: ExperimentConfig, rollouter: RpcClient,
-                 mq: RpcClient, version: int = 0):
+                 mq: RpcClient, version: int = 0, engines: EngineClient | None = None):
         self.ctx, self.log = ctx, ctx.log
         self.exp = exp
         self.rollouter, self.mq = rollouter, mq
@@ -69,24 +91,29 @@ class Synchronizer:
         self.lock = asyncio.Lock()  # one sync at a time, start to finish
         self.history: list[dict[str, Any]] = []
         self.failures = 0
-        self.rebuild = False  # an engine was restarted since the last successful sync
+        self.engines = engines  # to check the engines' versions before publishing one
+        # Engine restarts heard of (EnginesChanged), and how many of them the last successful
+        # sync that rebuilt the group covered: a restart announced during a sync is not lost.
+        self.changes = 0
+        self.covered = 0
         self.abandoned: set[int] = set()  # versions whose sync this process gave up waiting for
 
     async def request(self, msg: SyncRequest) -> SyncGo:
         current = self.current
         if current is not None and current.version == msg.version:
             return await asyncio.shield(current.paused)  # a retry of the sync in progress
-        if msg.version <= self.version:
+        if msg.version <= self.version and not msg.republish:
             raise ValueError(f"version {msg.version} is not newer than the published "
                              f"version {self.version}")
         await self.lock.acquire()
-        sync = self.current = Sync(msg.version, time.monotonic())
+        sync = self.current = Sync(msg.version, time.monotonic(), changes=self.changes)
         try:
             started = time.monotonic()
             paused: Paused = await self.rollouter.request(
                 Pause(mode=self.exp.sync.pause_mode), **self._patient())
             sync.go = SyncGo(version=msg.version, pause_s=time.monotonic() - started,
-                             cancel_queue=paused.cancel_queue, rebuild_group=self.rebuild)
+                             cancel_queue=paused.cancel_queue,
+                             rebuild_group=self.rebuild or msg.republish)
         except BaseException as e:
             self.current = None
             self.lock.release()
@@ -96,8 +123,27 @@ class Synchronizer:
         sync.paused.set_result(sync.go)
         sync.watchdog = asyncio.create_task(self._watchdog(sync))
         self.log.info("sync_paused", version=msg.version, pause_s=round(sync.go.pause_s, 4),
-                      cancel_queue=paused.cancel_queue)
+                      cancel_queue=paused.cancel_queue, republish=msg.republish,
+                      rebuild_group=sync.go.rebuild_group)
         return sync.go
+
+    @property
+    def rebuild(self) -> bool:
+        """An engine was restarted since the last successful sync that rebuilt the group."""
+        return self.changes > self.covered
+
+    def engines_changed(self) -> None:
+        self.changes += 1
+
+    async def engines_behind(self, version: int) -> list[str]:
+        """The engines that answer /get_server_info with a version other than `version`
+        (one that does not answer is not serving: it is left out)."""
+        if self.engines is None:
+            return []
+        infos = await self.engines.server_info_each(timeout_s=5.0)
+        return [f"{s.url} at version {info.get('weight_version')}"
+                for s, info in zip(self.engines.servers, infos)
+                if info is not None and engine_version(info) not in (None, version)]
 
     def _patient(self) -> dict[str, Any]:
         """Pause and Resume are idempotent: ask again every PAUSE_RETRY_S (a rollouter that
@@ -113,6 +159,10 @@ class Synchronizer:
         if sync is None and msg.version > self.version and msg.version not in self.abandoned:
             # A sync the previous synchronizer process started before it died: the trainer
             # finished it. Publish the version (or not) and resume rollout, as it would have.
+            behind = await self.engines_behind(msg.version) if msg.ok else []
+            if behind:
+                raise ValueError(f"sync of version {msg.version} is not done: "
+                                 f"{'; '.join(behind)} (restarted?)")
             self.log.warning("sync_adopted", version=msg.version, ok=msg.ok)
             await self.lock.acquire()
             sync = self.current = Sync(msg.version, time.monotonic())
@@ -123,6 +173,17 @@ class Synchronizer:
         if sync is None or sync.version != msg.version:
             raise ValueError(f"SyncDone for version {msg.version}, but the sync in progress is "
                              f"{sync.version if sync else 'none'}")
+        if msg.ok:
+            behind = await self.engines_behind(msg.version)
+            if self.current is not sync:  # the watchdog gave it up meanwhile
+                raise ValueError(f"sync of version {msg.version} was given up after "
+                                 f"sync.timeout_s={self.exp.sync.timeout_s:g}")
+            if behind:
+                # Not ok: the sync stays in progress (rollout paused, the watchdog running);
+                # the trainer reports the attempt failed and broadcasts again, group rebuilt.
+                self.log.warning("sync_engine_behind", version=msg.version, engines=behind)
+                raise ValueError(f"sync of version {msg.version} is not done: "
+                                 f"{'; '.join(behind)} (restarted?)")
         if sync.watchdog is not None:
             sync.watchdog.cancel()
         await self._finish(sync, msg)
@@ -146,7 +207,8 @@ class Synchronizer:
                 await self.mq.request(WeightVersion(version=msg.version))
                 self.version = msg.version
                 if sync.go is not None and sync.go.rebuild_group:
-                    self.rebuild = False  # every engine, the restarted ones too, is current
+                    # every engine restarted before this sync's SyncGo is in the new group
+                    self.covered = max(self.covered, sync.changes)
             else:
                 self.failures += 1
                 self.log.error("sync_failed", version=msg.version, error=msg.error,
@@ -186,12 +248,17 @@ class Synchronizer:
 
 async def main(ctx: RoleContext) -> None:
     """Role entry. config: experiment, bind (RPC), rollouter (RPC), message_queue (RPC),
-    version (the engines' version at start, default 0)."""
+    version (the engines' version at start, default 0), engines (URLs: their versions are
+    checked before a version is published; without it, not checked)."""
     exp = parse_config(ExperimentConfig, ctx.config["experiment"], "synchronizer spec")
     rollouter = RpcClient(ctx.transport, ctx.config["rollouter"], timeout_s=exp.sync.timeout_s,
                           retries=0, name="rollouter")
     mq = RpcClient(ctx.transport, ctx.config["message_queue"], timeout_s=30, name="message queue")
-    sync = Synchronizer(ctx, exp, rollouter, mq, int(ctx.config.get("version", 0)))
+    engines = None
+    if ctx.config.get("engines"):
+        engines = EngineClient(ctx.config["engines"], api_key=run_api_key(ctx.spec.keys_dir))
+        await engines.__aenter__()
+    sync = Synchronizer(ctx, exp, rollouter, mq, int(ctx.config.get("version", 0)), engines)
 
     async def on_request(msg: SyncRequest, peer: bytes) -> SyncGo:
         return await sync.request(msg)
@@ -203,7 +270,7 @@ async def main(ctx: RoleContext) -> None:
         return Metrics(role="synchronizer", host=ctx.spec.host, values=sync.stats())
 
     async def on_engines_changed(msg: EnginesChanged, peer: bytes) -> Ok:
-        sync.rebuild = True
+        sync.engines_changed()
         ctx.log.info("engines_changed", reason=msg.reason)
         return Ok()
 
@@ -219,4 +286,6 @@ async def main(ctx: RoleContext) -> None:
                              if k not in ("last", "last_sync")})
     for c in (rollouter, mq):
         c.close()
+    if engines is not None:
+        await engines.close()
     server.close()

@@ -643,6 +643,27 @@ class Link:
                     self.tensorboard.add_scalar(key, value, metrics["step"])
             self.tensorboard.flush()
 
+    async def engines_behind(self) -> list[str]:
+        """The engines serving another version than the trainer's (logged; [] if none)."""
+        assert self.publisher is not None
+        behind = await self.publisher.engines_behind(self.state.version)
+        if behind:
+            self.ctx.log.warning("engines_behind", version=self.state.version, engines=behind)
+        return behind
+
+    async def republish(self) -> None:
+        """Send the trainer's version again (every rank is in `sync_weights` with rank 0).
+        A failure is logged, not fatal: the next check tries again."""
+        try:
+            timings = await sync_weights(self.state, self.publisher, republish=True)
+        except Exception as e:  # noqa: BLE001 - the engines stay behind; checked again soon
+            self.ctx.log.error("republish_failed", version=self.state.version, error=str(e)[:500])
+            await asyncio.sleep(1.0)
+            return
+        self.ctx.log.info("weights_republished", version=self.state.version,
+                          broadcast_s=round(timings.get("sync_broadcast_s", 0.0), 4),
+                          attempts=timings.get("sync_attempts"))
+
     async def data_cursor(self) -> dict[str, Any] | None:
         if self.rollouter is None:
             return None
@@ -671,7 +692,13 @@ def _tensorboard(directory: Path | None, log: Any) -> Any:
 
 
 async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> Batch | None:
-    """Rank 0 pulls a batch at its version and shares it with every rank; None: stop."""
+    """Rank 0 pulls a batch at its version and shares it with every rank; None: stop.
+
+    Before each request for a batch (so at every step, and again whenever a wait for one comes
+    back empty), rank 0 checks that every engine serving holds the trainer's version: one that
+    restarted has the initial weights, generates nothing the trainer can use, and would get the
+    weights only at the next sync, which may never come if every sample is stale. An engine
+    behind gets the current version again at once (every rank takes part in the gather)."""
     ranks = state.ranks
     if not ranks.is_main:
         while True:
@@ -680,12 +707,18 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
                 return None
             if order["op"] == "batch":
                 return protocol.decode(order["frames"], Batch)
+            if order["op"] == "republish":
+                with contextlib.suppress(RuntimeError):  # rank 0 gave up; it tries again later
+                    await sync_weights(state, None, republish=True)
     assert link is not None
     exp = state.exp
     while True:
         if ctx.stopping.is_set() or state.step >= exp.trainer.total_steps:
             await run(ranks.share, {"op": "stop"})
             return None
+        if link.publisher is not None and await link.engines_behind():
+            await run(ranks.share, {"op": "republish"})
+            await link.republish()
         # The queue keeps each batch it hands out until a checkpoint covers its step, and hands
         # a resumed trainer the same batch again: say which step this is for and which step the
         # latest checkpoint holds (no checkpoint directory: nothing to resume, all done with).

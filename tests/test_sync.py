@@ -287,3 +287,90 @@ def test_a_restarted_synchronizer_finishes_the_sync_its_predecessor_started():
     assert [r.version for r in mq.requests] == [3, 4] and s.version == 4
     assert [(type(r).__name__, getattr(r, "version", None)) for r in rollouter.requests] == [
         ("Resume", 3), ("Pause", None), ("Resume", 4)]
+
+
+class VersionServer:
+    """A real HTTP server answering /get_server_info with a weight_version the test sets (an
+    engine as the synchronizer's check sees it); `version = None`: it does not answer (down)."""
+
+    def __init__(self, version: str | None = "0"):
+        self.version = version
+        self.url = ""
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        async def info(request):
+            if self.version is None:
+                raise web.HTTPServiceUnavailable()
+            return web.json_response({"weight_version": self.version})
+
+        app = web.Application()
+        app.router.add_get("/get_server_info", info)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def test_a_sync_is_not_ok_while_an_engine_serves_an_older_version():
+    """An engine that restarted during the broadcast answers with the initial weights: the
+    synchronizer refuses SyncDone(ok), keeps rollout paused and publishes nothing; the trainer
+    reports the attempt failed, asks again (the group rebuilt: the launcher said an engine
+    restarted) and, once every serving engine holds the version, it is published. An engine
+    that does not answer is not serving and does not hold a sync back."""
+    from rollmesh.engine.client import EngineClient
+
+    async def body():
+        async with VersionServer("0") as a, VersionServer("0") as b:
+            async with EngineClient([a.url, b.url]) as engines:
+                s, rollouter, mq = synchronizer()
+                s.engines = engines
+                go = await s.request(SyncRequest(version=1))
+                assert not go.rebuild_group
+                a.version = "1"  # b restarted mid-broadcast: it still says 0
+                with pytest.raises(ValueError, match=f"{b.url} at version 0"):
+                    await s.done(SyncDone(version=1, broadcast_s=0.1, bytes=10))
+                assert s.current is not None and mq.requests == []  # still in progress
+                s.engines_changed()  # the launcher's EnginesChanged for b
+                await s.done(SyncDone(version=1, ok=False, error="b behind", retrying=True))
+                assert [type(r).__name__ for r in rollouter.requests] == ["Pause"]  # paused
+                again = await s.request(SyncRequest(version=1))
+                assert again.rebuild_group  # b is not in the old group
+                b.version = None  # b died again: not serving, not judged
+                await s.done(SyncDone(version=1, broadcast_s=0.1, bytes=10))
+                after = s.rebuild
+                # a republish of the published version is accepted and rebuilds the group
+                b.version = "0"
+                rego = await s.request(SyncRequest(version=1, republish=True))
+                b.version = "1"
+                await s.done(SyncDone(version=1, broadcast_s=0.1, bytes=10))
+                return s, rollouter, mq, after, rego
+
+    s, rollouter, mq, after, rego = asyncio.run(body())
+    assert not after  # the rebuilt group covers the restart the launcher announced
+    assert rego.rebuild_group and s.version == 1
+    assert [r.version for r in mq.requests] == [1, 1]
+    assert [type(r).__name__ for r in rollouter.requests] == ["Pause", "Pause", "Resume", "Pause",
+                                                              "Resume"]
+    assert s.stats()["failures"] == 1 and s.stats()["syncs"] == 2
+
+
+def test_an_engine_restart_announced_during_a_sync_is_not_forgotten():
+    """EnginesChanged that arrives while a sync that rebuilds the group is in progress (its
+    SyncGo was sent before the restart): the next sync still rebuilds the group."""
+    async def body():
+        s, rollouter, mq = synchronizer()
+        s.engines_changed()
+        go = await s.request(SyncRequest(version=1))
+        s.engines_changed()  # a second restart, after SyncGo
+        await s.done(SyncDone(version=1))
+        return go, s.rebuild
+
+    go, rebuild = asyncio.run(body())
+    assert go.rebuild_group and rebuild
