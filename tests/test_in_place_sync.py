@@ -1,0 +1,221 @@
+"""In-place weight syncs (`sync.pause_mode = "in_place"`) and the version stamping they need.
+
+A request that runs across an in-place sync is not aborted: the engines keep it (and its KV)
+while the weights land and continue it under the new ones, so its tokens come from two
+versions. The staleness bound counts on each token carrying the version that made it:
+- with the built-in engine each token gets its own (meta_info `output_token_weight_versions`);
+- with an engine that reports one version per answer (SGLang) the worker stamps the whole
+  request with the oldest version it can have been made with when a sync happened during it.
+Tests here: real engine processes, a real gloo broadcast from a trainer-like process, the real
+MessageQueue rules and the trainer's staleness computation; a stub server for SGLang's answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rollmesh import packing
+from rollmesh.agent_loops import LoopContext, SingleTurn, new_trajectory, token_stamps
+from rollmesh.config import RolloutConfig
+from rollmesh.engine.client import EngineClient, GenerateOutput
+from rollmesh.engine.models import build_tiny
+from rollmesh.message_queue import MessageQueue
+from rollmesh.protocol import Group
+from tests.engine.engine_harness import REPO, Engine, chat_prompt, free_port, repo_env
+
+HERE = Path(__file__).parent
+
+
+def broadcast(url: str, spec: str, version: str) -> dict:
+    """A trainer process: joins the engine's weight-update group over gloo and broadcasts
+    `spec`'s weights as `version` (tests/engine/trainer_broadcast.py)."""
+    cmd = [sys.executable, str(HERE / "engine" / "trainer_broadcast.py"), url, str(free_port()),
+           spec, version]
+    done = subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+async def wait_decoding(engine: Engine, running: int, steps: int = 5,
+                        timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (await asyncio.to_thread(engine.stats))["running_requests"] < running:
+        assert time.monotonic() < deadline, "the requests never started running"
+        await asyncio.sleep(0.02)
+    start = (await asyncio.to_thread(engine.stats))["decode_steps"]
+    while (await asyncio.to_thread(engine.stats))["decode_steps"] < start + steps:
+        assert time.monotonic() < deadline, "the requests never decoded"
+        await asyncio.sleep(0.02)
+
+
+def context(client: EngineClient, tokenizer: Any) -> LoopContext:
+    return LoopContext(client, tokenizer, RolloutConfig(), max_context=4096,
+                       cancelling=asyncio.Event())
+
+
+def group_of(name: str, trajs: list) -> Group:
+    return Group(group_id=name, trajectories=trajs)
+
+
+@pytest.mark.slow
+def test_an_in_place_sync_keeps_the_requests_and_stamps_each_token(tmp_path):
+    """A group of two long answers; mid-answer, an in-place sync as the trainer's publisher
+    makes it (engines paused in place, a real broadcast of new weights as version 1, engines
+    resumed). The answers finish (not aborted), their tokens carry 0 up to the sync and 1 after
+    it, the trainer's batch staleness counts the oldest token, and the MessageQueue hands the
+    group to a trainer at version 1 but drops it (stale) for one at version 2 (bound 1)."""
+    engine = Engine(tmp_path / "engine.log", "--weight-version", "0")
+    _, tok = build_tiny("tiny")
+    n = 250
+
+    async def run() -> tuple[list, int]:
+        async with EngineClient([engine.url]) as client:
+            ctx = context(client, tok)
+            prompt = chat_prompt(tok, "Tell a long story across a weight sync")
+            trajs = [new_trajectory(f"s{i}", "g", i, prompt, agent_loop="single_turn",
+                                    metadata={"sampling": {"max_new_tokens": n,
+                                                           "ignore_eos": True}})
+                     for i in range(2)]
+            loops = [asyncio.create_task(SingleTurn(ctx).run(t)) for t in trajs]
+            await wait_decoding(engine, running=2)
+            await client.pause("in_place")  # publish.py, right after SyncGo
+            made_at_0 = (await asyncio.to_thread(engine.stats))["generated_tokens"]
+            replies = await asyncio.to_thread(broadcast, engine.url, "tiny:seed=1", "1")
+            assert replies["update"]["success"], replies
+            assert not any(loop.done() for loop in loops)
+            await client.resume()  # after the broadcast, before SyncDone
+            await asyncio.wait_for(asyncio.gather(*loops), 120)
+            return trajs, made_at_0
+
+    try:
+        trajs, made_at_0 = asyncio.run(run())
+    finally:
+        assert engine.stop() == 0, engine.log()
+
+    k = made_at_0 // 2  # the two answers decode in one batch: the same count each
+    assert 0 < k < n and made_at_0 == 2 * k
+    for t in trajs:
+        assert t.finish_reason == "length" and t.status == "finished"  # not aborted
+        generated = t.versions[t.prompt_len:]
+        assert len(generated) == n
+        assert generated.tolist() == [0] * k + [1] * (n - k)
+        assert (t.versions[: t.prompt_len] == -1).all()
+
+    # What the trainer reports as batch staleness (trainer.py: packing.staleness)
+    for t in trajs:
+        t.reward = 1.0  # scored (the reward workers' part)
+    data = packing.from_groups([group_of("g", trajs)])
+    assert packing.staleness(data.versions, data.mask, 1).tolist() == [1, 1]
+    assert packing.staleness(data.versions, data.mask, 2).tolist() == [2, 2]
+
+    # The MessageQueue's bound (max_staleness 1): handed out at version 1, dropped at 2.
+    q = MessageQueue(capacity_groups=8, max_staleness=1)
+    assert q.put(group_of("g1", trajs))
+    assert [g.group_id for g in q.take(1, version=1)] == ["g1"]
+    assert q.staleness_hist == {1: 2}
+    assert q.put(group_of("g2", trajs))
+    assert q.take(1, version=2) is None
+    assert q.dropped == {"stale": 2} and q.depth_samples == 0
+    # (stamped with the answer's one version, 1, as before, the group would have looked fresh
+    # at version 1 and been trained at version 2 with tokens of version 0: staleness 2 > 1)
+
+
+# -- SGLang: one version per answer ---------------------------------------------------------------
+
+
+class SGLangStub:
+    """An HTTP server answering /generate as SGLang 0.5.23 does: one `weight_version` per
+    answer, no per-token versions. `sync_during_next` makes the next /generate see a sync
+    happen while it runs (the answer reports the new version); `/get_model_info` reports the
+    version as it is now."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.sync_during_next = False
+        self.generated = 0
+
+    async def __aenter__(self) -> str:
+        from aiohttp import web
+
+        async def generate(request: web.Request) -> web.Response:
+            body = await request.json()
+            n = body["sampling_params"]["max_new_tokens"]
+            if self.sync_during_next:
+                self.version += 1
+                self.sync_during_next = False
+            ids = [10 + (self.generated + i) % 50 for i in range(n)]
+            self.generated += n
+            return web.json_response({"text": "", "output_ids": ids, "meta_info": {
+                "id": body["rid"], "finish_reason": {"type": "length", "length": n},
+                "prompt_tokens": len(body["input_ids"]), "weight_version": str(self.version),
+                "completion_tokens": n, "cached_tokens": 0,
+                "weight_versions": [{"version": str(self.version), "start": 0, "end": n}],
+                "output_token_logprobs": [[-1.0, t, None] for t in ids]}})
+
+        async def model_info(_: web.Request) -> web.Response:
+            return web.json_response({"weight_version": str(self.version)})
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(status=200)
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/get_model_info", model_info)
+        app.router.add_get("/health", health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.runner.cleanup()
+
+
+def test_sglang_answers_are_stamped_with_the_oldest_version_they_can_have():
+    """Without per-token versions, a request during which a sync happened (it reports another
+    version than the one known when it started) is stamped with the known start version for
+    all its tokens; one with no sync during it gets the version it reports."""
+    _, tok = build_tiny("tiny")
+
+    async def run() -> list[list[int]]:
+        stub = SGLangStub(version=3)
+        async with stub as url, EngineClient([url], retries=0) as client:
+            ctx = context(client, tok)
+            traj = new_trajectory("s", "g", 0, [1, 2, 3], agent_loop="single_turn")
+            seen = []
+            for sync in (False, True, False):  # before any answer the engine is asked: 3
+                stub.sync_during_next = sync
+                start = len(traj.versions)
+                out = await ctx.generate(traj, 4)
+                assert out.token_versions is None  # SGLang reports no per-token versions
+                seen.append(traj.versions[start:].tolist())
+            return seen
+
+    assert asyncio.run(run()) == [[3] * 4,  # no sync during it: the version it reports
+                                  [3] * 4,  # reported 4, started at 3: all stamped 3
+                                  [4] * 4]  # started at 4, reported 4
+
+
+def test_the_stamping_rule():
+    def out(version: str, n: int, per_token: list[int] | None = None) -> GenerateOutput:
+        return GenerateOutput(rid="r", server="s", output_ids=[5] * n, logprobs=[-1.0] * n,
+                              finish_reason="length", weight_version=version, prompt_tokens=1,
+                              token_versions=per_token)
+
+    assert token_stamps(out("5", 3, [4, 4, 5]), start=4) == [4, 4, 5]  # the engine's own
+    assert token_stamps(out("5", 3), start=5) == 5  # no sync during the request
+    assert token_stamps(out("7", 3), start=5) == 5  # syncs during it: the oldest possible
+    assert token_stamps(out("4", 3), start=5) == 4  # an engine behind the others
+    assert token_stamps(out("5", 3), start=None) == 5  # nothing known: what it reports
