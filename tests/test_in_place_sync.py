@@ -219,3 +219,37 @@ def test_the_stamping_rule():
     assert token_stamps(out("7", 3), start=5) == 5  # syncs during it: the oldest possible
     assert token_stamps(out("4", 3), start=5) == 4  # an engine behind the others
     assert token_stamps(out("5", 3), start=None) == 5  # nothing known: what it reports
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
+    """`rollmesh launch` of the embedded default with `sync.pause_mode = "in_place"` and long
+    answers (every row asks ignore_eos): the trainer's publisher pauses the engine in place at
+    each sync, requests running at that moment are kept and finished (none aborted), every
+    trained batch is within the staleness bound, and the accounting identity holds."""
+    from tests.test_launcher import check_accounting, finish, launch, metrics
+
+    rows = [json.loads(line) for line in (REPO / "configs/data/letters_train.jsonl").open()]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({**r, "sampling": {"ignore_eos": True}}) + "\n"
+                            for r in rows))
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--set", 'sync.pause_mode="in_place"', "--set",
+                  "trainer.total_steps=12", "--set", "rollout.max_new_tokens=96", "--set",
+                  f"data.train_path={json.dumps(str(data))}", "--set", "rollout.eval_every=0")
+    out = finish(proc, timeout_s=300)
+    assert proc.returncode == 0, out[-3000:]
+    summary = check_accounting(run_dir)
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(r["batch_staleness_max"] <= summary["max_staleness"] for r in rows), rows
+
+    events = [json.loads(line) for line in (run_dir / "logs/engine-0.log").open()
+              if line.startswith("{")]
+    pauses = [e for e in events if e["event"] == "generation_paused"]
+    assert len(pauses) == 12 and {e["mode"] for e in pauses} == {"in_place"}
+    assert any(e["running"] > 0 for e in pauses), pauses  # syncs happened mid-answer...
+    assert not [e for e in events if e["event"] == "requests_aborted"]  # ...and cut none
