@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/partial_rollout.py [--samples 1024] [--concurrency 32]
         [--sync-every K | --sync-every-tails 1.5] [--sync-pause 0.1] [--median-len 48] [--sigma 1.0] [--max-len 400]
-        [--modes resume,restart] [--engine-cpus ""] [--seed 0] [--json PATH]
+        [--modes resume,restart,in_place] [--engine-cpus ""] [--seed 0] [--json PATH]
 
 One real `rollmesh engine` process (the built-in engine, the tiny model) serves both modes, one
 after the other, driven by the same loop over its HTTP API (docs/sglang-api.md):
@@ -21,13 +21,25 @@ after the other, driven by the same loop over its HTTP API (docs/sglang-api.md):
                prefix, max_new_tokens = what is still missing (nothing generated twice);
       restart  abort-and-restart (slime's fully-async mode): the partial output is thrown away
                and the sample is generated again from its prompt.
+    and, in the same run, the in-place sync (`sync.pause_mode = "in_place"`):
+      in_place POST /pause_generation {"mode": "in_place"}: the engine keeps every in-flight
+               request and its KV through the sync and continues it afterwards; nothing is
+               aborted, re-submitted or prefilled again.
+    Each sync also bumps the engine's weight version (/update_weight_version, no abort), so the
+    in-place requests that cross a sync report tokens of two versions
+    (`output_token_weight_versions`).
 
 Measured per mode: decode tokens spent per completed sample (every token the engine generated:
 the sum of completion_tokens over all responses, aborted ones included, checked against the
 engine's own generated_tokens counter), and the wall time until all --samples are complete. In
 restart mode a sample longer than what the engine decodes in --sync-every seconds can never
 finish (long-tail starvation); a mode that does not finish within --timeout is reported with
-the samples it completed.
+the samples it completed. Also per mode: useful tokens per second (the target lengths of the
+completed samples over the wall time), decode tokens thrown away (restart's aborted outputs),
+prompt tokens prefilled (the engine's counter: a resumed sample prefills its prompt and partial
+again), the sync pause as the driver sees it (from /pause_generation until /continue_generation
+answered: in the abort modes it includes waiting for every partial to come back), and how many
+answers span two or more weight versions.
 """
 
 from __future__ import annotations
@@ -92,8 +104,12 @@ async def _post(session: aiohttp.ClientSession, url: str, path: str, body: dict)
 
 
 async def engine_tokens(session: aiohttp.ClientSession, url: str) -> int:
+    return (await engine_counters(session, url))["generated_tokens"]
+
+
+async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(url + "/get_server_info") as r:
-        return (await r.json())["internal_states"][0]["generated_tokens"]
+        return (await r.json())["internal_states"][0]
 
 
 async def drive(url: str, samples: list[Sample], mode: str, args: argparse.Namespace) -> dict:
@@ -101,10 +117,13 @@ async def drive(url: str, samples: list[Sample], mode: str, args: argparse.Names
     for s in samples:
         s.partial, s.done, s.interrupted = [], False, 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        before = await engine_tokens(session, url)
+        counters = await engine_counters(session, url)
+        before, prefill_before = counters["generated_tokens"], counters["prefill_tokens"]
+        version = int(counters["weight_version"])
         queue = collections.deque(samples)
         inflight: dict[asyncio.Task, Sample] = {}
-        decoded = done = syncs = 0
+        decoded = done = syncs = discarded = spanning = 0
+        pauses: list[float] = []
         seq = 0
 
         def submit(s: Sample) -> None:
@@ -121,15 +140,18 @@ async def drive(url: str, samples: list[Sample], mode: str, args: argparse.Names
             inflight[asyncio.create_task(_post(session, url, "/generate", body))] = s
 
         def handle(task: asyncio.Task) -> None:
-            nonlocal decoded, done
+            nonlocal decoded, done, discarded, spanning
             s = inflight.pop(task)
             out = task.result()
             got = out["output_ids"]
             decoded += len(got)
+            spanning += len(set(out["meta_info"].get("output_token_weight_versions") or [])) > 1
             if out["meta_info"]["finish_reason"]["type"] == "abort":
                 s.interrupted += 1
                 if mode == "resume":
                     s.partial += got
+                else:
+                    discarded += len(got)
                 interrupted.append(s)
             else:
                 assert len(s.partial) + len(got) == s.target if mode == "resume" else \
@@ -153,14 +175,21 @@ async def drive(url: str, samples: list[Sample], mode: str, args: argparse.Names
             for t in finished:
                 handle(t)
             if time.perf_counter() >= next_sync and done < len(samples):
-                # a weight sync: abort in flight, wait for the partials, "broadcast", continue
-                await _post(session, url, "/pause_generation", {"mode": "abort"})
-                if inflight:
+                # a weight sync: pause (abort modes: abort in flight and wait for the partials;
+                # in_place: keep them), "broadcast" (a new version), continue
+                paused_at = time.perf_counter()
+                await _post(session, url, "/pause_generation",
+                            {"mode": "in_place" if mode == "in_place" else "abort"})
+                if inflight and mode != "in_place":
                     finished, _ = await asyncio.wait(list(inflight))
                     for t in sorted(finished, key=lambda t: inflight[t].index):
                         handle(t)
                 await asyncio.sleep(args.sync_pause)
+                version += 1
+                await _post(session, url, "/update_weight_version",
+                            {"new_version": str(version), "abort_all_requests": False})
                 await _post(session, url, "/continue_generation", {})
+                pauses.append(time.perf_counter() - paused_at)
                 syncs += 1
                 next_sync = time.perf_counter() + args.sync_every
             queue.extendleft(reversed(interrupted))  # the cancel queue goes first
@@ -169,12 +198,16 @@ async def drive(url: str, samples: list[Sample], mode: str, args: argparse.Names
             await _post(session, url, "/abort_request", {"abort_all": True})
             for t in (await asyncio.wait(list(inflight)))[0]:
                 handle(t)
-        engine_count = await engine_tokens(session, url) - before
+        counters = await engine_counters(session, url)
+        engine_count = counters["generated_tokens"] - before
     useful = sum(s.target for s in samples if s.done)
     return {"mode": mode, "completed": done, "wall_s": wall, "decoded": decoded,
             "engine_decoded": engine_count, "useful": useful, "syncs": syncs,
             "interruptions": sum(s.interrupted for s in samples), "timed_out": timed_out,
-            "tokens_per_sample": decoded / max(done, 1)}
+            "tokens_per_sample": decoded / max(done, 1), "useful_per_s": useful / wall,
+            "discarded": discarded, "prefilled": counters["prefill_tokens"] - prefill_before,
+            "pause_mean_s": float(np.mean(pauses)) if pauses else 0.0,
+            "pause_max_s": max(pauses, default=0.0), "spanning": spanning}
 
 
 async def decode_rate(url: str, samples: list[Sample], concurrency: int,
@@ -210,7 +243,7 @@ def main() -> int:
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--min-len", type=int, default=4)
     p.add_argument("--max-len", type=int, default=400)
-    p.add_argument("--modes", default="resume,restart")
+    p.add_argument("--modes", default="resume,restart,in_place")
     p.add_argument("--engine-cpus", default="", help="pin the engine ('' = unpinned)")
     p.add_argument("--threads", type=int, default=1, help="engine torch threads")
     p.add_argument("--timeout", type=float, default=120, help="seconds per mode, at most")
@@ -219,7 +252,7 @@ def main() -> int:
     args = p.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in ("resume", "restart"):
+        if m not in ("resume", "restart", "in_place"):
             p.error(f"--modes: unknown mode {m!r}")
     samples = make_samples(args.samples, args.median_len, args.sigma, args.min_len,
                            args.max_len, args.seed)
@@ -252,6 +285,10 @@ def main() -> int:
                   f"wall, {r['syncs']} syncs, {r['interruptions']} interruptions, "
                   f"{r['decoded']} tokens decoded (engine counted {r['engine_decoded']}){note}",
                   flush=True)
+            print(f"  {'':8s} {r['useful_per_s']:8.0f} useful tokens/s, {r['discarded']} decode "
+                  f"tokens thrown away, {r['prefilled']} prompt tokens prefilled, sync pause "
+                  f"{r['pause_mean_s'] * 1000:.0f} ms mean / {r['pause_max_s'] * 1000:.0f} ms "
+                  f"max, {r['spanning']} answers spanning 2+ weight versions", flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -280,8 +317,46 @@ def main() -> int:
         rows.append(row(f"partial rollout: wall time for {args.samples} samples", a["wall_s"],
                         b["wall_s"], "s", baseline_name="abort-and-restart (slime fully-async)",
                         higher_is_better=False, note=note))
+    if "in_place" in results and ("resume" in results or "restart" in results):
+        rows += compare_in_place(results, args)
     write(args.json, rows)
     return 0
+
+
+def compare_in_place(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
+    """The in-place sync against the abort modes, side by side; result rows against resume
+    (rollmesh's abort mode: partial rollout)."""
+    modes = [m for m in ("in_place", "resume", "restart") if m in results]
+    figures = [("wall time (s)", "wall_s", "{:.2f}"),
+               ("useful tokens / s", "useful_per_s", "{:.0f}"),
+               ("decode tokens / completed sample", "tokens_per_sample", "{:.1f}"),
+               ("decode tokens thrown away", "discarded", "{:d}"),
+               ("prompt tokens prefilled", "prefilled", "{:d}"),
+               ("sync pause mean (ms)", "pause_mean_s", "{:.0f}"),
+               ("sync pause max (ms)", "pause_max_s", "{:.0f}"),
+               ("interrupted requests", "interruptions", "{:d}"),
+               ("answers spanning 2+ versions", "spanning", "{:d}"),
+               ("syncs", "syncs", "{:d}")]
+    print(f"\n{'in-place sync vs abort':34s}" + "".join(f" {m:>10s}" for m in modes))
+    for label, key, fmt in figures:
+        scale = 1000 if key.startswith("pause") else 1
+        print(f"{label:34s}" + "".join(f" {fmt.format(results[m][key] * scale):>10s}"
+                                       for m in modes))
+    if "resume" not in results:
+        return []
+    a, b = results["in_place"], results["resume"]
+    note = (f"{args.samples} samples, lognormal lengths median {args.median_len:g} sigma "
+            f"{args.sigma:g} max {args.max_len}, concurrency {args.concurrency}, sync every "
+            f"{args.sync_every:.2f}s (paused {args.sync_pause:g}s), built-in engine (tiny)")
+    base = "abort + resume (partial rollout, sync.pause_mode = abort)"
+    return [
+        row("in-place sync: useful tokens per second", a["useful_per_s"], b["useful_per_s"],
+            "tokens/s", baseline_name=base, higher_is_better=True, note=note),
+        row("in-place sync: prompt tokens prefilled", a["prefilled"], b["prefilled"], "tokens",
+            baseline_name=base, higher_is_better=False, note=note),
+        row("in-place sync: sync pause (driver's view, mean)", a["pause_mean_s"],
+            b["pause_mean_s"], "s", baseline_name=base, higher_is_better=False, note=note),
+    ]
 
 
 if __name__ == "__main__":
