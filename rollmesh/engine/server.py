@@ -615,12 +615,26 @@ class EngineServer:
 
         if b.get("abort_all_requests", False):
             self.scheduler.abort(abort_all=True)
+        self._warn_unflushable(b, "distributed")
         try:
             n = await self._scheduler_call("call", receive)
         except (WeightUpdateError, RuntimeError, ValueError) as e:
             self.log.warning("weights_update_failed", source="distributed", error=str(e))
             return _result(False, f"update_weights_from_distributed failed: {e}")
         return _result(True, f"Succeeded to update parameter online ({n} tensors).")
+
+    def _warn_unflushable(self, body: dict[str, Any], source: str) -> None:
+        """An update asking `flush_cache` (the default) while requests are kept (an in-place
+        pause, or none): this engine has no prefix cache and goes on, but SGLang flushes after
+        loading and asserts that it is idle, so its scheduler would die here. A sender meant for
+        both engines must send `flush_cache: false` while requests are kept in place."""
+        s = self.scheduler
+        kept = len(s.running) + len(s.waiting)
+        if body.get("flush_cache", True) and kept:
+            self.log.warning("flush_cache_with_requests_kept", source=source, requests=kept,
+                             paused=s.paused,
+                             hint="SGLang would fail this update (its cache flush needs an "
+                                  "idle engine): send flush_cache false during in-place syncs")
 
     def _drain_buffer(self, names: list, dtypes: list, shapes: list,
                       device: torch.device) -> torch.Tensor | None:
@@ -666,6 +680,7 @@ class EngineServer:
 
         if b.get("abort_all_requests", False):
             self.scheduler.abort(abort_all=True)
+        self._warn_unflushable(b, "disk")
         try:
             n = await self._scheduler_call("call", load)
         except (WeightUpdateError, OSError, RuntimeError, ValueError) as e:

@@ -90,6 +90,8 @@ def test_in_place_sync_continues_requests_under_the_new_weights(tmp_path):
         assert out["output_ids"][:before] == reference[:before]
         assert out["output_ids"][before:] != reference[before:]
         assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+        # the broadcast asked flush_cache with a request kept: SGLang's scheduler would die
+        assert "flush_cache_with_requests_kept" in e.log()
 
         # Without a pause: an update from disk lands between two decode steps of a streamed
         # request; every chunk carries one version per output token.
