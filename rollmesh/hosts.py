@@ -72,12 +72,17 @@ class Host(ABC):
     def start(self, args: list[str], *, env: dict[str, str], log_path: Path,
               echo: Echo | None, label: str) -> subprocess.Popen:
         """Start `PYTHON args...` (or a full argv for non-Python servers) on this host."""
-        proc = subprocess.Popen(self.argv(args, env), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(self.guarded(self.argv(args, env)), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=self.local_env(env), cwd=self.local_cwd(),
                                 start_new_session=True)  # Ctrl-C reaches the launcher only
         pump(proc.stdout, log_path, echo, label)
         return proc
+
+    def guarded(self, argv: list[str]) -> list[str]:
+        """`argv` dying with the launcher (Linux): a kill -9 of the launcher must leave no
+        process behind, and an engine has no parent heartbeat of its own (roles have both)."""
+        return die_with_parent(argv)
 
     def local_env(self, env: dict[str, str]) -> dict[str, str]:
         return dict(os.environ)
@@ -97,6 +102,22 @@ class Host(ABC):
     def read_from(self, path: str, offset: int) -> bytes:
         """The bytes of the file at `path` (relative to the work directory) from `offset` on;
         nothing if the file does not exist (yet)."""
+
+
+# Run before the real command, in the same process: ask for SIGTERM when the parent (the
+# launcher, or the local ssh client's parent) goes (PR_SET_PDEATHSIG survives the exec), stop at
+# once if it has gone already, then exec the command.
+_GUARD = ("import ctypes,os,signal,sys;ctypes.CDLL(None).prctl(1,signal.SIGTERM);"
+          "os.getppid()==int(sys.argv[1]) or sys.exit(3);os.execvp(sys.argv[2],sys.argv[2:])")
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """`argv` wrapped so that it gets SIGTERM when this process dies (Linux only; elsewhere
+    as it is). Started from the thread that calls this (PDEATHSIG follows the forking thread:
+    the launcher starts processes from its event-loop thread, which lives as long as it)."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", _GUARD, str(os.getpid()), *argv]
 
 
 class LocalHost(Host):

@@ -40,12 +40,16 @@ from rollmesh.engine.client import API_KEY_FILE, EngineClient
 from rollmesh.engine.sglang import EngineLaunch, engine_launch
 from rollmesh.hosts import Host, SshHost, make_host, terminal_echo
 from rollmesh.log import configure_logging, get_logger
-from rollmesh.plot import plot_metric
-from rollmesh.protocol import EnginesChanged, Metrics, Pause, StatsRequest
+from rollmesh.plot import plot_metric, read_metrics
+from rollmesh.protocol import (
+    EnginesChanged, Heartbeat, Metrics, Ok, Pause, StatsRequest, StopRun,
+)
 from rollmesh.runtime import Child, RoleFailed, Supervisor
 from rollmesh.transport import (
-    CurveKeys, Publisher, RpcClient, StatusProxy, Transport, TransportError,
+    CurveKeys, PeerTimeout, Publisher, RemoteError, RpcClient, StatusProxy, Transport,
+    TransportError,
 )
+from rollmesh.watchdog import Snapshot, stalled
 
 log = get_logger("rollmesh.launcher")
 
@@ -63,9 +67,16 @@ START_ORDER = ["message_queue", "synchronizer", "trainer", "rollouter", "agent_w
 # directory); its clients' requests are retried (RpcClient), and re-sent puts are deduplicated.
 # The rollouter comes back from its journal (cursor, counters, the groups it had in flight, which
 # it generates again); the synchronizer holds no state beyond the sync in progress, which the
-# trainer retries. A trainer that dies ends the run: `rollmesh launch --resume RUN` goes on.
+# trainer retries. A trainer rank that dies takes every rank down with it: they are restarted
+# together from the latest checkpoint (`trainer.max_restarts` times, with back-off), the
+# synchronizer with them (a sync the dead trainer had under way would keep rollout paused);
+# beyond that the run ends and `rollmesh launch --resume RUN` goes on.
 RESTARTABLE = {"agent_worker", "reward_worker", "message_queue", "rollouter", "synchronizer"}
 MAX_RESTARTS = 5
+# An engine is restarted `engine.max_restarts` times within any ENGINE_RESTART_WINDOW_S (a
+# crash loop ends the run; engines killed now and then over a long run do not).
+ENGINE_RESTART_WINDOW_S = 600.0
+WATCH_EVERY_S = 5.0  # the progress watchdog's snapshots
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,6 +208,7 @@ class EngineProc:
     restarts: int = 0
     state: str = "starting"
     log_path: Path | None = None
+    restart_times: list[float] = field(default_factory=list)  # monotonic, the recent ones
 
 
 class Launcher:
@@ -219,7 +231,13 @@ class Launcher:
         self.state = "starting"
         self.started = time.monotonic()
         self.stop_requested = asyncio.Event()
+        self.stop_reason = ""
         self.failure: str | None = None
+        self.trainer_restarts = 0
+        # a trainer (re)started from a checkpoint trims metrics.jsonl to it: a remote one's
+        # file is then copied whole instead of appended to
+        self.mirror_whole = resume
+        self.snapshots: list[Snapshot] = []
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -290,6 +308,8 @@ class Launcher:
                                   keys_dir=str((self.run_dir / "keys").resolve()),
                                   log_dir=self.run_dir / "logs", status_hub=frontend)
             self.control = f"tcp://{addr}:{base}"
+            # `rollmesh stop RUN` from any machine holding the run's keys (CURVE authenticates)
+            self.sup.server.handlers[StopRun] = self.on_stop_run
             self.publisher = Publisher(t, frontend, secure=True)
             self.write_launcher_json(frontend, f"tcp://{addr}:{base + 2}")
             status = asyncio.create_task(self.publish_status())
@@ -297,14 +317,19 @@ class Launcher:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self.stop_requested.set)
             code = 1
+            watch: asyncio.Task | None = None
             try:
                 await self.start_all()
                 self.state = "running"
+                watch = asyncio.create_task(self.watch_progress())
                 code = await self.supervise()
             except (RoleFailed, RuntimeError, OSError) as e:
                 self.failure = self.failure or str(e)
                 log.error("run_failed", error=self.failure)
             finally:
+                if watch is not None:
+                    watch.cancel()
+                    await asyncio.gather(watch, return_exceptions=True)
                 self.state = "stopping"
                 await self.shutdown()
                 self.state = "finished" if code == 0 else "failed"
@@ -326,6 +351,8 @@ class Launcher:
                 await self.sup.wait_ready(child, timeout_s=self.exp.engine.startup_timeout_s)
             if started:
                 log.info("started", role=role, count=len(started))
+            if role == "trainer" and self.resume:
+                self.mirror_whole = True  # it trimmed its metrics to its checkpoint
 
     def start_engine(self, e: EngineProc) -> EngineProc:
         p = e.planned
@@ -368,8 +395,15 @@ class Launcher:
         self.children[p.name] = child
         return child
 
+    async def on_stop_run(self, msg: StopRun, peer: bytes) -> Ok:
+        log.warning("stop_requested", via="control socket", reason=msg.reason)
+        self.stop_reason = msg.reason
+        self.stop_requested.set()
+        return Ok(message="stopping")
+
     async def supervise(self) -> int:
-        """Until the trainer finishes (0), a role fails for good (1) or a stop is asked (130)."""
+        """Until the trainer finishes (0), a role fails for good or the progress watchdog gives
+        up (1), or a stop is asked (130)."""
         while not self.stop_requested.is_set():
             for name, child in list(self.children.items()):
                 code = child.process.poll()
@@ -379,6 +413,9 @@ class Launcher:
                 if role == "trainer" and code == 0:
                     log.info("trainer_finished", child=name)
                     return 0
+                if role == "trainer" and self.trainer_restarts < self.exp.trainer.max_restarts:
+                    await self.restart_trainer(name, child, code)
+                    break  # the children were replaced: look at them afresh
                 if role in RESTARTABLE and child.restarts < MAX_RESTARTS:
                     await self.restart(name, child, code)
                     continue
@@ -391,7 +428,46 @@ class Launcher:
                 await asyncio.wait_for(self.stop_requested.wait(), 0.25)
             except asyncio.TimeoutError:
                 pass
-        return 130
+        return 1 if self.failure else 130
+
+    async def restart_trainer(self, name: str, child: Child, code: int) -> None:
+        """Every trainer rank again, from the latest checkpoint, as `--resume` starts them: they
+        load it (trimming metrics.jsonl to it), publish its weights under its version, and the
+        MessageQueue hands them the batches it handed out since (kept until a checkpoint covers
+        them): the lost steps are trained again on the same groups. The rollout side runs on;
+        the synchronizer is started afresh (a sync the dead trainer had under way would keep
+        rollout paused until sync.timeout_s; it holds no other state)."""
+        self.trainer_restarts += 1
+        limit = self.exp.trainer.max_restarts
+        delay = min(2.0 ** (self.trainer_restarts - 1), 30.0)
+        ranks = sorted(n for n, c in self.children.items() if c.spec.role == "trainer")
+        log.error("trainer_died", child=name, exit_code=code,
+                  failure=child.failure(), log=str(child.log_path))
+        log.warning("trainer_restart", restart=self.trainer_restarts, of=limit, delay_s=delay,
+                    ranks=len(ranks))
+        if self.echo is not None:
+            print(f"rollmesh: {child.failure()}; restarting the trainer from its latest "
+                  f"checkpoint ({self.trainer_restarts} of {limit})", flush=True)
+        began = time.monotonic()
+        sync_name = next((n for n, c in self.children.items()
+                          if c.spec.role == "synchronizer"), None)
+        doomed = [self.children[n] for n in ranks]
+        if sync_name is not None:
+            doomed.append(self.children[sync_name])
+        await self.sup.stop(doomed, grace_s=10)
+        await asyncio.sleep(delay)
+        if sync_name is not None:
+            self.children[sync_name] = self.sup.respawn(self.children[sync_name])
+            await self.sup.wait_ready(self.children[sync_name], 120)
+        for n in ranks:
+            self.children[n] = self.sup.respawn(self.children[n])
+        for n in ranks:
+            await self.sup.wait_ready(self.children[n],
+                                      timeout_s=self.exp.engine.startup_timeout_s)
+        self.mirror_whole = True
+        self.snapshots.clear()  # the watchdog's window starts again
+        log.warning("trainer_restarted", restart=self.trainer_restarts,
+                    restart_s=round(time.monotonic() - began, 2))
 
     async def restart(self, name: str, child: Child, code: int) -> None:
         delay = min(2.0 ** child.restarts, 30.0)
@@ -402,22 +478,108 @@ class Launcher:
         await self.sup.wait_ready(self.children[name], 120)
 
     async def restart_engine(self, e: EngineProc) -> None:
-        if e.restarts >= MAX_RESTARTS:
-            raise RuntimeError(f"engine[{e.planned.proc.index}] keeps exiting "
-                               f"({e.restarts} restarts, log: {e.log_path})")
-        e.restarts += 1
-        log.warning("engine_restart", engine=e.planned.proc.index, restarts=e.restarts)
-        # It comes back with the initial weights, reported as version 0: its tokens are
-        # stamped as old and the staleness bound treats them so, until the next sync, which
-        # rebuilds the weight-update group with it and sends it the current weights.
-        self.start_engine(e)
-        await self.wait_engines([e])
+        limit = self.exp.engine.max_restarts
+        while True:
+            now = time.monotonic()
+            e.restart_times = [t for t in e.restart_times if now - t < ENGINE_RESTART_WINDOW_S]
+            if len(e.restart_times) >= limit:
+                raise RuntimeError(
+                    f"engine[{e.planned.proc.index}] keeps exiting ({len(e.restart_times)} "
+                    f"restarts within {ENGINE_RESTART_WINDOW_S:g}s, engine.max_restarts="
+                    f"{limit}; exit code {e.process.returncode}, log: {e.log_path})")
+            e.restarts += 1
+            e.restart_times.append(now)
+            log.warning("engine_restart", engine=e.planned.proc.index, restarts=e.restarts,
+                        recent=len(e.restart_times), limit=limit,
+                        window_s=ENGINE_RESTART_WINDOW_S)
+            # It comes back with the initial weights, reported as version 0; the synchronizer
+            # (EnginesChanged) and the trainer's check send it the current ones.
+            self.start_engine(e)
+            try:
+                await self.wait_engines([e])
+                break
+            except RuntimeError as err:  # it died again while starting: counted, tried again
+                log.warning("engine_restart_failed", engine=e.planned.proc.index,
+                            error=str(err))
+                await asyncio.sleep(min(2.0 ** len(e.restart_times), 30.0))
         sync = next(p for p in self.plan if p.proc.role == "synchronizer")
         client = RpcClient(self.sup.transport, _connect(sync.host, sync.proc.port), timeout_s=30)
         try:
             await client.request(EnginesChanged(reason=f"engine[{e.planned.proc.index}] restarted"))
         finally:
             client.close()
+
+    async def watch_progress(self) -> None:
+        """The progress watchdog (rollmesh.watchdog): a snapshot every WATCH_EVERY_S; a run
+        that cannot make progress for trainer.progress_timeout_s is stopped with an error
+        naming the cause (exit 1, in summary.json and status.json as its failure)."""
+        timeout = self.exp.trainer.progress_timeout_s
+        if not timeout:
+            return
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            try:
+                snap = await self.snapshot()
+            except Exception as e:  # noqa: BLE001 - a missed snapshot is not a stall
+                log.warning("watchdog_snapshot_failed", error=f"{type(e).__name__}: {e}")
+                continue
+            self.snapshots.append(snap)
+            self.snapshots = [s for s in self.snapshots
+                              if snap.t - s.t <= timeout + 4 * WATCH_EVERY_S
+                              or s.trainer_step == snap.trainer_step]
+            error = stalled(self.snapshots, timeout)
+            if error:
+                log.error("run_stalled", error=error)
+                self.failure = f"progress watchdog: {error}"
+                self.stop_requested.set()
+                return
+
+    async def snapshot(self) -> Snapshot:
+        """Where the run stands: the trainer's step and version (its stats RPC), each engine's
+        weight version (/get_server_info), the samples dropped by reason and queued (the
+        rollouter's and the MessageQueue's StatsRequest, as collect_summary reads them)."""
+        t = self.sup.transport
+        roles = {p.proc.role: p for p in self.plan if p.proc.index == 0}
+
+        async def stats(p: Planned | None, port: int) -> dict[str, Any] | None:
+            if p is None:
+                return None
+            client = RpcClient(t, _connect(p.host, port), timeout_s=5, retries=0)
+            try:
+                return (await client.request(StatsRequest())).values
+            except (PeerTimeout, RemoteError, TransportError):
+                return None
+            finally:
+                client.close()
+
+        trainer, rollouter, mq = roles.get("trainer"), roles.get("rollouter"), roles.get("message_queue")
+        tr, r, q = await asyncio.gather(
+            stats(trainer, trainer.proc.port if trainer else 0),
+            stats(rollouter, rollouter.proc.port + 1 if rollouter else 0),
+            stats(mq, mq.proc.port if mq else 0))
+        urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
+        versions: list[int | None] = []
+        if urls:
+            async with EngineClient(urls, retries=0, api_key=self.engine_key) as client:
+                for info in await client.server_info_each(timeout_s=5):
+                    state = ((info or {}).get("internal_states") or [{}])[0]
+                    v = (info or {}).get("weight_version", state.get("weight_version"))
+                    try:
+                        versions.append(None if info is None else int(v))
+                    except (TypeError, ValueError):
+                        versions.append(None)
+        dropped: dict[str, int] = {}
+        for d in ((r or {}).get("dropped") or {}, (q or {}).get("dropped") or {}):
+            for k, v in d.items():
+                dropped[k] = dropped.get(k, 0) + int(v)
+        return Snapshot(
+            t=time.monotonic(),
+            trainer_step=tr.get("step") if tr else None,
+            trainer_version=tr.get("version") if tr else None,
+            engine_versions=versions, dropped=dropped,
+            generated=r.get("queued_samples") if r else None,
+            queue_depth=q.get("depth_samples") if q else None,
+            batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size)
 
     async def shutdown(self) -> None:
         """Drain the rollouter for the summary, then stop roles (reverse order), then engines."""
@@ -541,14 +703,19 @@ class Launcher:
         if trainer0.host.local:
             return
         local = self.run_dir / "metrics.jsonl"
-        offset = local.stat().st_size if local.exists() else 0
+        # after a trainer (re)start from a checkpoint its file was trimmed: copy it whole
+        replace = self.mirror_whole
+        offset = local.stat().st_size if local.exists() and not replace else 0
         try:
             new = trainer0.host.read_from(trainer0.config["metrics_path"], offset)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log.warning("metrics_mirror_failed", host=trainer0.host.name, error=str(e))
             return
         whole = new[: new.rfind(b"\n") + 1]
-        if whole:
+        if replace:
+            write_atomic(local, whole.decode(), fsync=False)
+            self.mirror_whole = False
+        elif whole:
             with open(local, "ab") as f:
                 f.write(whole)
 
@@ -557,13 +724,10 @@ class Launcher:
         metrics = self.run_dir / "metrics.jsonl"
         if not metrics.exists():
             return
-        lines = metrics.read_text().splitlines()
-        if not lines:
+        rows = read_metrics(metrics)  # one row per step (a step trained again: its last)
+        if not rows:
             return
-        try:
-            last = json.loads(lines[-1])
-        except ValueError:
-            return
+        last = rows[-1]
         print(f"rollmesh: step {last.get('step')}/{self.exp.trainer.total_steps} "
               f"version {last.get('version')} reward_mean {last.get('reward_mean', 0):.3f} "
               f"staleness_max {last.get('batch_staleness_max')} "
@@ -670,12 +834,38 @@ def status_main(argv: list[str]) -> int:
 
 
 def stop_main(argv: list[str]) -> int:
-    """`rollmesh stop RUN`: ask the launcher to shut the run down, and wait for it."""
+    """`rollmesh stop RUN`: ask the launcher to shut the run down, and wait for it.
+
+    From any machine that reaches the launcher's control socket (launcher.json's "control")
+    and holds the run's keys (RUN/keys: CURVE authenticates the request): StopRun, then wait
+    until the launcher no longer answers. `--pid`: signal the launcher's process instead
+    (this machine only); without either, the socket is tried first and the pid is the
+    fallback where the launcher runs here."""
     p = argparse.ArgumentParser(prog="rollmesh stop")
     p.add_argument("run")
     p.add_argument("--timeout", type=float, default=60)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--socket", action="store_true",
+                     help="only through the control socket (no fallback to the pid)")
+    how.add_argument("--pid", action="store_true",
+                     help="only by signalling the launcher's pid (on its machine)")
     args = p.parse_args(argv)
-    info = json.loads((_run_dir(args.run) / "launcher.json").read_text())
+    configure_logging("stop", stream=sys.stderr)
+    run = _run_dir(args.run)
+    info = json.loads((run / "launcher.json").read_text())
+    if not args.pid:
+        try:
+            answered = asyncio.run(_stop_over_socket(run, info, args.timeout))
+        except (OSError, ValueError, TransportError) as e:
+            answered = f"cannot use the control socket: {type(e).__name__}: {e}"
+        if answered is True:
+            print(f"rollmesh: stopped {info['name']} (through {info['control']})")
+            return 0
+        if args.socket or not _local_launcher(info):
+            print(f"rollmesh: could not stop {args.run} through {info.get('control')}: "
+                  f"{answered}", file=sys.stderr)
+            return 1
+        print(f"rollmesh: {answered}; signalling the launcher's pid instead", file=sys.stderr)
     pid = info["pid"]
     if not _pid_alive(pid):
         print(f"rollmesh: the launcher of {args.run} (pid {pid}) is not running")
@@ -689,6 +879,43 @@ def stop_main(argv: list[str]) -> int:
         return 1
     print(f"rollmesh: stopped {info['name']}")
     return 0
+
+
+def _local_launcher(info: dict[str, Any]) -> bool:
+    """The launcher of this launcher.json runs on this machine (its pid means something here)."""
+    control = str(info.get("control", ""))
+    host = control.removeprefix("tcp://").rsplit(":", 1)[0]
+    from rollmesh.hosts import is_local_address
+
+    return is_local_address(host) or host == os.uname().nodename
+
+
+async def _stop_over_socket(run: Path, info: dict[str, Any], timeout_s: float) -> bool | str:
+    """StopRun to the launcher's control socket, then wait until it stops answering (its
+    socket closes when it exits). True: stopped; else why not."""
+    keys = CurveKeys.load(run / "keys")
+    with Transport(keys) as t:
+        client = RpcClient(t, info["control"], timeout_s=5, retries=1, name="launcher")
+        try:
+            try:
+                await client.request(StopRun(reason=f"rollmesh stop from {os.uname().nodename}"))
+            except PeerTimeout:
+                return "the launcher did not answer (not running, or not reachable from here)"
+            except RemoteError as e:
+                return f"the launcher refused: {e}"
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                try:  # a Heartbeat is answered by the control socket while the launcher lives
+                    await client.request(Heartbeat(sender="rollmesh-stop", seq=0), timeout_s=2,
+                                         retries=0)
+                except PeerTimeout:
+                    return True
+                except RemoteError:
+                    continue
+            return f"the launcher still answers after {timeout_s:g}s"
+        finally:
+            client.close()
 
 
 def _pid_alive(pid: int) -> bool:

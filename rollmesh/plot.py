@@ -99,13 +99,30 @@ def plot_series(xs: list[float], ys: list[float], path: Path, title: str,
     write_png(img, path)
 
 
-def plot_metric(metrics_path: Path, key: str, out: Path) -> None:
-    rows = []
+def read_metrics(metrics_path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl, one per step, in step order. A step trained again (the
+    trainer restarted from a checkpoint before that step; the trainer trims the rows past its
+    checkpoint when it starts, but a file copied mid-restart or an older run may hold both)
+    counts once: its last row, which describes the update the run kept. A torn or non-JSON line
+    is skipped."""
+    by_step: dict[object, dict] = {}
+    unnumbered: list[dict] = []
     for line in Path(metrics_path).read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             continue
-    rows = [r for r in rows if isinstance(r.get(key), (int, float))]
+        if not isinstance(row, dict):
+            continue
+        if isinstance(row.get("step"), int):
+            by_step.pop(row["step"], None)  # re-inserted: the dict keeps the newest last
+            by_step[row["step"]] = row
+        else:
+            unnumbered.append(row)
+    return [by_step[s] for s in sorted(by_step)] + unnumbered  # type: ignore[type-var]
+
+
+def plot_metric(metrics_path: Path, key: str, out: Path) -> None:
+    rows = [r for r in read_metrics(metrics_path) if isinstance(r.get(key), (int, float))]
     plot_series([float(r.get("step", i)) for i, r in enumerate(rows)],
                 [float(r[key]) for r in rows], out, f"{key} by step")

@@ -74,6 +74,7 @@ from rollmesh.algorithms import (
     token_logprobs, value_loss,
 )
 from rollmesh.config import AlgorithmConfig, ExperimentConfig, parse_config
+from rollmesh.durable_log import write_atomic
 from rollmesh.engine.client import run_api_key
 from rollmesh.engine.models import is_tiny, load_model, load_tokenizer, resolve_device
 from rollmesh.log import get_logger
@@ -806,6 +807,27 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
                   tokenizer=state.tokenizer, dtype=state.compute_dtype, ranks=state.ranks)
 
 
+def trim_metrics(path: Path, step: int, log: Any) -> None:
+    """A trainer (re)started from the checkpoint of `step` trains the steps after it again (on
+    the same batches): drop their rows now, so metrics.jsonl holds each step once. Replaced
+    whole (a reader sees the old file or the new one); a torn last line goes too."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if line.endswith("\n") and isinstance(row, dict) and row.get("step", 0) <= step:
+            keep.append(line)
+    if len(keep) != len(lines):
+        write_atomic(path, "".join(keep), fsync=True)
+        log.info("metrics_trimmed", path=str(path), checkpoint_step=step,
+                 rows_dropped=len(lines) - len(keep))
+
+
 async def main(ctx: RoleContext) -> None:
     """Role entry (one process per rank; instance = rank)."""
     exp = parse_config(ExperimentConfig, ctx.config["experiment"], "trainer spec")
@@ -831,6 +853,8 @@ async def main(ctx: RoleContext) -> None:
             state.step, state.version = saved["step"], saved["version"]
             state.samples_consumed = saved["samples_consumed"]
             ctx.log.info("resumed", path=str(resume), step=state.step, version=state.version)
+        if ranks.is_main and ctx.config.get("metrics_path"):
+            trim_metrics(Path(ctx.config["metrics_path"]), state.step, ctx.log)
         endpoints: dict[str, str] = {}
         if ranks.is_main:
             link = Link(ctx, state)
