@@ -147,6 +147,10 @@ class RolloutConfig:
     max_retries: int = _field(
         "retries of a generation that failed (engine error) before the sample is dropped", 2, ge=0
     )
+    engine_wait_s: float = _field(
+        "how long a generation waits through an engine outage (no engine healthy, or its engine "
+        "died: it moves to another) before it counts as failed (seconds); meanwhile no new "
+        "prompt is admitted", 300.0, gt=0)
     over_sampling: float = _field(
         "prompt groups admitted per group needed (> 1 makes up for groups the filter drops)",
         1.0,
@@ -300,6 +304,13 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = _field(
         "training device (auto: cuda if present)", "auto"
     )
+    max_restarts: int = _field(
+        "times the launcher restarts the trainer ranks after they die (from the latest "
+        "checkpoint, with back-off, the rollout side running on); 0: a dead trainer stops the "
+        "run (go on with `rollmesh launch --resume RUN`)", 3, ge=0)
+    progress_timeout_s: float = _field(
+        "stop the run with an error naming the cause when the trainer makes no step for this "
+        "long while samples are dropped or nothing is generated (seconds; 0: never)", 600.0, ge=0)
 
     def validate(self) -> None:
         if len(self.betas) != 2:
@@ -347,6 +358,9 @@ class EngineConfig:
     startup_timeout_s: float = _field(
         "time limit for an engine to become healthy (seconds)", 600.0, gt=0
     )
+    max_restarts: int = _field(
+        "times the launcher restarts an engine that died within any 10 minutes (a crash loop "
+        "beyond it ends the run)", 5, ge=0)
 
     def validate(self) -> None:
         if self.kind == "builtin" and self.tp_size != 1:

@@ -315,6 +315,15 @@ class EnginesChanged:
 
 
 @record
+class StopRun:
+    """Anyone holding the run's keys -> the launcher's control socket (`rollmesh stop RUN`,
+    from any machine that reaches it): shut the whole run down as Ctrl-C does. Answered with
+    Ok at once; the caller then waits for the launcher to go (it stops answering)."""
+
+    reason: str = ""
+
+
+@record
 class SyncDone:
     """Trainer rank 0 -> synchronizer: the engines hold `version` (ok), or the broadcast failed.
 

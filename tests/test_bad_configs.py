@@ -60,7 +60,7 @@ def registered(group: str, *builtin: str) -> str:
 
 EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine"
 ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, "
-                "max_turns, tool_timeout_s, max_retries, over_sampling, group_filter, reward, "
+                "max_turns, tool_timeout_s, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
                 "reward_timeout_s, eval_every, eval_temperature")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
 CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus"
@@ -89,6 +89,10 @@ EXPERIMENTS = [
      "{file}: rollout.temperature: expected float >= 0, got -0.1"),
     ("nan_temperature", exp(section="rollout", extra="temperature = nan\n"),
      "{file}: rollout.temperature: expected float >= 0, got nan"),
+    ("engine_wait_zero", exp(section="rollout", extra="engine_wait_s = 0\n"),
+     "{file}: rollout.engine_wait_s: expected float > 0, got 0"),
+    ("engine_wait_text", exp(section="rollout", extra='engine_wait_s = "5m"\n'),
+     "{file}: rollout.engine_wait_s: expected float > 0, got '5m'"),
     ("top_k_zero", exp(section="rollout", extra="top_k = 0\n"),
      "{file}: rollout.top_k: expected -1 (whole vocabulary) or int >= 1, got 0"),
     ("unknown_key_typo", exp(section="rollout", extra="max_new_token = 8\n"),
@@ -147,6 +151,12 @@ EXPERIMENTS = [
      "{file}: trainer.warmup_steps: expected int <= total_steps (10), got 20"),
     ("extra_args_not_strings", exp(add="\n[engine]\nextra_args = [\"--x\", 1]\n"),
      "{file}: engine.extra_args[1]: expected str, got 1"),
+    ("trainer_max_restarts_negative", exp(add="\n[trainer]\nmax_restarts = -1\n"),
+     "{file}: trainer.max_restarts: expected int >= 0, got -1"),
+    ("progress_timeout_text", exp(add="\n[trainer]\nprogress_timeout_s = \"10m\"\n"),
+     "{file}: trainer.progress_timeout_s: expected float >= 0, got '10m'"),
+    ("engine_max_restarts_float", exp(add="\n[engine]\nmax_restarts = 2.5\n"),
+     "{file}: engine.max_restarts: expected int >= 0, got 2.5"),
     ("file_not_found", None, "{file}: file not found"),
 ]
 
