@@ -40,7 +40,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from rollmesh.config import ModelConfig, RolloutConfig
-from rollmesh.engine.client import EngineClient, GenerateOutput
+from rollmesh.engine.client import EngineClient, GenerateOutput, GenerationCancelled
 from rollmesh.protocol import Trajectory
 
 
@@ -165,8 +165,15 @@ class LoopContext:
         rid = self.client.new_rid()
         self.active.add(rid)
         try:
+            # Through an engine outage the client waits for a server (rollout.engine_wait_s)
+            # and moves a request whose engine died to another; a cancel (weight sync) ends
+            # that wait: the trajectory goes back as it stands, its partial tokens kept.
             out = await self.client.generate(traj.token_ids.tolist(),
-                                             self.sampling_params(max_new_tokens, traj), rid=rid)
+                                             self.sampling_params(max_new_tokens, traj), rid=rid,
+                                             wait_s=self.rollout.engine_wait_s,
+                                             cancel=self.cancelling)
+        except GenerationCancelled:
+            raise Interrupted() from None
         finally:
             self.active.discard(rid)
         append_tokens(traj, out.output_ids, out.logprobs, self.stamp(out, start))

@@ -66,8 +66,10 @@ class AgentWorker:
         self.cancelling.clear()
 
     def stats(self) -> dict[str, Any]:
+        client = self.loop_ctx.client
         return {"running": len(self.running), **self.counts,
-                "generated_tokens": self.loop_ctx.generated_tokens}
+                "generated_tokens": self.loop_ctx.generated_tokens,
+                "engines_healthy": getattr(client, "healthy_count", None)}
 
     async def serve(self, credits: int) -> None:
         async def hello() -> None:
@@ -106,8 +108,10 @@ async def main(ctx: RoleContext) -> None:
     exp = parse_config(ExperimentConfig, ctx.config["experiment"], "agent worker spec")
     identity = f"agent-{ctx.spec.instance}-{os.getpid()}-{time.time_ns() & 0xFFFF:x}".encode()
     channel = ChannelClient(ctx.transport, ctx.config["rollouter"], identity=identity)
-    async with EngineClient(ctx.config["engines"],
-                            api_key=run_api_key(ctx.spec.keys_dir)) as client:
+    # a generation waits through an engine outage (and moves off a dead engine) for up to
+    # rollout.engine_wait_s before it fails; a Cancel (weight sync) ends the wait
+    async with EngineClient(ctx.config["engines"], api_key=run_api_key(ctx.spec.keys_dir),
+                            wait_s=exp.rollout.engine_wait_s) as client:
         worker = AgentWorker(ctx, exp, client, channel)
         serving = asyncio.create_task(worker.serve(int(ctx.config.get("credits", 64))))
         ctx.set_status(worker.stats)

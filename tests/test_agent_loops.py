@@ -195,7 +195,7 @@ def test_tool_agent_appends_the_templates_tool_turn_between_generated_turns():
         def new_rid(self) -> str:
             return f"r{len(prompts)}"
 
-        async def generate(self, ids, params, rid):
+        async def generate(self, ids, params, rid, **kw):  # wait_s, cancel
             prompts.append(list(ids))
             out = tok.encode(replies[len(prompts) - 1], add_special_tokens=False)
             out.append(tok.eos_token_id)

@@ -10,6 +10,14 @@ Nothing above this module knows whether a server is real SGLang or rollmesh's bu
 - failure handling: connection errors and 5xx are retried with exponential back-off (on
   another server where there is one), 4xx are not; a server that fails is taken out of the
   rotation and put back when its /health answers 200 again;
+- engine outages (`wait_s`, the rollout's `engine_wait_s`): a generation whose server dies
+  (no answer, 503) or that finds no healthy server does not fail at once: it waits, probing
+  the servers' /health with back-off, and is sent again, whole, to the first healthy one (the
+  tokens the dead server made are lost with it; the caller's input is kept), for up to
+  `wait_s` from when the outage began; only then does it fail (`EngineUnavailable`). The wait
+  ends early, with `GenerationCancelled`, when the caller's `cancel` event is set (a weight
+  sync). `wait_s = 0` (the default: control calls, the trainer's publisher) keeps the plain
+  retries;
 - the weight-update calls, fired without waiting as the contract requires (they block inside
   the collective): `start_*` returns a task, the caller joins the group or broadcasts, then
   awaits it.
@@ -73,6 +81,15 @@ class EngineRequestError(EngineError):
 
 class NoHealthyServer(EngineError):
     pass
+
+
+class EngineUnavailable(NoHealthyServer):
+    """A generation found no server able to run it for longer than its wait limit."""
+
+
+class GenerationCancelled(Exception):
+    """The caller's cancel event was set while a generation waited for a server: it was sent
+    nowhere (or its server died), so there is no partial output to return."""
 
 
 @dataclass
@@ -161,6 +178,7 @@ class EngineClient:
         health_interval_s: float = 2.0,
         max_connections: int = 512,
         api_key: str | None = None,
+        wait_s: float = 0.0,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
@@ -173,6 +191,12 @@ class EngineClient:
         self.health_interval_s = health_interval_s
         self.max_connections = max_connections
         self.api_key = api_key  # the run's engine key: `Authorization: Bearer` on every call
+        # How long a generation waits for a server through an outage (module docstring);
+        # 0: no waiting, a generation fails after `retries` as any other call.
+        self.wait_s = wait_s
+        self._wake_prober = asyncio.Event()  # a server went down: probe it soon
+        self._probe_delay = health_interval_s
+        self._server_up = asyncio.Event()  # replaced each time a server comes back
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
         self._where: dict[str, _Server] = {}  # rid -> server running it
@@ -223,16 +247,84 @@ class EngineClient:
         server.failures += 1
         if server.healthy:
             server.healthy, server.down_since = False, time.monotonic()
-            log.warning("engine_down", server=server.url, reason=reason)
+            log.warning("engine_down", server=server.url, reason=reason,
+                        healthy=sum(s.healthy for s in self.servers))
+            # probe it soon, then less and less often (a restart takes seconds or minutes)
+            self._probe_delay = min(self.backoff_s, self.health_interval_s)
+            self._wake_prober.set()
+
+    @property
+    def healthy_count(self) -> int:
+        return sum(s.healthy for s in self.servers)
 
     async def _probe_down_servers(self) -> None:
+        """Put servers that failed back into the rotation when their /health answers again:
+        probed with back-off from `backoff_s` up to `health_interval_s` after a failure."""
         while True:
-            await asyncio.sleep(self.health_interval_s)
-            for server in self.servers:
-                if not server.healthy and await self.health(server.url):
+            try:
+                await asyncio.wait_for(self._wake_prober.wait(), self._probe_delay)
+                await asyncio.sleep(self._probe_delay)  # woken by a failure: give it a moment
+            except asyncio.TimeoutError:
+                pass
+            self._wake_prober.clear()
+            down = [s for s in self.servers if not s.healthy]
+            if not down:
+                self._probe_delay = self.health_interval_s
+                continue
+            answers = await asyncio.gather(*(self.health(s.url) for s in down))
+            for server, up in zip(down, answers):
+                if up and not server.healthy:
                     server.healthy, server.failures = True, 0
                     log.info("engine_up", server=server.url,
                              down_s=round(time.monotonic() - server.down_since, 1))
+            if any(answers):
+                self._server_up.set()  # wake every generation waiting for a server
+                self._server_up = asyncio.Event()
+            self._probe_delay = min(self._probe_delay * 2, self.health_interval_s)
+
+    async def _sleep(self, seconds: float, cancel: asyncio.Event | None,
+                     *events: asyncio.Event) -> None:
+        """Sleep up to `seconds`; return early when `cancel` or one of `events` is set."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (cancel, *events) if e is not None]
+        try:
+            if waits:
+                await asyncio.wait(waits, timeout=max(0.0, seconds))
+            else:
+                await asyncio.sleep(max(0.0, seconds))
+        finally:
+            for w in waits:
+                w.cancel()
+        if cancel is not None and cancel.is_set():
+            raise GenerationCancelled("cancelled while waiting for an inference server")
+
+    async def _wait_for_server(self, deadline: float, cancel: asyncio.Event | None,
+                               what: str, last: EngineError | None) -> _Server:
+        """A healthy server, waiting for one (the prober puts them back) until `deadline`."""
+        waited = time.monotonic()
+        logged = False
+        while True:
+            try:
+                server = self._pick()
+                if logged:
+                    log.info("engine_wait_over", request=what, server=server.url,
+                             waited_s=round(time.monotonic() - waited, 1))
+                return server
+            except NoHealthyServer:
+                pass
+            now = time.monotonic()
+            if now >= deadline:
+                down = ", ".join(s.url for s in self.servers)
+                raise EngineUnavailable(
+                    f"{what}: no inference server could run it for {self.wait_s:g}s "
+                    f"(rollout.engine_wait_s; down: {down})"
+                    + (f"; last error: {last}" if last is not None else ""),
+                    last.status if last else None, last.url if last else None)
+            if not logged:
+                log.warning("engine_wait", request=what, limit_s=self.wait_s,
+                            left_s=round(deadline - now, 1))
+                logged = True
+            await self._sleep(min(deadline - now, self.health_interval_s), cancel,
+                              self._server_up)
 
     # -- HTTP ----------------------------------------------------------------------------------
 
@@ -259,48 +351,87 @@ class EngineClient:
             raise EngineError(f"{url}: {type(e).__name__}: {e}", None, server.url) from None
 
     async def _with_retries(self, path: str, body: dict[str, Any], timeout_s: float | None,
-                            rid: str | None = None) -> tuple[_Server, Any]:
+                            rid: str | None = None, *, wait_s: float = 0.0,
+                            cancel: asyncio.Event | None = None) -> tuple[_Server, Any]:
         """POST to the least-loaded healthy server; on 5xx or no answer, back off and try
-        another. `rid` is recorded while it runs, so `abort(rid)` finds its server."""
+        another. `rid` is recorded while it runs, so `abort(rid)` finds its server.
+
+        With `wait_s > 0` (generation through an outage): a server that does not answer (or
+        answers 503) is taken out and the request goes, whole, to another healthy one, or
+        waits for one, for up to `wait_s` from the moment the outage began for this request
+        (a call that ran for a while before its server died starts a new outage). Other 5xx
+        count against `retries` as before. `cancel` set: `GenerationCancelled` instead of
+        sending it again or waiting further."""
         tried: set[str] = set()
         last: EngineError | None = None
-        for attempt in range(self.retries + 1):
-            server = self._pick(tried)
+        errors = 0  # answers with an error: the server is up but failing
+        outage_since: float | None = None
+        what = f"{path} {rid or ''}".strip()
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled(f"{what}: cancelled before it was sent again")
+            try:
+                server = self._pick(tried)
+            except NoHealthyServer:
+                if wait_s <= 0:
+                    raise
+                outage_since = outage_since or time.monotonic()
+                server = await self._wait_for_server(outage_since + wait_s, cancel, what, last)
             tried.add(server.url)
             server.in_flight += 1
             if rid is not None:
                 self._where[rid] = server
+            sent = time.monotonic()
             try:
                 return server, await self._call(server, "POST", path, body, timeout_s)
             except EngineRequestError:
                 raise
             except EngineError as e:
                 last = e
-                if e.status is None:  # no answer at all: this server is down
+                unreachable = e.status is None or e.status == 503
+                if unreachable:  # no answer at all, or not serving: this server is down
                     self._mark_down(server, str(e))
             finally:
                 server.in_flight -= 1
                 if rid is not None:
                     self._where.pop(rid, None)
-            if attempt < self.retries:
-                delay = self.backoff_s * 2**attempt * (0.5 + random.random())
-                log.info("engine_retry", server=server.url, path=path, attempt=attempt + 1,
-                         delay_s=round(delay, 3), error=str(last))
-                await asyncio.sleep(delay)
-        assert last is not None
-        raise EngineError(f"{path} {rid or ''} failed after {self.retries + 1} attempt(s): "
-                          f"{last}", last.status, last.url)
+            now = time.monotonic()
+            if unreachable and wait_s > 0:
+                if outage_since is None or now - sent > self.health_interval_s:
+                    outage_since = now  # it ran a while there: a new outage for it
+                if now - outage_since >= wait_s:
+                    raise EngineUnavailable(
+                        f"{what}: no inference server could run it for {wait_s:g}s "
+                        f"(rollout.engine_wait_s); last error: {last}", last.status, last.url)
+                log.warning("engine_failover", request=what, server=server.url,
+                            healthy=self.healthy_count, error=str(last))
+                continue  # the next pick is another healthy server, or waits for one
+            errors += 1
+            if errors > self.retries:
+                raise EngineError(f"{what} failed after {errors} attempt(s): {last}",
+                                  last.status, last.url)
+            delay = self.backoff_s * 2 ** (errors - 1) * (0.5 + random.random())
+            log.info("engine_retry", server=server.url, path=path, attempt=errors,
+                     delay_s=round(delay, 3), error=str(last))
+            await self._sleep(delay, cancel)
 
     # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
                        rid: str | None = None, return_logprob: bool = True,
-                       timeout_s: float | None = None) -> GenerateOutput:
-        """Generate from token ids; an aborted request returns its partial output."""
+                       timeout_s: float | None = None, wait_s: float | None = None,
+                       cancel: asyncio.Event | None = None) -> GenerateOutput:
+        """Generate from token ids; an aborted request returns its partial output.
+
+        Through an outage it waits up to `wait_s` (default: the client's) for a server, and
+        a request whose server dies is sent again to another; `cancel` ends that wait with
+        `GenerationCancelled` (module docstring)."""
         rid = rid or self.new_rid()
         body = {"rid": rid, "input_ids": list(input_ids), "sampling_params": sampling_params,
                 "return_logprob": return_logprob}
-        server, out = await self._with_retries("/generate", body, timeout_s, rid=rid)
+        server, out = await self._with_retries(
+            "/generate", body, timeout_s, rid=rid,
+            wait_s=self.wait_s if wait_s is None else wait_s, cancel=cancel)
         return GenerateOutput.from_response(rid, server.url, out)
 
     async def abort(self, rid: str) -> bool:
