@@ -511,7 +511,7 @@ class Rollouter:
                 await self.worker_lost(w, "unreachable")
         self._check_drained()
         await self.drained.wait()
-        self.log.info("paused", cancel_queue=len(self.cancel_queue),
+        self.log.info("paused", mode=mode, cancel_queue=len(self.cancel_queue),
                       drain_s=round(time.monotonic() - started, 3))
         return Paused(in_flight=self.agent_out(), cancel_queue=len(self.cancel_queue))
 
