@@ -6,11 +6,17 @@
               its checkpoints and export stay there, under runs/<name>-<timestamp>)
     hub       the status proxy (always CURVE) that roles publish to and monitors attach to
     start     engines healthy -> message queue, synchronizer -> trainer -> rollouter -> workers
-    supervise restart crashed workers, the message queue (durable, same address) and engines
-              (bounded, with back-off); any other role that dies ends the run with its first
-              failure, exit code and log
+    supervise restart crashed workers, the message queue (durable, same address), the
+              rollouter, the synchronizer and engines (bounded, with back-off), and the trainer
+              ranks together from their latest checkpoint (trainer.max_restarts); any other
+              role that dies ends the run with its first failure, exit code and log
+    watchdog  no trainer step for trainer.progress_timeout_s while samples are dropped or none
+              generated: the run stops with the cause named (rollmesh.watchdog)
     finish    when the trainer finishes: drain the rollouter, write summary.json, stop all
-    stop      Ctrl-C / SIGTERM / `rollmesh stop RUN`: every process on every host, one deadline
+    stop      Ctrl-C / SIGTERM / `rollmesh stop RUN` (StopRun on the control socket, from any
+              machine holding the run's keys): every process on every host, one deadline
+    death     a launcher killed outright takes its processes with it: local ones get SIGTERM
+              from the kernel (PDEATHSIG, engines included), roles over SSH hear no heartbeat
 
 Hosts whose address is this machine run their roles as local processes; others over OpenSSH
 (rollmesh.hosts). `--dry-run` prints the plan (the command per host) and starts nothing.
@@ -445,9 +451,8 @@ class Launcher:
                   failure=child.failure(), log=str(child.log_path))
         log.warning("trainer_restart", restart=self.trainer_restarts, of=limit, delay_s=delay,
                     ranks=len(ranks))
-        if self.echo is not None:
-            print(f"rollmesh: {child.failure()}; restarting the trainer from its latest "
-                  f"checkpoint ({self.trainer_restarts} of {limit})", flush=True)
+        print(f"rollmesh: {child.failure()}; restarting the trainer from its latest "
+              f"checkpoint ({self.trainer_restarts} of {limit})", flush=True)
         began = time.monotonic()
         sync_name = next((n for n, c in self.children.items()
                           if c.spec.role == "synchronizer"), None)

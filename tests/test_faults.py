@@ -1,8 +1,9 @@
 """Fault injection on real runs: `kill -9` of a role in the middle of `rollmesh launch`.
 
 Workers, engines, the MessageQueue (its log), the rollouter (its journal) and the synchronizer
-are restarted by the launcher and the run completes by itself; a trainer that dies stops the
-run cleanly and `rollmesh launch --resume RUN` goes on from its latest checkpoint. In every case
+are restarted by the launcher and the run completes by itself; so is the trainer (from its latest
+checkpoint, tests/test_unattended.py). With trainer.max_restarts = 0 a trainer that dies stops
+the run cleanly and `rollmesh launch --resume RUN` goes on from its latest checkpoint. In every case
 the accounting identity holds and no group is trained on twice in the run's surviving history.
 (The agent worker, the engine and the MessageQueue have their own kill tests in test_launcher.py
 and test_message_queue.py.)
@@ -54,10 +55,10 @@ def test_killed_role_is_restarted_and_the_run_completes(tmp_path, victim):
         assert restored and restored[-1]["admitted"] > 0, "the new rollouter used the journal"
 
 
-def test_killed_trainer_stops_the_run_and_resume_goes_on_from_the_checkpoint(tmp_path):
+def test_killed_trainer_without_restarts_stops_the_run_and_resume_goes_on(tmp_path):
     run_dir = tmp_path / "run"
     steps = 24
-    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}",
+    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}", "--set", "trainer.max_restarts=0",
                   "--set", "trainer.checkpoint_every=4", "--set", "rollout.eval_every=0")
     try:
         # past a checkpoint, and not on one: some steps are lost with the trainer
@@ -79,13 +80,19 @@ def test_killed_trainer_stops_the_run_and_resume_goes_on_from_the_checkpoint(tmp
     assert resumed.returncode == 0, out[-3000:]
     rows = metrics(run_dir)
     history = trained_history(rows)
-    assert [r["step"] for r in history] == list(range(1, steps + 1))
-    resumed_rows = rows[len(first):]
-    # it went on from the last checkpoint before the kill, not from scratch
-    assert resumed_rows[0]["step"] == (died_at // 4) * 4 + 1, (died_at, resumed_rows[0])
+    # each step once: the resumed trainer dropped the rows past its checkpoint and wrote them
+    # again (a reader never sees two rows for one step)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert history == rows
+    # it went on from the last checkpoint before the kill, not from scratch: the rows up to it
+    # are the first launch's, untouched
+    kept = (died_at // 4) * 4
+    assert rows[:kept] == first[:kept], (died_at, kept)
+    resumed_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert f'"checkpoint_step": {kept}' in resumed_log and '"metrics_trimmed"' in resumed_log
     # the steps trained again were trained on the very same batches (the queue kept them)
-    lost = {r["step"]: r for r in first if r["step"] > resumed_rows[0]["step"] - 1}
-    for r in resumed_rows:
+    lost = {r["step"]: r for r in first if r["step"] > kept}
+    for r in rows[kept:]:
         if r["step"] in lost:
             assert r["group_ids"] == lost[r["step"]]["group_ids"], r["step"]
     assert_nothing_trained_twice(rows)
