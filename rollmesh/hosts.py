@@ -72,17 +72,19 @@ class Host(ABC):
     def start(self, args: list[str], *, env: dict[str, str], log_path: Path,
               echo: Echo | None, label: str) -> subprocess.Popen:
         """Start `PYTHON args...` (or a full argv for non-Python servers) on this host."""
-        proc = subprocess.Popen(self.guarded(self.argv(args, env)), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(self.start_argv(args, env), stdin=self.stdin,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=self.local_env(env), cwd=self.local_cwd(),
                                 start_new_session=True)  # Ctrl-C reaches the launcher only
         pump(proc.stdout, log_path, echo, label)
         return proc
 
-    def guarded(self, argv: list[str]) -> list[str]:
+    stdin = subprocess.DEVNULL
+
+    def start_argv(self, args: list[str], env: dict[str, str]) -> list[str]:
         """`argv` dying with the launcher (Linux): a kill -9 of the launcher must leave no
         process behind, and an engine has no parent heartbeat of its own (roles have both)."""
-        return die_with_parent(argv)
+        return die_with_parent(self.argv(args, env))
 
     def local_env(self, env: dict[str, str]) -> dict[str, str]:
         return dict(os.environ)
@@ -109,6 +111,34 @@ class Host(ABC):
 # once if it has gone already, then exec the command.
 _GUARD = ("import ctypes,os,signal,sys;ctypes.CDLL(None).prctl(1,signal.SIGTERM);"
           "os.getppid()==int(sys.argv[1]) or sys.exit(3);os.execvp(sys.argv[2],sys.argv[2:])")
+
+
+# The remote end of an SSH-started command: run it as a child, and stop it (SIGTERM, SIGKILL
+# 10 s later) when stdin ends, i.e. when the ssh session closes (the launcher died, or closed
+# it to stop the process); signals are passed on; the exit status is the child's (a signal
+# as 128 + its number). Without it a remote engine outlives the session (no tty, no SIGHUP).
+_REMOTE_GUARD = """
+import os, signal, subprocess, sys, threading
+p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
+def watch():
+    try:
+        while os.read(0, 65536):
+            pass
+    except OSError:
+        pass
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+threading.Thread(target=watch, daemon=True).start()
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda n, f: p.poll() is None and p.send_signal(n))
+rc = p.wait()
+sys.stdout.flush()
+os._exit(128 - rc if rc < 0 else rc)  # not sys.exit: the watcher may sit in a read
+"""
 
 
 def die_with_parent(argv: list[str]) -> list[str]:
@@ -185,15 +215,24 @@ class SshHost(Host):
             argv += ["-l", c.user]
         return [*argv, c.address]
 
-    def remote_line(self, args: list[str], env: dict[str, str]) -> str:
+    def remote_line(self, args: list[str], env: dict[str, str], guard: bool = False) -> str:
         full_env = {**self.cfg.env, **env}
         cmd = [self.cfg.python, *args] if args and args[0].startswith("-") else args
+        if guard:  # ends with the session (see _REMOTE_GUARD)
+            cmd = [self.cfg.python, "-c", _REMOTE_GUARD, *cmd]
         assignments = [f"{k}={v}" for k, v in sorted(full_env.items())]
         return (f"cd {shlex.quote(self.workdir)} && exec env "
                 + shlex.join([*assignments, *cmd]))
 
     def argv(self, args: list[str], env: dict[str, str]) -> list[str]:
         return [*self.ssh(), self.remote_line(args, env)]
+
+    # kept open and never written: it closes when the launcher exits or closes it, and the
+    # remote guard then stops the command
+    stdin = subprocess.PIPE
+
+    def start_argv(self, args: list[str], env: dict[str, str]) -> list[str]:
+        return die_with_parent([*self.ssh(), self.remote_line(args, env, guard=True)])
 
     def start(self, args: list[str], **kw) -> subprocess.Popen:  # type: ignore[override]
         self.control_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -218,6 +257,8 @@ class SshHost(Host):
                 self.run(f"kill -{signal.Signals(sig).name} {int(pid)}", timeout_s=10)
             except (RuntimeError, subprocess.TimeoutExpired):
                 pass
+        elif sig == signal.SIGTERM and proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()  # no remote pid (an engine): the remote guard stops it
         if sig == signal.SIGKILL and proc.poll() is None:
             proc.kill()
 

@@ -39,6 +39,10 @@ from rollmesh.transport import (
 
 EXIT_FATAL = 1
 EXIT_PARENT_LOST = 3
+# A role whose parent died stops within this (not grace_s): nobody waits for its clean drain,
+# its peers are going too, and every role's state is kept for a kill -9 anyway (the queue's
+# log, the rollouter's journal, the trainer's checkpoints).
+PARENT_LOST_GRACE_S = 2.0
 
 log = get_logger("rollmesh.runtime")
 
@@ -168,13 +172,21 @@ async def run_role(spec: RoleSpec) -> int:
                         retries=1, name="parent")
     ctx = RoleContext(spec, transport, control, logger)
     loop = asyncio.get_running_loop()
+    parent_lost = False  # silent (heartbeats): exit code EXIT_PARENT_LOST
+    orphaned = False  # gone (PDEATHSIG's SIGTERM, or silent): the short grace
+
+    def on_signal() -> None:
+        nonlocal orphaned
+        if spec.parent_pid and os.getppid() != spec.parent_pid:
+            orphaned = True  # the kernel's PDEATHSIG: the launcher died
+        ctx.stopping.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, ctx.stopping.set)
-    parent_lost = False
+        loop.add_signal_handler(sig, on_signal)
 
     def on_parent_dead() -> None:
-        nonlocal parent_lost
-        parent_lost = True
+        nonlocal parent_lost, orphaned
+        parent_lost = orphaned = True
         ctx.stopping.set()
 
     tasks: list[asyncio.Task] = []
@@ -192,10 +204,11 @@ async def run_role(spec: RoleSpec) -> int:
         tasks.append(stop_task)
         await asyncio.wait({main_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if not main_task.done():
-            logger.info("stopping", parent_lost=parent_lost)
-            done, _ = await asyncio.wait({main_task}, timeout=spec.grace_s)
+            grace = min(spec.grace_s, PARENT_LOST_GRACE_S) if orphaned else spec.grace_s
+            logger.info("stopping", parent_lost=parent_lost, orphaned=orphaned, grace_s=grace)
+            done, _ = await asyncio.wait({main_task}, timeout=grace)
             if not done:
-                logger.warning("grace_expired", grace_s=spec.grace_s)
+                logger.warning("grace_expired", grace_s=grace)
                 main_task.cancel()
                 await asyncio.gather(main_task, return_exceptions=True)
                 return EXIT_PARENT_LOST if parent_lost else 0

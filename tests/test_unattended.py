@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from rollmesh.watchdog import Snapshot, stalled
+from tests.sshd import Sshd
 from tests.test_launcher import (
     ROOT, alive, assert_nothing_trained_twice, check_accounting, finish, launch, metrics,
     rollmesh, status, wait_for,
@@ -34,8 +36,21 @@ def proc_of(run_dir: Path, name: str) -> dict:
     return next(p for p in status(run_dir).get("processes", []) if p["name"] == name)
 
 
-def steps_of(run_dir: Path) -> list[int]:
-    return [r["step"] for r in metrics(run_dir)]
+def processes_of(run_dir: Path) -> list[str]:
+    """Every process on this machine whose command line names the run (its roles' spec
+    files, its engines' key file, the ssh clients and the remote commands they started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if run_dir.name in cmd and state != "Z":
+            found.append(f"{entry.name}: {cmd[:200]}")
+    return found
 
 
 # -- the watchdog's decision ------------------------------------------------------------------
@@ -153,11 +168,12 @@ def test_killed_launcher_takes_every_process_with_it_and_resume_goes_on(tmp_path
         procs = status(run_dir)["processes"]
         pids = {p["name"]: p["pid"] for p in procs}
         assert "engine[0]" in pids and len(pids) == 8 and all(alive(p) for p in pids.values())
+        assert len(processes_of(run_dir)) >= 8
         killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        wait_for(lambda: not any(alive(p) for p in pids.values()), 30,
-                 "every role and engine to exit")
+        wait_for(lambda: not any(alive(p) for p in pids.values()) and not processes_of(run_dir),
+                 30, "every role and engine to exit")
         gone_s = time.monotonic() - killed_at
     finally:
         if proc.poll() is None:
@@ -234,3 +250,47 @@ def test_rollmesh_stop_through_the_control_socket(tmp_path):
     # a run that is over: nobody answers on the socket, and --socket does not fall back
     again = rollmesh("stop", str(run_dir), "--socket", "--timeout", "5")
     assert again.returncode == 1 and "did not answer" in again.stderr, again.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killed_launcher_takes_its_ssh_processes_with_it(tmp_path):
+    """The engine and a worker run over SSH (tests/sshd.py: an sshd on this machine): a kill -9
+    of the launcher ends their sessions, and the remote guard stops the engine, which has no
+    heartbeat to its parent; the worker would also stop on its heartbeats."""
+    reason = Sshd.unavailable()
+    if reason:
+        pytest.skip(reason)
+    try:
+        sshd = Sshd(tmp_path / "sshd")
+    except RuntimeError as e:
+        pytest.skip(f"sshd cannot start here: {e}")
+    run_dir = tmp_path / f"ssh-kill-{os.getpid()}-{time.time_ns()}"
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text("\n".join([
+        'name = "ssh_kill"', f'experiment = "{ROOT / "configs/tiny_cpu.toml"}"',
+        "[hosts.local]", 'address = "127.0.0.1"', f'python = "{sys.executable}"',
+        f'workdir = "{ROOT}"', sshd.host_toml("remote"),
+        "[roles.engine]", 'host = "remote"', "[roles.message_queue]", 'host = "local"',
+        "[roles.synchronizer]", 'host = "local"', "[roles.trainer]", 'host = "local"',
+        "[roles.rollouter]", 'host = "local"', "[roles.agent_worker]", 'host = "remote"',
+        "[roles.reward_worker]", 'host = "local"', ""]))
+    proc = launch(run_dir, "--set", "trainer.total_steps=100000", cluster=str(cluster))
+    try:
+        wait_for(lambda: len(metrics(run_dir)) >= 2, 300, "training under way", proc)
+        remote = [p for p in processes_of(run_dir) if "rollmesh.engine" in p or "role" in p]
+        assert any("rollmesh.engine" in p for p in remote), processes_of(run_dir)
+        killed_at = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: not processes_of(run_dir), 30, "every process of the run to exit")
+        gone_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+        for line in processes_of(run_dir):  # whatever failed: nothing left running
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        sshd.stop()
+        shutil.rmtree(ROOT / "runs" / run_dir.name, ignore_errors=True)
+    print(f"\nkill -9 of the launcher, engine and worker over ssh: all gone after {gone_s:.1f}s")
