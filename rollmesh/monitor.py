@@ -285,6 +285,9 @@ class StatusBoard:
             "agent_workers": sum(w.get("kind") == "agent" for w in workers),
             "reward_workers": sum(w.get("kind") == "reward" for w in workers),
             "dropped": _counts(r.get("dropped")),
+            "engines_healthy": r.get("engines_healthy"), "engines": r.get("engines"),
+            "admission": r.get("admission"),
+            "admission_stopped_s": r.get("admission_stopped_s"),
         }
 
     @staticmethod
@@ -409,6 +412,9 @@ def _header(snap: dict[str, Any], live: bool) -> Text:
     launcher = snap.get("launcher") or {}
     if launcher.get("last_seen_s") is not None and not launcher.get("alive"):
         header.append(f"  launcher silent {launcher['last_seen_s']:.0f}s", "red")
+    admission = str((snap.get("rollouter") or {}).get("admission") or "")
+    if admission.startswith("stopped"):  # an engine outage: say it where it is seen first
+        header.append(f"  admission {admission}", "bold red")
     if live:
         header.append("   (q or Ctrl-C detaches)", "dim")
     if snap.get("failure"):
@@ -495,7 +501,23 @@ def _rollouter_panel(snap: dict[str, Any]) -> Panel:
         ("running groups", ro.get("running_groups")), ("capacity", ro.get("capacity")),
         ("version", ro.get("version")),
         ("paused", Text(_fmt(ro.get("paused")), "yellow" if ro.get("paused") else "")),
+        ("admission", _admission(ro)),
     ]), title="Rollouter")
+
+
+def _admission(ro: dict[str, Any]) -> Text:
+    """Whether new prompts are admitted; red while no engine is healthy (an outage: nothing
+    new is admitted, generations in flight wait for an engine up to rollout.engine_wait_s)."""
+    state = ro.get("admission")
+    healthy, total = ro.get("engines_healthy"), ro.get("engines")
+    engines = f" ({healthy}/{total} engines healthy)" if total else ""
+    if state is None:
+        return Text("-", "dim")
+    if state.startswith("stopped"):
+        since = ro.get("admission_stopped_s")
+        return Text(f"{state}{engines}" + (f" for {since:g}s" if since is not None else ""),
+                    "bold red")
+    return Text(f"{state}{engines}", "yellow" if state != "open" else "green")
 
 
 def _queue_panel(snap: dict[str, Any]) -> Panel:

@@ -7,9 +7,22 @@
          (held and retried while the queue is full: back-pressure)
 
 Capacity (AReaL's bound, in groups): min(max_concurrent - running,
-(max_staleness + v + 1) * groups_per_version * over_sampling - (accepted + running)), where v is
-the live weight version and groups_per_version = batch_groups * sync_every. A filtered or failed
-group frees its place; an accepted one counts for good.
+(max_staleness + v + 1) * groups_per_version - (accepted + running)), where v is the live weight
+version and groups_per_version = batch_groups * sync_every. A filtered or failed group frees its
+place; an accepted one counts for good. Over-sampling (`rollout.over_sampling`) applies only to
+what is still to be accepted, and only with a group filter that drops groups: the headroom
+left (the bound minus the accepted groups) is multiplied by min(over_sampling, 1 / (1 - the
+filter's observed rejection rate)), so accepted groups never take more than their share and an
+unfiltered run never generates groups that could only end up stale.
+
+Engine outages: the rollouter probes the engines' /health (`engines` in its spec); while none
+is healthy it admits no new prompt (the dataset cursor stands still; generations already
+admitted wait in the workers, up to rollout.engine_wait_s) and says so in its stats
+(`engines_healthy`, `admission`); it admits again as soon as one answers.
+
+Evaluation answers are resumed like training trajectories when a sync interrupts them (their
+partial tokens kept), and each is labelled by the version its round started at (metadata
+`eval_version`), so an eval whose answers outlast a sync interval still finishes.
 
 Pause (from the synchronizer): stop dispatching, send Cancel to every agent worker, answer
 Paused once no trajectory is out with a worker; with `sync.pause_mode = "in_place"` send no
@@ -35,6 +48,7 @@ from rollmesh.agent_loops import load_tokenizer, new_trajectory
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.data import Dataset, PromptGroup, PromptSource, render_prompt
 from rollmesh.durable_log import DurableLog
+from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.protocol import (
     Assign, Cancel, Group, Heartbeat, Metrics, Ok, Pause, Paused, PutGroup, Resume, Returned,
     Score, Scored, StatsRequest, Trajectory, WorkerHello,
@@ -249,6 +263,10 @@ class Rollouter:
         self.eval_queue: collections.deque[Trajectory] = collections.deque()
         self.eval_runs: dict[int, dict[str, Any]] = {}
         self.last_eval: dict[str, Any] | None = None
+        # Engine health (watch_engines): None until the first probe, or without engine URLs.
+        self.engines: list[str] = []
+        self.engines_healthy: int | None = None
+        self.admission_stopped_since: float | None = None
 
     # -- capacity and admission --------------------------------------------------------------
 
@@ -256,19 +274,43 @@ class Rollouter:
     def running_groups(self) -> int:
         return len(self.groups)  # admitted and not yet accepted or rejected
 
+    def over_sampling(self) -> float:
+        """The factor on the headroom still to be accepted (module docstring): 1 without a
+        filter that drops groups; else `rollout.over_sampling`, lowered to what the filter's
+        observed rejection rate calls for once enough groups went through it."""
+        r = self.exp.rollout
+        if self.group_filter is keep_all or r.over_sampling <= 1.0:
+            return 1.0
+        filtered = self.counters["filtered_groups"]
+        seen = filtered + self.counters["accepted_groups"]
+        if seen < 2 * r.batch_groups:  # too few to tell: the configured prior
+            return r.over_sampling
+        rate = min(filtered / seen, 0.95)
+        return min(r.over_sampling, 1.0 / (1.0 - rate))
+
     def capacity(self) -> int:
         r, s = self.exp.rollout, self.exp.staleness
         per_version = r.batch_groups * self.exp.sync.sync_every
         concurrency = r.max_concurrent - self.running_groups
-        staleness = (int((s.max_staleness + self.version + 1) * per_version * r.over_sampling)
-                     - (self.counters["accepted_groups"] + self.running_groups))
+        headroom = ((s.max_staleness + self.version + 1) * per_version
+                    - self.counters["accepted_groups"])
+        staleness = int(max(0, headroom) * self.over_sampling()) - self.running_groups
         return min(concurrency, staleness)
+
+    @property
+    def admission(self) -> str:
+        if self.paused:
+            return "paused (weight sync)"
+        if self.engines_healthy == 0:
+            return "stopped: no healthy engine"
+        return "open"
 
     def start_eval(self) -> None:
         v, every = self.version, self.exp.rollout.eval_every
         if not self.eval_rows or v % every or v in self.eval_runs:
             return
-        self.eval_runs[v] = {"n": len(self.eval_rows), "rewards": [], "failed": 0}
+        self.eval_runs[v] = {"n": len(self.eval_rows), "rewards": [], "failed": 0,
+                             "resumed": 0, "response_tokens": 0}
         for i, row in enumerate(self.eval_rows):
             prompt = render_prompt(row, self.tokenizer, self.exp.data.system_prompt)
             self.eval_queue.append(new_trajectory(
@@ -284,12 +326,12 @@ class Rollouter:
     def eval_returned(self, traj: Trajectory) -> None:
         if traj.status == "finished":
             self.to_score.append(traj)
-        elif traj.status == "interrupted":  # restart from the prompt: one version per answer
-            n = traj.prompt_len
-            traj.token_ids, traj.logprobs = traj.token_ids[:n], traj.logprobs[:n]
-            traj.versions, traj.loss_mask = traj.versions[:n], traj.loss_mask[:n]
-            traj.loop_state, traj.status = {}, "running"
-            self.eval_queue.append(traj)
+        elif traj.status == "interrupted":
+            # Resumed like a training trajectory: its partial tokens are kept (an answer
+            # longer than a sync interval still finishes); it stays labelled by the version
+            # its round started at (metadata eval_version).
+            self.counters["eval_interrupted"] += 1
+            self.eval_queue.appendleft(traj)
         else:
             self.eval_scored(traj)
 
@@ -301,15 +343,22 @@ class Rollouter:
             run["rewards"].append(traj.reward)
         else:
             run["failed"] += 1
+        generated = traj.versions[traj.loss_mask == 1]
+        run["response_tokens"] += int(generated.size)
+        run["resumed"] += int(len(set(generated.tolist())) > 1)  # went on across a sync
         if len(run["rewards"]) + run["failed"] == run["n"]:
             v = traj.metadata["eval_version"]
             rewards = run["rewards"]
             self.last_eval = {"version": v, "n": len(rewards), "failed": run["failed"],
-                              "reward_mean": sum(rewards) / len(rewards) if rewards else None}
+                              "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                              "answers_resumed": run["resumed"],
+                              "response_tokens": run["response_tokens"]}
             del self.eval_runs[v]
             self.log.info("eval", **self.last_eval)
 
     def admit(self) -> None:
+        if self.engines_healthy == 0:  # nothing could generate it: keep the cursor where it is
+            return
         while not self.paused and self.capacity() > 0:
             group = self.source.next_group()
             prompt = render_prompt(group.row, self.tokenizer, self.exp.data.system_prompt)
@@ -450,6 +499,7 @@ class Rollouter:
             if any(t.reward_status != "ok" for t in trajs):
                 self.finish_group(traj.group_id, None, "reward_failed")
             elif not self.group_filter(group):
+                self.counters["filtered_groups"] += 1
                 self.finish_group(traj.group_id, None, "filtered")
             else:
                 self.finish_group(traj.group_id, group, None)
@@ -559,7 +609,36 @@ class Rollouter:
             "channel_protocol_errors": self.channel.protocol_errors,
             "eval": self.last_eval, "eval_pending": len(self.eval_queue),
             "cursor": self.source.state(),
+            "engines_healthy": self.engines_healthy, "engines": len(self.engines),
+            "admission": self.admission,
+            "admission_stopped_s": (round(time.monotonic() - self.admission_stopped_since, 1)
+                                    if self.admission_stopped_since is not None else None),
+            "over_sampling": round(self.over_sampling(), 3),
         }
+
+    async def watch_engines(self, urls: list[str], api_key: str | None,
+                            interval_s: float = 1.0) -> None:
+        """Probe every engine's /health; while none answers, admit nothing (`admit`)."""
+        self.engines = list(urls)
+        async with EngineClient(urls, api_key=api_key, connect_timeout_s=2.0) as client:
+            while True:
+                answers = await asyncio.gather(*(client.health(u) for u in urls))
+                healthy = sum(answers)
+                if healthy == 0 and self.engines_healthy != 0:
+                    self.admission_stopped_since = time.monotonic()
+                    self.counters["admission_stops"] += 1
+                    self.log.error("admission_stopped", reason="no healthy engine",
+                                   engines=urls, in_flight=self.in_flight(),
+                                   cursor=self.source.state())
+                elif healthy and self.engines_healthy == 0:
+                    stopped = time.monotonic() - (self.admission_stopped_since or time.monotonic())
+                    self.admission_stopped_since = None
+                    self.log.warning("admission_resumed", engines_healthy=healthy,
+                                     stopped_s=round(stopped, 1))
+                if healthy != self.engines_healthy:
+                    self.engines_healthy = healthy
+                    self.changed.set()
+                await asyncio.sleep(interval_s)
 
     # -- loops -------------------------------------------------------------------------------
 
@@ -644,7 +723,8 @@ class Rollouter:
 
 
 async def main(ctx: RoleContext) -> None:
-    """Role entry. config: experiment, bind (worker channel), control (RPC), message_queue."""
+    """Role entry. config: experiment, bind (worker channel), control (RPC), message_queue,
+    engines (URLs, optional: admission stops while none is healthy), state_dir (journal)."""
     exp = parse_config(ExperimentConfig, ctx.config["experiment"], "rollouter spec")
     source = PromptSource.from_config(exp.data)
     tokenizer = load_tokenizer(exp.model)
@@ -668,8 +748,10 @@ async def main(ctx: RoleContext) -> None:
 
     control = RpcServer(ctx.transport, ctx.config["control"],
                         {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
-    tasks = [asyncio.create_task(c) for c in (r.receive(), r.schedule(), r.heartbeats(),
-                                              r.put_ready(), control.serve())]
+    coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), control.serve()]
+    if ctx.config.get("engines"):  # no new prompt while no engine can generate it
+        coros.append(r.watch_engines(ctx.config["engines"], run_api_key(ctx.spec.keys_dir)))
+    tasks = [asyncio.create_task(c) for c in coros]
     backstop = (asyncio.create_task(r.resume_if_forgotten(exp.sync.timeout_s + 10))
                 if r.paused else None)
     r.start_eval()  # version 0: the policy before any training

@@ -103,7 +103,8 @@ def accounting(stats: dict[str, Any], consumed: int) -> tuple[int, int]:
 
 async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents: int = 1,
                       rewards: int = 1, credits: int = 64, engine_args: tuple[str, ...] = (),
-                      rollouter_config: dict[str, Any] | None = None) -> Stack:
+                      rollouter_config: dict[str, Any] | None = None,
+                      watch_engines: bool = False) -> Stack:
     sup = Supervisor(t, heartbeat_s=0.5, liveness=4, log_dir=tmp / "logs")
     engine = await asyncio.to_thread(Engine, tmp / "engine.log", "--weight-version", "0",
                                      *engine_args)
@@ -114,7 +115,8 @@ async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents:
     rollouter = sup.spawn("rollouter", "rollmesh.rollouter:main", env=ENV, config={
         "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}",
         "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": mq_rpc,
-        **(rollouter_config or {})})
+        # watch_engines: the engine URL as the launcher gives it (admission stops in an outage)
+        **({"engines": [engine.url]} if watch_engines else {}), **(rollouter_config or {})})
     eps = await sup.wait_ready(rollouter, 120)
     reward_children = [sup.spawn("reward_worker", "rollmesh.reward_worker:main", instance=i,
                                  env=ENV, config={"experiment": spec, "rollouter": eps["channel"],

@@ -277,3 +277,39 @@ def test_a_paused_journal_does_not_hold_a_new_launch_and_a_lost_resume_does_not_
 
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def test_over_sampling_without_a_filter_generates_nothing_that_goes_stale(tmp_path):
+    """rollout.over_sampling = 3 with no group filter, the trainer the bottleneck (it takes a
+    batch only when the rollout has generated all it may): over-sampling only makes up for
+    groups a filter drops, so nothing is admitted past the staleness bound and nothing is
+    dropped as stale. (Before, the whole bound was multiplied: 12 groups admitted at version 0
+    for 2 per step, and the surplus went stale.)"""
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=8",
+                     "staleness.max_staleness=1", "rollout.batch_groups=2",
+                     "rollout.over_sampling=3", "rollout.max_concurrent=16")
+
+    def all_generated(s):
+        r = s["rollouter"]
+        return (r["capacity"] == 0 and r["running_groups"] == 0 and r["ready_groups"] == 0
+                and s["mq"]["depth_groups"] >= 2)
+
+    async def body(stack):
+        d = stack.driver
+        consumed, admitted = 0, []
+        for _ in range(4):
+            stats = await d.wait_for(all_generated, what="the rollout to generate all it may")
+            admitted.append(stats["rollouter"]["admitted_groups"])
+            for g in await d.take(2):
+                consumed += len(g.trajectories)
+            await d.sync()
+        stats = await d.wait_for(all_generated, what="the rollout to generate all it may")
+        return admitted, await settle(d, consumed), consumed
+
+    admitted, stats, consumed = run(tmp_path, exp, body)
+    assert admitted == [4, 6, 8, 10], admitted  # (max_staleness + v + 1) * 2, never x3
+    assert stats["mq"]["dropped"].get("stale", 0) == 0, stats["mq"]["dropped"]
+    assert not any(stats["rollouter"]["dropped"].values()), stats["rollouter"]["dropped"]
+    assert stats["rollouter"]["over_sampling"] == 1.0
+    admitted_samples, accounted = accounting(stats, consumed)
+    assert admitted_samples == accounted
