@@ -208,6 +208,25 @@ def test_sglang_answers_are_stamped_with_the_oldest_version_they_can_have():
                                   [4] * 4]  # started at 4, reported 4
 
 
+def test_the_client_reads_per_token_versions():
+    from rollmesh.engine.client import EngineError
+
+    def body(**meta: Any) -> dict:
+        return {"output_ids": [7, 8, 9], "meta_info": {
+            "finish_reason": {"type": "length", "length": 3}, "weight_version": "2",
+            "prompt_tokens": 1, **meta}}
+
+    parse = GenerateOutput.from_response
+    assert parse("r", "s", body(output_token_weight_versions=["1", "1", "2"])).token_versions \
+        == [1, 1, 2]
+    assert parse("r", "s", body()).token_versions is None  # SGLang: not reported
+    # an engine started with --weight-version default: no integer versions to stamp with
+    assert parse("r", "s", body(output_token_weight_versions=["default"] * 3)).token_versions \
+        is None
+    with pytest.raises(EngineError, match="expected a list of 3 versions, got 2"):
+        parse("r", "s", body(output_token_weight_versions=["1", "2"]))
+
+
 def test_the_stamping_rule():
     def out(version: str, n: int, per_token: list[int] | None = None) -> GenerateOutput:
         return GenerateOutput(rid="r", server="s", output_ids=[5] * n, logprobs=[-1.0] * n,
