@@ -113,7 +113,7 @@ _GUARD = ("import ctypes,os,signal,sys;ctypes.CDLL(None).prctl(1,signal.SIGTERM)
           "os.getppid()==int(sys.argv[1]) or sys.exit(3);os.execvp(sys.argv[2],sys.argv[2:])")
 
 
-# The remote end of an SSH-started command: run it as a child, and stop it (SIGTERM, SIGKILL
+# The remote end of an SSH-started command: run it as a child, and stop it (SIGHUP, SIGKILL
 # 10 s later) when stdin ends, i.e. when the ssh session closes (the launcher died, or closed
 # it to stop the process); signals are passed on; the exit status is the child's (a signal
 # as 128 + its number). Without it a remote engine outlives the session (no tty, no SIGHUP).
@@ -127,7 +127,7 @@ def watch():
     except OSError:
         pass
     if p.poll() is None:
-        p.terminate()
+        p.send_signal(signal.SIGHUP)  # a role takes it as its parent lost: stops at once
         try:
             p.wait(10)
         except subprocess.TimeoutExpired:

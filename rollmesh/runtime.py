@@ -4,8 +4,8 @@ Child (`rollmesh role --spec FILE_OR_JSON`, entry `role_main`):
     logging with role and host -> control socket to the parent -> Hello (protocol version
     checked) -> the role's `async def main(ctx)`, which calls `await ctx.ready(...)` once it
     serves -> Ready. Heartbeats both ways. SIGTERM/SIGINT set `ctx.stopping` and the role
-    returns (or is cancelled after `grace_s`). A parent that dies (PDEATHSIG, or silent for
-    `liveness` heartbeats) stops the role. An exception is logged and sent as Fatal, exit 1.
+    returns (or is cancelled after `grace_s`). A parent that dies (PDEATHSIG, SIGHUP from the
+    SSH guard, or silent for `liveness` heartbeats) stops the role, within PARENT_LOST_GRACE_S. An exception is logged and sent as Fatal, exit 1.
 
 Parent (`Supervisor`): binds the control socket, spawns role processes, waits for Ready,
     hears Fatal, and stops every child on one shared deadline (SIGTERM, then SIGKILL).
@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ EXIT_PARENT_LOST = 3
 # its peers are going too, and every role's state is kept for a kill -9 anyway (the queue's
 # log, the rollouter's journal, the trainer's checkpoints).
 PARENT_LOST_GRACE_S = 2.0
+_orphaned = False  # this process's role lost its parent (set by run_role, read by role_main)
 
 log = get_logger("rollmesh.runtime")
 
@@ -156,6 +158,25 @@ async def rejoin_when_silent(hello: Callable[[], Awaitable[Any]], heard: Callabl
             last_hello = now
 
 
+def _orphan() -> None:
+    """The parent is gone, and with it the reader of this process's output (the launcher's
+    pump, or the ssh session): from now on a log line would fail with a broken pipe, or block
+    on a full one, in the middle of stopping. Output goes nowhere instead."""
+    global _orphaned
+    if _orphaned:
+        return
+    _orphaned = True
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):  # a log file is still written
+                os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
 def _load_entry(entry: str) -> Callable[[RoleContext], Awaitable[None]]:
     module, _, func = entry.partition(":")
     if not func:
@@ -175,18 +196,23 @@ async def run_role(spec: RoleSpec) -> int:
     parent_lost = False  # silent (heartbeats): exit code EXIT_PARENT_LOST
     orphaned = False  # gone (PDEATHSIG's SIGTERM, or silent): the short grace
 
-    def on_signal() -> None:
+    def on_signal(sig: int) -> None:
         nonlocal orphaned
         if spec.parent_pid and os.getppid() != spec.parent_pid:
             orphaned = True  # the kernel's PDEATHSIG: the launcher died
+        if sig == signal.SIGHUP:
+            orphaned = True  # over SSH: the session ended (the remote guard)
+        if orphaned:
+            _orphan()
         ctx.stopping.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, on_signal, sig)
 
     def on_parent_dead() -> None:
         nonlocal parent_lost, orphaned
         parent_lost = orphaned = True
+        _orphan()
         ctx.stopping.set()
 
     tasks: list[asyncio.Task] = []
@@ -268,7 +294,28 @@ def role_main(argv: list[str]) -> int:
     configure_logging(spec.role, spec.host, instance=spec.instance,
                       **({"run": spec.run_id} if spec.run_id else {}))
     _die_with_parent(spec.parent_pid)
-    return asyncio.run(run_role(spec))
+
+    async def run() -> int:
+        code = EXIT_FATAL
+        try:
+            code = await run_role(spec)
+        finally:
+            if _orphaned:
+                _exit_now(code)
+        return code
+
+    return asyncio.run(run())
+
+
+def _exit_now(code: int) -> None:
+    """Exit without asyncio.run's wait for worker threads (one may sit in a collective or a
+    request to a peer that went with the launcher): out now, as a kill -9 would."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 # --------------------------------------------------------------------------------------------

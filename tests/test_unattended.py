@@ -278,8 +278,9 @@ def test_killed_launcher_takes_its_ssh_processes_with_it(tmp_path):
     proc = launch(run_dir, "--set", "trainer.total_steps=100000", cluster=str(cluster))
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 2, 300, "training under way", proc)
-        remote = [p for p in processes_of(run_dir) if "rollmesh.engine" in p or "role" in p]
-        assert any("rollmesh.engine" in p for p in remote), processes_of(run_dir)
+        # the engine as the sshd started it (the remote guard's child)
+        engine = [p for p in processes_of(run_dir) if " -m rollmesh engine " in p]
+        assert engine, processes_of(run_dir)
         killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
