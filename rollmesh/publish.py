@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import time
+import traceback
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
@@ -54,6 +56,21 @@ SYNC_ATTEMPTS = 3  # broadcasts tried for one version before the trainer gives u
 # Attempts that failed because an engine died or restarted (the launcher brings it back) do not
 # count towards SYNC_ATTEMPTS, up to this many attempts in all.
 SYNC_ATTEMPTS_WITH_RESTARTS = 10
+DESTROY_TIMEOUT_S = 30.0  # an engine that cannot drop its old group in this time is not waited for
+
+
+def forget_frames(e: BaseException) -> None:
+    """Clear the locals of the frames `e` and the exceptions chained to it hold: a failed
+    broadcast's frames hold the weight-update group, which must go (see `reset_group`)."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        stack += [x.__context__, x.__cause__]
 
 
 def weight_specs(model: torch.nn.Module, dtype: torch.dtype) -> list[WeightSpec]:
@@ -85,6 +102,11 @@ class Publisher:
                                       name="synchronizer")
         self.engines = EngineClient(config["engines"], tp_sizes=config.get("engine_tp_sizes"),
                                     control_timeout_s=sync.timeout_s, api_key=api_key)
+        self.api_key = api_key
+        # The engines in the current weight-update group: those serving when it was built. An
+        # engine that is down then (the launcher restarts it) is left out, so a sync does not
+        # wait for it; back, it answers with an older version and is sent the weights again.
+        self.members: EngineClient | None = None
         self.address = config.get("weight_sync_address", "127.0.0.1")
         self.backend = sync.backend if sync.backend != "auto" else (
             "nccl" if device.type == "cuda" else "gloo")
@@ -96,22 +118,44 @@ class Publisher:
         await self.engines.__aenter__()
 
     async def close(self) -> None:
+        if self.members is not None:
+            await self.members.close()
         await self.engines.close()
         self.synchronizer.close()
 
     async def join_weight_group(self) -> None:
         """Fire /init_weights_update_group, join as rank 0, then collect the replies."""
+        live = [s for s in self.engines.servers if await self.engines.health(s.url)]
+        if not live:
+            raise EngineError("no engine answers /health: none to send the weights to")
+        if self.members is not None:
+            await self.members.close()
+        self.members = EngineClient([s.url for s in live], tp_sizes=[s.tp_size for s in live],
+                                    control_timeout_s=self.sync.timeout_s, api_key=self.api_key)
+        await self.members.__aenter__()
+        if len(live) < len(self.engines.servers):
+            log.warning("weight_group_without", engines=[s.url for s in self.engines.servers
+                                                         if s not in live])
+        members = self.members
         try:  # a group left by a previous trainer process (restart) would refuse a new one
-            await self.engines.destroy_weights_update_group(GROUP)
-        except EngineError:
+            await asyncio.wait_for(members.destroy_weights_update_group(GROUP),
+                                   DESTROY_TIMEOUT_S)
+        except (EngineError, asyncio.TimeoutError):
             pass
         port = free_port(self.address)
-        joining = self.engines.start_init_weights_update_group(self.address, port, GROUP,
-                                                               backend=self.backend)
+        joining = members.start_init_weights_update_group(self.address, port, GROUP,
+                                                          backend=self.backend)
+        rendezvous = asyncio.ensure_future(asyncio.to_thread(
+            init_weight_update_group, self.address, port, 0,
+            members.weight_group_world_size, GROUP, self.backend, self.sync.timeout_s))
+        await asyncio.wait((joining, rendezvous), return_when=asyncio.FIRST_EXCEPTION)
+        if joining.done() and joining.exception() is not None and not rendezvous.done():
+            # An engine refused to join: the rendezvous would wait for it until sync.timeout_s.
+            # Leave it to time out on its own (its port is used by nobody else) and fail now.
+            rendezvous.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await joining  # raises the engine's refusal
         try:
-            self.group = await asyncio.to_thread(
-                init_weight_update_group, self.address, port, 0,
-                self.engines.weight_group_world_size, GROUP, self.backend, self.sync.timeout_s)
+            self.group = await rendezvous
         finally:
             await joining
 
@@ -124,6 +168,15 @@ class Publisher:
         return [f"{s.url} at version {info.get('weight_version')}"
                 for s, info in zip(self.engines.servers, infos)
                 if info is not None and engine_version(info) not in (None, version)]
+
+    async def wait_serving(self) -> None:
+        """Until at least one engine answers /health (within sync.timeout_s): the next attempt
+        goes to those that serve; one still restarting is sent the weights when it is back."""
+        deadline = time.monotonic() + self.sync.timeout_s
+        while not any([await self.engines.health(s.url) for s in self.engines.servers]):
+            if time.monotonic() > deadline:
+                raise EngineError(f"no engine answers /health after {self.sync.timeout_s:g}s")
+            await asyncio.sleep(0.5)
 
     async def engine_restarted(self, old: int, new: int) -> bool:
         """After a failed attempt: an engine is down, or serves neither `old` nor `new` (it came
@@ -140,7 +193,8 @@ class Publisher:
                               f"{'; '.join(behind)} (restarted during the sync?)")
 
     def _start_update(self, body: dict[str, Any]) -> asyncio.Task:
-        return self.engines.start_update_weights_from_distributed(
+        assert self.members is not None
+        return self.members.start_update_weights_from_distributed(
             body["names"], body["dtypes"], body["shapes"], group_name=GROUP,
             weight_version=body["weight_version"], flush_cache=body["flush_cache"],
             load_format=body.get("load_format"))
@@ -155,6 +209,10 @@ class Publisher:
                 pass
             self.group = None
             self.sender = None
+            # The last reference gone, gloo closes its connections: an engine still waiting
+            # for a tensor of a broadcast that failed (another member died) fails at once,
+            # instead of holding its scheduler until the group's timeout (sync.timeout_s).
+            gc.collect()
 
     async def broadcast(self, model: torch.nn.Module, dtype: torch.dtype, version: int) -> int:
         """All buckets to every engine; returns the bytes sent.
@@ -277,6 +335,10 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
                     version=version, broadcast_s=broadcast - paused, bytes=sent))
                 break
             except BaseException as e:
+                # Drop the group now (the failed broadcast's frames hold it too): the engines
+                # still in it stop waiting for the rest of this broadcast.
+                forget_frames(e)
+                publisher.reset_group()
                 # An engine died or refused mid-sync (the launcher restarts a dead one): keep
                 # rollout paused, build the group anew once every engine answers, and send the
                 # whole weights again, on every rank (they gather again). After the last
@@ -295,7 +357,7 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
                                                               retrying=retrying))
                 if not retrying:
                     raise
-                await publisher.engines.wait_healthy(publisher.sync.timeout_s)
+                await publisher.wait_serving()
         told = True
         await asyncio.to_thread(ranks.share, {"op": "done"})
     except BaseException:
