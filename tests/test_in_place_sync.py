@@ -287,3 +287,19 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
     in_place = [e for e in paused if e.get("mode") == "in_place"]
     assert len(in_place) >= steps and paused[:len(in_place)] == in_place, paused
     assert any(e["in_flight"] > 0 for e in in_place), in_place
+
+    # What reached the MessageQueue (its log's puts): answers that ran across a sync carry the
+    # old version on their first tokens and the new one after, never the other way round.
+    from rollmesh.durable_log import DurableLog
+    from rollmesh.message_queue import decode_entry
+
+    journal, payloads = DurableLog.open(run_dir / "message_queue" / "queue.log")
+    journal.close()
+    spans = []
+    for entry in map(decode_entry, payloads):
+        if entry[0] == "put":
+            for t in entry[2].trajectories:
+                v = t.versions[t.prompt_len:][t.loss_mask[t.prompt_len:] > 0]
+                assert (np.diff(v) >= 0).all(), v  # versions only grow along an answer
+                spans.append(len(set(v.tolist())))
+    assert spans and max(spans) >= 2, spans  # some answers were made by two versions
