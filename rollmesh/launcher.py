@@ -740,10 +740,13 @@ class Launcher:
 
     def report(self, code: int) -> None:
         self.mirror_metrics()  # the trainer's last rows, where it ran on another host
-        summary = getattr(self, "summary", {})
-        write_atomic(self.run_dir / "summary.json", json.dumps(
-            {k: v for k, v in summary.items() if k not in ("rollouter", "message_queue")},
-            indent=2), fsync=False)
+        summary = {k: v for k, v in getattr(self, "summary", {}).items()
+                   if k not in ("rollouter", "message_queue")}
+        if code != 0 and self.failure:
+            summary["failure"] = self.failure  # why it ended (a role, the progress watchdog)
+        if self.trainer_restarts:
+            summary["trainer_restarts"] = self.trainer_restarts
+        write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2), fsync=False)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             plot_metric(metrics, "reward_mean", self.run_dir / "reward.png")

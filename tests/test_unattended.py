@@ -36,9 +36,11 @@ def proc_of(run_dir: Path, name: str) -> dict:
     return next(p for p in status(run_dir).get("processes", []) if p["name"] == name)
 
 
-def processes_of(run_dir: Path) -> list[str]:
+def processes_of(run_dir: Path, needle: str | None = None) -> list[str]:
     """Every process on this machine whose command line names the run (its roles' spec
-    files, its engines' key file, the ssh clients and the remote commands they started)."""
+    files, its engines' key file, the ssh clients and the remote commands they started):
+    its full path, or `needle` (a remote host's copy is under runs/<run name>)."""
+    needle = needle or str(run_dir.resolve())
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -48,7 +50,7 @@ def processes_of(run_dir: Path) -> list[str]:
             state = (entry / "stat").read_text().split()[2]
         except OSError:
             continue
-        if run_dir.name in cmd and state != "Z":
+        if needle in cmd and state != "Z":
             found.append(f"{entry.name}: {cmd[:200]}")
     return found
 
@@ -149,7 +151,7 @@ def test_killed_trainer_is_restarted_by_the_launcher_and_the_run_finishes(tmp_pa
     assert_nothing_trained_twice(rows)
     summary = check_accounting(run_dir)
     assert summary["consumed"] == rows[-1]["samples_consumed"], summary
-    assert proc_of(run_dir, "trainer[0]")["restarts"] == 1
+    assert proc_of(run_dir, "trainer[0]")["restarts"] == 1 and summary["trainer_restarts"] == 1
     launcher_log = out
     assert "restarting the trainer from its latest checkpoint (1 of 3)" in launcher_log
     print(f"\nrecovery: kill -9 of the trainer at step {died_at} -> step {resumed_from + 1} "
@@ -223,7 +225,7 @@ def test_a_run_that_cannot_progress_is_stopped_with_the_cause(tmp_path):
     assert "every sample filtered" in failure and "trainer at step 0" in failure, failure
     assert "engine 0 at version 0" in failure, failure
     assert "progress watchdog" in out, out[-2000:]
-    check_accounting(run_dir)
+    assert check_accounting(run_dir)["failure"] == failure
     print(f"\nwatchdog: stopped {took:.0f}s into the run: {failure}")
 
 
@@ -279,18 +281,19 @@ def test_killed_launcher_takes_its_ssh_processes_with_it(tmp_path):
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 2, 300, "training under way", proc)
         # the engine as the sshd started it (the remote guard's child)
-        engine = [p for p in processes_of(run_dir) if " -m rollmesh engine " in p]
-        assert engine, processes_of(run_dir)
+        engine = [p for p in processes_of(run_dir, run_dir.name) if " -m rollmesh engine " in p]
+        assert engine, processes_of(run_dir, run_dir.name)
         killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        wait_for(lambda: not processes_of(run_dir), 30, "every process of the run to exit")
+        wait_for(lambda: not processes_of(run_dir, run_dir.name), 30,
+                 "every process of the run to exit")
         gone_s = time.monotonic() - killed_at
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
-        for line in processes_of(run_dir):  # whatever failed: nothing left running
+        for line in processes_of(run_dir, run_dir.name):  # whatever failed: nothing left running
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
         sshd.stop()
         shutil.rmtree(ROOT / "runs" / run_dir.name, ignore_errors=True)
