@@ -187,7 +187,8 @@ class LoopContext:
         """The oldest version an engine may hold as a request starts: the lowest any engine
         reported last. Needed only for engines that do not report per-token versions; before
         any answer it is asked once from the engines (/get_model_info), None if they cannot
-        say (the request's tokens then get the version it reports)."""
+        say (the request's tokens then get the version it reports). A cancel that arrived
+        while the engines were asked interrupts (the request would escape the worker's abort)."""
         healthy = {s.url for s in getattr(self.client, "servers", []) if s.healthy}
         known = [v for url, v in self.server_versions.items() if url in healthy]
         if known or self.server_versions:
@@ -199,6 +200,8 @@ class LoopContext:
         version = await asyncio.shield(self._version_probe)
         if version is None:
             self._version_probe = None  # ask again next time
+        if self.cancelling.is_set():
+            raise Interrupted()
         return version
 
     async def _probe_versions(self) -> int | None:
