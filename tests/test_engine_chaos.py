@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -112,23 +111,6 @@ def until_current(run_dir: Path, proc, index: int = 0, timeout_s: float = 120) -
     return time.monotonic() - started
 
 
-def chaos_launch(run_dir: Path, *args: str, max_restarts: int = 5):
-    """`rollmesh launch` with the launcher's engine restart limit raised to `max_restarts`
-    (launcher.MAX_RESTARTS is a module constant; set in the launcher's own process)."""
-    if max_restarts == 5:
-        return launch(run_dir, *args)
-    import subprocess
-
-    from tests.test_launcher import free_ports_base
-
-    code = ("import sys, rollmesh.launcher as l; l.MAX_RESTARTS = int(sys.argv[1]); "
-            "from rollmesh.cli import main; raise SystemExit(main(sys.argv[2:]))")
-    return subprocess.Popen([sys.executable, "-c", code, str(max_restarts), "launch",
-                             "launch/local.toml", "--quiet", "--run-dir", str(run_dir), *args,
-                             "--set", f"ports.base={free_ports_base()}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def figures(run_dir: Path, what: str, **extra) -> dict:
     summary = check_accounting(run_dir)
     trainer = log_events(run_dir, "trainer-0.log")
@@ -186,8 +168,11 @@ def two_engine_cluster(tmp_path: Path) -> str:
 
 
 def test_an_engine_killed_at_a_sync_gets_the_current_weights_and_the_run_finishes(tmp_path):
-    run_dir, steps = tmp_path / "run", 14
+    """Two kills of the only engine: as a sync starts (SyncGo sent, the broadcast under way),
+    then just after a sync was published (the engine held the version, then restarted)."""
+    run_dir, steps = tmp_path / "run", 16
     proc = launch(run_dir, "--set", f"trainer.total_steps={steps}", *FAST)
+    recover = []
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "training under way", proc)
         syncs = LogTail(run_dir / "logs" / "synchronizer-0.log")
@@ -195,7 +180,12 @@ def test_an_engine_killed_at_a_sync_gets_the_current_weights_and_the_run_finishe
         go = syncs.wait("sync_paused", 120, proc)  # SyncGo sent: the broadcast starts now
         killed = kill_engine(run_dir, "engine[0]", proc)
         until_current(run_dir, proc)
-        recover_s = time.monotonic() - killed
+        recover.append(round(time.monotonic() - killed, 1))
+        syncs.events()
+        after = syncs.wait("sync_done", 120, proc)  # published: rollout resumes at it
+        killed = kill_engine(run_dir, "engine[0]", proc)
+        until_current(run_dir, proc)
+        recover.append(round(time.monotonic() - killed, 1))
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
@@ -209,23 +199,29 @@ def test_an_engine_killed_at_a_sync_gets_the_current_weights_and_the_run_finishe
     done = [e for e in log_events(run_dir, "synchronizer-0.log")
             if e.get("event") == "sync_done" and e.get("version") == go["version"]]
     assert done and done[-1]["ok"], done
-    figures(run_dir, "killed_at_sync", killed_version=go["version"],
-            recover_s=round(recover_s, 1))
+    # reported ok at the first try only if the engine held the version then: otherwise the
+    # trainer found it behind afterwards and sent it again
+    behind = [e for e in trainer if e.get("event") == "engines_behind"]
+    assert not done[0]["ok"] or behind, (done, behind)
+    figures(run_dir, "killed_at_sync", killed_versions=[go["version"], after["version"]],
+            first_ok=[done[0]["ok"]], recover_s=recover)
 
 
-KILLS = 10
+# 10 kills take about 150 s here (each restart of the engine takes 5-15 s on 2 loaded cores);
+# the suite runs 6, CHAOS_KILLS=10 runs the issue's 10.
+KILLS = int(os.environ.get("CHAOS_KILLS", 6))
 
 
-def test_chaos_the_only_engine_killed_ten_times_at_random_moments(tmp_path):
-    """kill -9 of the only engine, 10 times, each at a random moment once it serves again:
+def test_chaos_the_only_engine_killed_again_and_again_at_random_moments(tmp_path):
+    """kill -9 of the only engine, KILLS times, each at a random moment once it serves again:
     every third one as a sync starts (mid-broadcast), the others 0-1.5 s after the engine is
     back. The run always finishes, every sample is accounted for, nothing is trained twice, and
     after each kill the engine holds the trainer's version again."""
     seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     run_dir, steps = tmp_path / "run", 40
-    proc = chaos_launch(run_dir, "--set", f"trainer.total_steps={steps}", *FAST,
-                        max_restarts=KILLS + 2)
+    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}", *FAST,
+                  "--set", f"engine.max_restarts={KILLS + 2}")
     kills: list[dict] = []
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 2, 300, "training under way", proc)
