@@ -903,7 +903,7 @@ async def _stop_over_socket(run: Path, info: dict[str, Any], timeout_s: float) -
     socket closes when it exits). True: stopped; else why not."""
     keys = CurveKeys.load(run / "keys")
     with Transport(keys) as t:
-        client = RpcClient(t, info["control"], timeout_s=5, retries=1, name="launcher")
+        client = RpcClient(t, info["control"], timeout_s=3, retries=1, name="launcher")
         try:
             try:
                 await client.request(StopRun(reason=f"rollmesh stop from {os.uname().nodename}"))

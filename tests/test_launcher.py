@@ -229,9 +229,10 @@ def test_stopping_a_run_leaves_no_process_behind(tmp_path, how):
         assert len(pids) == 8 and all(alive(p) for p in pids)
         if how == "ctrl-c":
             proc.send_signal(signal.SIGINT)
-        else:
-            stopped = rollmesh("stop", str(run_dir))
+        else:  # as from another machine: no pid to signal, the control socket and the keys
+            stopped = rollmesh("stop", str(run_dir), "--socket")
             assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+            assert "through tcp://" in stopped.stdout, stopped.stdout
         finish(proc, 120)
     finally:
         if proc.poll() is None:
@@ -239,6 +240,9 @@ def test_stopping_a_run_leaves_no_process_behind(tmp_path, how):
     assert proc.returncode == 130
     wait_for(lambda: not any(alive(p) for p in pids), 30, "every process to be gone")
     assert rollmesh("status", str(run_dir)).returncode == 1  # the launcher is not running
+    if how == "rollmesh stop":  # a run that is over: nobody answers, and no pid fallback
+        again = rollmesh("stop", str(run_dir), "--socket")
+        assert again.returncode == 1 and "did not answer" in again.stderr, again.stderr
 
 
 def test_ssh_mode_against_a_real_sshd(tmp_path):
