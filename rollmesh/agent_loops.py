@@ -14,9 +14,10 @@ stands. Tool and environment tokens are appended with `append_observation` (mask
 Version stamping (what the staleness bound counts on). A request can run across a weight sync
 (`sync.pause_mode = "in_place"`: the engines keep it and continue it under the new weights), so
 its tokens may come from several versions:
-- the built-in engine reports the version of every output token (meta_info
-  `output_token_weight_versions`, `GenerateOutput.token_versions`): each token gets its own;
-- an engine that reports one `weight_version` (SGLang: the last token's) is stamped
+- where the engine says which version made each token, each token gets its own
+  (`GenerateOutput.token_versions`): the built-in engine's meta_info
+  `output_token_weight_versions`, or SGLang 0.5.23's `weight_versions` spans;
+- an engine that reports only one `weight_version` (the last token's) is stamped
   conservatively. The context remembers the version each engine reported last; a request
   starts with `start` = the lowest of them (asked from the engines once before any answer).
   If the answer reports `start`, no sync happened during it and every token gets that version;
@@ -97,7 +98,7 @@ def append_observation(traj: Trajectory, ids: list[int]) -> None:
 
 def token_stamps(out: GenerateOutput, start: int | None) -> int | list[int]:
     """The weight version(s) to stamp `out`'s tokens with (the rule in the module docstring):
-    the engine's own per-token versions where it reports them (the built-in engine); otherwise
+    the engine's own per-token versions where it reports them; otherwise
     the reported version if no sync can have happened since the request started (it equals
     `start`, the oldest version the worker knew an engine at when it started), else `start`,
     the oldest version any of its tokens can carry."""

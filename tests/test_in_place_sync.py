@@ -3,11 +3,13 @@
 A request that runs across an in-place sync is not aborted: the engines keep it (and its KV)
 while the weights land and continue it under the new ones, so its tokens come from two
 versions. The staleness bound counts on each token carrying the version that made it:
-- with the built-in engine each token gets its own (meta_info `output_token_weight_versions`);
-- with an engine that reports one version per answer (SGLang) the worker stamps the whole
+- with the built-in engine each token gets its own (meta_info `output_token_weight_versions`),
+  with SGLang 0.5.23 too (its `weight_versions` spans, expanded);
+- with an engine that reports one version per answer and no spans the worker stamps the whole
   request with the oldest version it can have been made with when a sync happened during it.
 Tests here: real engine processes, a real gloo broadcast from a trainer-like process, the real
-MessageQueue rules and the trainer's staleness computation; a stub server for SGLang's answers.
+MessageQueue rules and the trainer's staleness computation; a stub server for SGLang-shaped
+answers (with and without spans).
 """
 
 from __future__ import annotations
@@ -133,17 +135,19 @@ def test_an_in_place_sync_keeps_the_requests_and_stamps_each_token(tmp_path):
     # at version 1 and been trained at version 2 with tokens of version 0: staleness 2 > 1)
 
 
-# -- SGLang: one version per answer ---------------------------------------------------------------
+# -- SGLang-shaped answers ------------------------------------------------------------------------
 
 
 class SGLangStub:
-    """An HTTP server answering /generate as SGLang 0.5.23 does: one `weight_version` per
-    answer, no per-token versions. `sync_during_next` makes the next /generate see a sync
-    happen while it runs (the answer reports the new version); `/get_model_info` reports the
-    version as it is now."""
+    """An HTTP server answering /generate in SGLang's shape: one `weight_version` per answer
+    (the last token's), no per-token key; with `spans`, SGLang 0.5.23's `weight_versions` (a
+    span per version, `utils/weight_versions.py`), without, an engine that reports only the one
+    version. `sync_during_next` makes the next /generate see a sync after half its tokens (the
+    answer reports the new version); `/get_model_info` reports the version as it is now."""
 
-    def __init__(self, version: int) -> None:
+    def __init__(self, version: int, spans: bool) -> None:
         self.version = version
+        self.spans = spans
         self.sync_during_next = False
         self.generated = 0
 
@@ -153,17 +157,21 @@ class SGLangStub:
         async def generate(request: web.Request) -> web.Response:
             body = await request.json()
             n = body["sampling_params"]["max_new_tokens"]
+            spans = [{"version": str(self.version), "start": 0, "end": n}]
             if self.sync_during_next:
                 self.version += 1
                 self.sync_during_next = False
+                spans = [{"version": str(self.version - 1), "start": 0, "end": n // 2},
+                         {"version": str(self.version), "start": n // 2, "end": n}]
             ids = [10 + (self.generated + i) % 50 for i in range(n)]
             self.generated += n
-            return web.json_response({"text": "", "output_ids": ids, "meta_info": {
-                "id": body["rid"], "finish_reason": {"type": "length", "length": n},
-                "prompt_tokens": len(body["input_ids"]), "weight_version": str(self.version),
-                "completion_tokens": n, "cached_tokens": 0,
-                "weight_versions": [{"version": str(self.version), "start": 0, "end": n}],
-                "output_token_logprobs": [[-1.0, t, None] for t in ids]}})
+            meta = {"id": body["rid"], "finish_reason": {"type": "length", "length": n},
+                    "prompt_tokens": len(body["input_ids"]), "weight_version": str(self.version),
+                    "completion_tokens": n, "cached_tokens": 0,
+                    "output_token_logprobs": [[-1.0, t, None] for t in ids]}
+            if self.spans:
+                meta["weight_versions"] = spans
+            return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
 
         async def model_info(_: web.Request) -> web.Response:
             return web.json_response({"weight_version": str(self.version)})
@@ -185,14 +193,13 @@ class SGLangStub:
         await self.runner.cleanup()
 
 
-def test_sglang_answers_are_stamped_with_the_oldest_version_they_can_have():
-    """Without per-token versions, a request during which a sync happened (it reports another
-    version than the one known when it started) is stamped with the known start version for
-    all its tokens; one with no sync during it gets the version it reports."""
+def stamped_across_syncs(spans: bool) -> list[list[int]]:
+    """Three requests of 4 tokens through LoopContext.generate, a sync during the second; the
+    versions each was stamped with."""
     _, tok = build_tiny("tiny")
 
     async def run() -> list[list[int]]:
-        stub = SGLangStub(version=3)
+        stub = SGLangStub(version=3, spans=spans)
         async with stub as url, EngineClient([url], retries=0) as client:
             ctx = context(client, tok)
             traj = new_trajectory("s", "g", 0, [1, 2, 3], agent_loop="single_turn")
@@ -201,13 +208,26 @@ def test_sglang_answers_are_stamped_with_the_oldest_version_they_can_have():
                 stub.sync_during_next = sync
                 start = len(traj.versions)
                 out = await ctx.generate(traj, 4)
-                assert out.token_versions is None  # SGLang reports no per-token versions
+                assert (out.token_versions is None) == (not spans)
                 seen.append(traj.versions[start:].tolist())
             return seen
 
-    assert asyncio.run(run()) == [[3] * 4,  # no sync during it: the version it reports
-                                  [3] * 4,  # reported 4, started at 3: all stamped 3
-                                  [4] * 4]  # started at 4, reported 4
+    return asyncio.run(run())
+
+
+def test_answers_with_one_version_are_stamped_with_the_oldest_they_can_have():
+    """Without per-token versions or spans, a request during which a sync happened (it reports
+    another version than the one known when it started) is stamped with the known start
+    version for all its tokens; one with no sync during it gets the version it reports."""
+    assert stamped_across_syncs(spans=False) == [[3] * 4,  # no sync during it
+                                                 [3] * 4,  # reported 4, started at 3: all 3
+                                                 [4] * 4]  # started at 4, reported 4
+
+
+def test_sglang_spans_stamp_each_token():
+    """SGLang 0.5.23's `weight_versions` spans say which tokens each version made: a request
+    across a sync gets 3 for its first half and 4 for the rest, as from the built-in engine."""
+    assert stamped_across_syncs(spans=True) == [[3] * 4, [3, 3, 4, 4], [4] * 4]
 
 
 def test_the_client_reads_per_token_versions():
@@ -221,7 +241,18 @@ def test_the_client_reads_per_token_versions():
     parse = GenerateOutput.from_response
     assert parse("r", "s", body(output_token_weight_versions=["1", "1", "2"])).token_versions \
         == [1, 1, 2]
-    assert parse("r", "s", body()).token_versions is None  # SGLang: not reported
+    assert parse("r", "s", body()).token_versions is None  # not reported
+    # SGLang 0.5.23's spans, expanded; spans that do not cover the tokens exactly: unknown
+    spans = [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 3}]
+    assert parse("r", "s", body(weight_versions=spans)).token_versions == [1, 1, 2]
+    for bad in ([{"version": "1", "start": 0, "end": 2}],
+                [{"version": "1", "start": 1, "end": 3}],
+                [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 1, "end": 3}],
+                "1"):
+        assert parse("r", "s", body(weight_versions=bad)).token_versions is None, bad
+    # the per-token key wins over the spans
+    assert parse("r", "s", body(weight_versions=spans,
+                                output_token_weight_versions=["2"] * 3)).token_versions == [2] * 3
     # an engine started with --weight-version default: no integer versions to stamp with
     assert parse("r", "s", body(output_token_weight_versions=["default"] * 3)).token_versions \
         is None

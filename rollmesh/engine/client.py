@@ -104,9 +104,10 @@ class GenerateOutput:
     weight_version: str
     prompt_tokens: int
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
-    # The weight version of each output token, from the built-in engine's meta_info extension
-    # `output_token_weight_versions` (docs/sglang-api.md); None when the engine does not report
-    # it (SGLang): the caller then knows only `weight_version`, the last token's.
+    # The weight version of each output token: the built-in engine's meta_info extension
+    # `output_token_weight_versions`, else SGLang 0.5.23's `weight_versions` spans where they
+    # cover every output token (docs/sglang-api.md); None when the engine reports neither: the
+    # caller then knows only `weight_version`, the last token's.
     token_versions: list[int] | None = None
 
     @property
@@ -134,14 +135,19 @@ class GenerateOutput:
 
 
 def _token_versions(meta: dict[str, Any], n: int) -> list[int] | None:
-    """`output_token_weight_versions` as ints, one per output token; None when absent, or when
-    a version is not an integer (an engine started with `--weight-version default`: rollmesh's
-    stamping refuses that through `weight_version` anyway). A list of another length is a
-    malformed response (ValueError): stamping tokens with guessed versions would hide stale
+    """`output_token_weight_versions` as ints, one per output token; without it, the
+    `weight_versions` spans expanded (SGLang 0.5.23 records a span boundary at every weight
+    update for the requests it keeps: `utils/weight_versions.py`), if they are contiguous from
+    0 and cover exactly the n tokens. None when neither is there, the spans do not fit, or a
+    version is not an integer (an engine started with `--weight-version default`: rollmesh's
+    stamping refuses that through `weight_version` anyway). A per-token list of another length
+    is a malformed response (ValueError): stamping tokens with guessed versions would hide stale
     ones."""
     versions = meta.get("output_token_weight_versions")
     if versions is None:
-        return None
+        versions = _expand_spans(meta.get("weight_versions"), n)
+        if versions is None:
+            return None
     if not isinstance(versions, list) or len(versions) != n:
         got = len(versions) if isinstance(versions, list) else type(versions).__name__
         raise ValueError(f"output_token_weight_versions: expected a list of {n} versions, "
@@ -150,6 +156,22 @@ def _token_versions(meta: dict[str, Any], n: int) -> list[int] | None:
         return [int(v) for v in versions]
     except (TypeError, ValueError):
         return None
+
+
+def _expand_spans(spans: Any, n: int) -> list[Any] | None:
+    """[{"version", "start", "end"}, ...] -> one version per token, or None unless the spans
+    are contiguous from 0 to exactly n."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    out: list[Any] = []
+    for span in spans:
+        if not isinstance(span, dict) or span.get("start") != len(out):
+            return None
+        end = span.get("end")
+        if not isinstance(end, int) or end < len(out):
+            return None
+        out += [span.get("version")] * (end - len(out))
+    return out if len(out) == n else None
 
 
 @dataclass
