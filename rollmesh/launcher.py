@@ -417,8 +417,13 @@ class Launcher:
                     continue
                 role = child.spec.role
                 if role == "trainer" and code == 0:
-                    log.info("trainer_finished", child=name)
-                    return 0
+                    # done when every rank is (rank 0 may still be writing the final
+                    # checkpoint and export when another rank has exited)
+                    if all(c.process.poll() == 0 for c in self.children.values()
+                           if c.spec.role == "trainer"):
+                        log.info("trainer_finished", child=name)
+                        return 0
+                    continue
                 if role == "trainer" and self.trainer_restarts < self.exp.trainer.max_restarts:
                     await self.restart_trainer(name, child, code)
                     break  # the children were replaced: look at them afresh
