@@ -471,9 +471,15 @@ class Launcher:
             await self.sup.wait_ready(self.children[sync_name], 120)
         for n in ranks:
             self.children[n] = self.sup.respawn(self.children[n])
-        for n in ranks:
-            await self.sup.wait_ready(self.children[n],
-                                      timeout_s=self.exp.engine.startup_timeout_s)
+        try:
+            for n in ranks:
+                await self.sup.wait_ready(self.children[n],
+                                          timeout_s=self.exp.engine.startup_timeout_s)
+        except RoleFailed as e:  # died again while starting: the supervise loop sees it exit
+            # and restarts it again, or ends the run past trainer.max_restarts
+            log.error("trainer_restart_failed", restart=self.trainer_restarts, error=str(e))
+            await self.sup.stop([self.children[n] for n in ranks], grace_s=5)
+            return
         self.mirror_whole = True
         self.snapshots.clear()  # the watchdog's window starts again
         log.warning("trainer_restarted", restart=self.trainer_restarts,
