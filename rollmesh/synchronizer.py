@@ -57,6 +57,9 @@ from rollmesh.transport import RpcClient, RpcServer
 
 
 PAUSE_RETRY_S = 10.0
+# After EnginesChanged, rollout is paused (a restarted engine serves the initial weights: all it
+# generates would be stale) until the trainer re-publishes; resumed anyway after this long.
+HOLD_S = 30.0
 
 
 def engine_version(info: dict[str, Any]) -> int | None:
@@ -96,6 +99,7 @@ class Synchronizer:
         # sync that rebuilt the group covered: a restart announced during a sync is not lost.
         self.changes = 0
         self.covered = 0
+        self.holding: asyncio.Task | None = None  # rollout paused for a restarted engine
         self.abandoned: set[int] = set()  # versions whose sync this process gave up waiting for
 
     async def request(self, msg: SyncRequest) -> SyncGo:
@@ -106,6 +110,9 @@ class Synchronizer:
             raise ValueError(f"version {msg.version} is not newer than the published "
                              f"version {self.version}")
         await self.lock.acquire()
+        if self.holding is not None and self.holding is not asyncio.current_task():
+            self.holding.cancel()  # this sync resumes rollout when it is done
+            self.holding = None
         sync = self.current = Sync(msg.version, time.monotonic(), changes=self.changes)
         try:
             started = time.monotonic()
@@ -134,6 +141,32 @@ class Synchronizer:
 
     def engines_changed(self) -> None:
         self.changes += 1
+
+    def hold(self) -> None:
+        """An engine restarted with the initial weights: pause rollout until the trainer sends
+        it the current version (it checks at every step and every empty wait for a batch), so
+        that nothing is generated at version 0 only to be dropped as stale. Not during a sync
+        (it rebuilds the group and checks the versions), not at version 0, and for HOLD_S at
+        most (a trainer that never re-publishes does not leave rollout paused)."""
+        if self.version == 0 or self.current is not None or self.holding is not None:
+            return
+        self.holding = asyncio.create_task(self._hold())
+
+    async def _hold(self) -> None:
+        try:
+            if self.lock.locked():
+                return
+            await self.rollouter.request(Pause(mode=self.exp.sync.pause_mode), **self._patient())
+            self.log.info("rollout_held", version=self.version, hold_s=HOLD_S,
+                          reason="an engine restarted with the initial weights")
+            await asyncio.sleep(HOLD_S)
+            if not self.lock.locked() and self.current is None:
+                self.log.warning("rollout_hold_expired", version=self.version)
+                await self.rollouter.request(Resume(version=self.version), **self._patient())
+        except Exception as e:  # noqa: BLE001 - the next sync resumes rollout anyway
+            self.log.warning("rollout_hold_failed", error=str(e)[:300])
+        finally:
+            self.holding = None
 
     async def engines_behind(self, version: int) -> list[str]:
         """The engines that answer /get_server_info with a version other than `version`
@@ -271,6 +304,7 @@ async def main(ctx: RoleContext) -> None:
 
     async def on_engines_changed(msg: EnginesChanged, peer: bytes) -> Ok:
         sync.engines_changed()
+        sync.hold()
         ctx.log.info("engines_changed", reason=msg.reason)
         return Ok()
 

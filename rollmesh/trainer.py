@@ -728,7 +728,7 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
         committed = (int(saved.name.rsplit("_", 1)[-1]) if saved is not None
                      else 0 if ckpt_dir else state.step)
         batch: Batch = await link.mq.request(
-            GetBatch(groups=exp.rollout.batch_groups, version=state.version, timeout_s=5.0,
+            GetBatch(groups=exp.rollout.batch_groups, version=state.version, timeout_s=2.0,
                      step=state.step + 1, committed_step=committed),
             timeout_s=20)  # a retry (the queue restarted) is answered with the same batch
         if batch.groups:
