@@ -154,14 +154,21 @@ class Synchronizer:
 
     async def _hold(self) -> None:
         try:
+            if self.engines is None or not await self.engines_behind(self.version):
+                return  # it already holds the version (a sync's retry sent it) or cannot tell
             if self.lock.locked():
-                return
+                return  # a sync is starting: it rebuilds the group and checks the versions
             await self.rollouter.request(Pause(mode=self.exp.sync.pause_mode), **self._patient())
             self.log.info("rollout_held", version=self.version, hold_s=HOLD_S,
                           reason="an engine restarted with the initial weights")
-            await asyncio.sleep(HOLD_S)
-            if not self.lock.locked() and self.current is None:
+            deadline = time.monotonic() + HOLD_S
+            while time.monotonic() < deadline:  # a sync that starts cancels this task
+                await asyncio.sleep(1.0)
+                if not await self.engines_behind(self.version):
+                    break
+            else:
                 self.log.warning("rollout_hold_expired", version=self.version)
+            if not self.lock.locked() and self.current is None:
                 await self.rollouter.request(Resume(version=self.version), **self._patient())
         except Exception as e:  # noqa: BLE001 - the next sync resumes rollout anyway
             self.log.warning("rollout_hold_failed", error=str(e)[:300])

@@ -374,3 +374,31 @@ def test_an_engine_restart_announced_during_a_sync_is_not_forgotten():
 
     go, rebuild = asyncio.run(body())
     assert go.rebuild_group and rebuild
+
+
+def test_a_restarted_engine_holds_rollout_until_it_has_the_current_weights():
+    """EnginesChanged with the engine at version 0 while version 1 is published: rollout is
+    paused (what it would generate is stale) until the engine holds version 1, then resumed;
+    an engine that already holds the version (a sync's retry sent it) pauses nothing."""
+    from rollmesh.engine.client import EngineClient
+
+    async def body():
+        async with VersionServer("1") as engine, EngineClient([engine.url]) as engines:
+            s, rollouter, mq = synchronizer()
+            s.engines = engines
+            await s.request(SyncRequest(version=1))
+            await s.done(SyncDone(version=1))
+            s.hold()  # the engine holds version 1 already
+            await s.holding
+            before = list(rollouter.requests)
+            engine.version = "0"  # restarted
+            s.hold()
+            while not any(isinstance(r, Pause) for r in rollouter.requests[len(before):]):
+                await asyncio.sleep(0.05)
+            engine.version = "1"  # the trainer re-published
+            await asyncio.wait_for(s.holding, 10)
+            return before, rollouter.requests[len(before):]
+
+    before, held = asyncio.run(body())
+    assert [type(r).__name__ for r in before] == ["Pause", "Resume"]  # the sync's own
+    assert [type(r).__name__ for r in held] == ["Pause", "Resume"] and held[1].version == 1
