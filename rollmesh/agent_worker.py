@@ -5,6 +5,11 @@ each assigned trajectory with the loop the trajectory names, and returns it fini
 interrupted on a Cancel: in-flight generations are aborted on the engines (their partial tokens
 are kept in the trajectory), tool calls already running finish first, and every trajectory is
 shipped back as it stands so any worker can resume it.
+
+Engine outages: a generation whose engine dies is sent again to another healthy engine (or the
+restarted one) from the trajectory's tokens so far; with no engine healthy it waits, up to
+`rollout.engine_wait_s`, and a Cancel meanwhile returns it interrupted with what it holds. Only
+an outage longer than the limit makes it `failed` (the rollouter's max_retries then apply).
 """
 
 from __future__ import annotations

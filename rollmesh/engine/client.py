@@ -183,6 +183,7 @@ class _Server:
     failures: int = 0
     down_since: float = 0.0
     picked: int = 0  # when it was last chosen: ties go to the least recently chosen
+    behind_logged: bool = False  # back after a failure with older weights (said once)
 
 
 class EngineClient:
@@ -219,6 +220,12 @@ class EngineClient:
         self._wake_prober = asyncio.Event()  # a server went down: probe it soon
         self._probe_delay = health_interval_s
         self._server_up = asyncio.Event()  # replaced each time a server comes back
+        # The newest weight version a generation reported. A server that comes back after a
+        # failure with older weights (a restarted engine starts with the initial ones, until
+        # the trainer sends it the current ones) stays out of the rotation while it is behind,
+        # for up to `behind_hold_s`: what it generated would only be dropped as stale.
+        self.version_floor: int | None = None
+        self.behind_hold_s = 60.0
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
         self._where: dict[str, _Server] = {}  # rid -> server running it
@@ -293,16 +300,43 @@ class EngineClient:
             if not down:
                 self._probe_delay = self.health_interval_s
                 continue
-            answers = await asyncio.gather(*(self.health(s.url) for s in down))
-            for server, up in zip(down, answers):
-                if up and not server.healthy:
-                    server.healthy, server.failures = True, 0
+            answers = list(await asyncio.gather(*(self.health(s.url) for s in down)))
+            for i, (server, up) in enumerate(zip(down, answers)):
+                if up and not server.healthy and await self._behind(server):
+                    answers[i] = False
+                elif up and not server.healthy:
+                    server.healthy, server.failures, server.behind_logged = True, 0, False
                     log.info("engine_up", server=server.url,
                              down_s=round(time.monotonic() - server.down_since, 1))
             if any(answers):
                 self._server_up.set()  # wake every generation waiting for a server
                 self._server_up = asyncio.Event()
             self._probe_delay = min(self._probe_delay * 2, self.health_interval_s)
+
+    async def _behind(self, server: _Server) -> bool:
+        """Whether a server that answers again holds weights older than the newest version a
+        generation reported (`version_floor`), within `behind_hold_s` of its failure."""
+        if self.version_floor is None:
+            return False
+        held = time.monotonic() - server.down_since
+        try:
+            info = await self._call(server, "GET", "/get_model_info",
+                                    timeout_s=self.connect_timeout_s + 5)
+            version = int(info.get("weight_version"))
+        except (EngineError, AttributeError, TypeError, ValueError):
+            return False  # cannot tell: serve
+        if version >= self.version_floor:
+            return False
+        if held > self.behind_hold_s:
+            log.warning("engine_behind_served", server=server.url, version=version,
+                        newest=self.version_floor, held_s=round(held, 1))
+            return False
+        if not server.behind_logged:
+            log.warning("engine_behind", server=server.url, version=version,
+                        newest=self.version_floor,
+                        note="kept out of the rotation until it holds the current weights")
+        server.behind_logged = True
+        return True
 
     async def _sleep(self, seconds: float, cancel: asyncio.Event | None,
                      *events: asyncio.Event) -> None:
@@ -342,7 +376,7 @@ class EngineClient:
                     + (f"; last error: {last}" if last is not None else ""),
                     last.status if last else None, last.url if last else None)
             if not logged:
-                log.warning("engine_wait", request=what, limit_s=self.wait_s,
+                log.info("engine_wait", request=what, limit_s=self.wait_s,
                             left_s=round(deadline - now, 1))
                 logged = True
             await self._sleep(min(deadline - now, self.health_interval_s), cancel,
@@ -425,7 +459,7 @@ class EngineClient:
                     raise EngineUnavailable(
                         f"{what}: no inference server could run it for {wait_s:g}s "
                         f"(rollout.engine_wait_s); last error: {last}", last.status, last.url)
-                log.warning("engine_failover", request=what, server=server.url,
+                log.info("engine_failover", request=what, server=server.url,
                             healthy=self.healthy_count, error=str(last))
                 continue  # the next pick is another healthy server, or waits for one
             errors += 1
@@ -454,7 +488,13 @@ class EngineClient:
         server, out = await self._with_retries(
             "/generate", body, timeout_s, rid=rid,
             wait_s=self.wait_s if wait_s is None else wait_s, cancel=cancel)
-        return GenerateOutput.from_response(rid, server.url, out)
+        result = GenerateOutput.from_response(rid, server.url, out)
+        try:
+            version = int(result.weight_version)
+            self.version_floor = max(self.version_floor or 0, version)
+        except ValueError:
+            pass
+        return result
 
     async def abort(self, rid: str) -> bool:
         """Abort one request where it runs; False if the client has no such request."""
