@@ -163,6 +163,10 @@ class RolloutConfig:
     )
     reward: str = _field("reward function (entry point in `rollmesh.rewards`)", "exact_match")
     reward_timeout_s: float = _field("time limit for scoring one trajectory (seconds)", 30.0, gt=0)
+    reward_memory_mb: int = _field(
+        "memory limit of each reward function's sandbox process (MiB of data: heap and "
+        "anonymous mappings); a function that allocates more fails with reward_status error",
+        2048, ge=64)
     eval_every: int = _field(
         "evaluate the held-out set (data.eval_path) every N weight versions, alongside training "
         "(0 = never)", 0, ge=0)

@@ -80,7 +80,7 @@ async def main(ctx: RoleContext) -> None:
     pool = int(ctx.config.get("pool", 2))
     identity = f"reward-{ctx.spec.instance}-{os.getpid()}-{time.time_ns() & 0xFFFF:x}".encode()
     channel = ChannelClient(ctx.transport, ctx.config["rollouter"], identity=identity)
-    async with RewardSandbox(pool) as sandbox:
+    async with RewardSandbox(pool, memory_limit_mb=exp.rollout.reward_memory_mb) as sandbox:
         await sandbox.start()
         worker = RewardWorker(ctx, exp, sandbox, channel)
         serving = asyncio.create_task(worker.serve(credits=pool * 4))

@@ -53,6 +53,12 @@ def greedy(response: str, label: Any, metadata: dict) -> float:
     return float(len(hog))
 
 
+def unbounded(response: str, label: Any, metadata: dict) -> float:
+    hogs = []
+    while True:  # 64 MiB at a time, touched, until something stops it
+        hogs.append(bytearray(b"x" * (64 << 20)))
+
+
 def returns_string(response: str, label: Any, metadata: dict) -> Any:
     return "1.0"
 

@@ -61,7 +61,7 @@ def registered(group: str, *builtin: str) -> str:
 EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine"
 ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, "
                 "max_turns, tool_timeout_s, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
-                "reward_timeout_s, eval_every, eval_temperature")
+                "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
 CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus"
 HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
@@ -157,6 +157,8 @@ EXPERIMENTS = [
      "{file}: trainer.progress_timeout_s: expected float >= 0, got '10m'"),
     ("engine_max_restarts_float", exp(add="\n[engine]\nmax_restarts = 2.5\n"),
      "{file}: engine.max_restarts: expected int >= 0, got 2.5"),
+    ("reward_memory_too_small", exp(section="rollout", extra="reward_memory_mb = 16\n"),
+     "{file}: rollout.reward_memory_mb: expected int >= 64, got 16"),
     ("file_not_found", None, "{file}: file not found"),
 ]
 

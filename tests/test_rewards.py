@@ -28,6 +28,7 @@ from rollmesh.rewards import (
     gsm8k_reward,
     remote_reward,
 )
+from rollmesh.config import RolloutConfig
 from tests import reward_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -305,9 +306,17 @@ def test_sandbox_runs_calls_concurrently():
 
 def test_sandbox_memory_limit_and_cancellation():
     async def main():
-        async with RewardSandbox(1, memory_limit_mb=1024) as sb:
+        # the limit the reward worker sets by default (rollout.reward_memory_mb)
+        limit = RolloutConfig().reward_memory_mb
+        async with RewardSandbox(1, memory_limit_mb=limit) as sb:
+            assert (await sb.score("gsm8k", r"\boxed{1}", "1", {}, timeout_s=10)).reward == 1.0
             res = await sb.score(FIX + "greedy", "", None, {}, timeout_s=10)
-            assert (res.status, res.reward, res.error) == ("error", None, "MemoryError")
+            assert (res.status, res.reward) == ("error", None)
+            assert res.error == f"MemoryError (memory limit {limit} MiB, rollout.reward_memory_mb)"
+            res = await sb.score(FIX + "unbounded", "", None, {}, timeout_s=30)
+            assert (res.status, res.reward) == ("error", None)
+            assert res.error == f"MemoryError (memory limit {limit} MiB, rollout.reward_memory_mb)"
+            assert (await sb.score("gsm8k", r"\boxed{2}", "1", {}, timeout_s=10)).reward == 0.0
             pid = await pid_of(sb)
             task = asyncio.create_task(sb.score(FIX + "hanging", "", None, {}, timeout_s=30))
             await asyncio.sleep(0.3)

@@ -130,8 +130,11 @@ class RewardSandbox:
     """Scores responses with reward functions run in `size` child processes (concurrent calls
     beyond that wait for a free child). Use `async with RewardSandbox() as sb:` or `close()`.
 
-    `memory_limit_mb` caps each child's address space (a huge allocation then fails with
-    MemoryError inside the child instead of meeting the OOM killer); `env` is added to the
+    `memory_limit_mb` caps each child's data (RLIMIT_DATA: heap and private anonymous
+    mappings, so shared libraries' and thread stacks' reservations do not count; the reward
+    worker passes `rollout.reward_memory_mb`): a huge allocation then fails with an error
+    naming the limit instead of meeting the OOM killer, and a child that dies of it is
+    replaced; `env` is added to the
     children's environment; `stderr` is where their output goes (default: this process's
     stderr; a function's prints land there too, never on the protocol pipe). Functions named
     `"module:function"` must be importable in the child: its sys.path starts with the current
@@ -278,7 +281,10 @@ class RewardSandbox:
                 elapsed_s=time.monotonic() - start,
             )
         except _Died as e:
-            return RewardResult("error", error=str(e), elapsed_s=time.monotonic() - start)
+            why = str(e)
+            if self.memory_limit_mb:  # a C extension whose malloc failed may abort or crash
+                why += f" (its memory limit is {self.memory_limit_mb} MiB, rollout.reward_memory_mb)"
+            return RewardResult("error", error=why, elapsed_s=time.monotonic() - start)
         elapsed = time.monotonic() - start
         info = reply.get("info") if isinstance(reply.get("info"), dict) else {}
         if not reply.get("ok"):
@@ -307,7 +313,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _handle(msg: Any, fns: dict[str, Any]) -> dict[str, Any]:
+def _handle(msg: Any, fns: dict[str, Any], memory_limit_mb: int | None = None) -> dict[str, Any]:
     if not isinstance(msg, dict) or msg.get("op") not in ("load", "call"):
         return {"ok": False, "error": f"malformed request: {msg!r:.200}"}
     name = msg.get("fn")
@@ -322,6 +328,11 @@ def _handle(msg: Any, fns: dict[str, Any]) -> dict[str, Any]:
         value = fns[name](msg.get("response"), msg.get("label"), msg.get("metadata") or {})
         reward, info = check_reward_output(value, name)
         return {"ok": True, "reward": reward, "info": info}
+    except MemoryError as e:
+        where = f" (memory limit {memory_limit_mb} MiB, rollout.reward_memory_mb)" \
+            if memory_limit_mb else ""
+        return {"ok": False, "error": f"MemoryError{': ' + str(e) if str(e) else ''}{where}",
+                "info": {"traceback": traceback.format_exc(limit=-8)}}
     except BaseException as e:  # SystemExit and KeyboardInterrupt from a reward are failures too
         return {
             "ok": False,
@@ -346,7 +357,11 @@ def serve(parent_pid: int = 0, memory_limit_mb: int | None = None) -> int:
         import resource
 
         limit = memory_limit_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        # RLIMIT_DATA (Linux >= 4.7 counts private writable mappings: malloc, mmap'd arrays)
+        # rather than RLIMIT_AS, which also counts reservations that use no memory (thread
+        # stacks, malloc arenas, a library's PROT_NONE regions) and fails imports of big
+        # libraries far below the limit.
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
     def reply(msg: dict[str, Any]) -> None:
         try:
@@ -377,4 +392,4 @@ def serve(parent_pid: int = 0, memory_limit_mb: int | None = None) -> int:
         except Exception as e:  # msgpack raises several types for bad bytes
             reply({"ok": False, "error": f"undecodable request: {e}"})
             continue
-        reply(_handle(msg, fns))
+        reply(_handle(msg, fns, memory_limit_mb))
