@@ -595,7 +595,9 @@ class Launcher:
             engine_versions=versions, dropped=dropped,
             generated=r.get("queued_samples") if r else None,
             queue_depth=q.get("depth_samples") if q else None,
-            batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size)
+            batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size,
+            outstanding=(r["pending"] + r["cancel_queue"]
+                         + sum(w["out"] for w in r["workers"].values())) if r else None)
 
     async def shutdown(self) -> None:
         """Drain the rollouter for the summary, then stop roles (reverse order), then engines."""

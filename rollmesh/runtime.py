@@ -236,7 +236,10 @@ async def run_role(spec: RoleSpec) -> int:
             if not done:
                 logger.warning("grace_expired", grace_s=grace)
                 main_task.cancel()
-                await asyncio.gather(main_task, return_exceptions=True)
+                if orphaned:  # its clean-up may wait on peers that are gone: not for long
+                    await asyncio.wait({main_task}, timeout=1.0)
+                else:
+                    await asyncio.gather(main_task, return_exceptions=True)
                 return EXIT_PARENT_LOST if parent_lost else 0
         main_task.result()  # re-raises the role's exception, if any
         logger.info("exit", parent_lost=parent_lost)
@@ -258,8 +261,9 @@ async def run_role(spec: RoleSpec) -> int:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        control.close()
-        transport.close()
+        if not orphaned:  # orphaned, role_main exits at once: no linger on dead peers
+            control.close()
+            transport.close()
 
 
 async def _publish_status(ctx: RoleContext) -> None:

@@ -12,9 +12,11 @@ cause, e.g.
 It fires only when all of these hold:
 - the trainer's step has not changed for `timeout_s` (0: never fires);
 - the MessageQueue holds less than one batch (the trainer is starved, not busy on a long step);
-- over that same window samples were dropped, or none were generated.
+- over that same window samples were dropped, or none were generated while some were asked
+  for (admitted, not generated yet).
 A run whose generation is slow but succeeds (samples reach the queue, none dropped) is slow,
-not stuck, and the watchdog leaves it alone.
+not stuck; one whose rollout holds back at its staleness bound while the trainer is on a long
+step is busy: the watchdog leaves both alone.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Snapshot:
     generated: int | None = None  # cumulative samples generated and queued (None: unknown)
     queue_depth: int | None = None  # samples the MessageQueue holds ready
     batch_samples: int = 1  # samples in one trainer batch
+    outstanding: int | None = None  # samples admitted and not generated yet (None: unknown)
 
 
 def _version(v: object) -> int | None:
@@ -75,6 +78,8 @@ def stalled(history: list[Snapshot], timeout_s: float) -> str | None:
                  if now.generated is not None and base.generated is not None else None)
     if n_dropped == 0 and (generated is None or generated > 0):
         return None
+    if n_dropped == 0 and now.outstanding == 0:
+        return None  # nothing asked for: rollout holds back (the bound), the trainer is busy
     where = [f"trainer at step {now.trainer_step}"
              + (f", version {now.trainer_version}" if now.trainer_version is not None else "")]
     for i, v in enumerate(now.engine_versions):
