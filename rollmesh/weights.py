@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import (
     PrefixStore,
     _new_process_group_helper,
-    rendezvous,
 )
+
+from rollmesh.ranks import tcp_store
 
 _DTYPES = {
     "float32": torch.float32,
@@ -71,11 +72,13 @@ def init_weight_update_group(
 ) -> dist.ProcessGroup:
     """Join the weight-update group; blocks until all `world_size` ranks have joined.
 
-    Rank 0 hosts the TCPStore. Call it once per group name per process (destroy first to rejoin).
+    Rank 0 hosts the TCPStore, listening on `master_address` only. Call it once per group name per process (destroy first to rejoin).
     """
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    # rank 0 (the trainer) listens on master_address only, not on every interface: the store
+    # is unauthenticated (README, Security). The engines connect as plain TCPStore clients,
+    # as SGLang's own rendezvous does.
+    store = tcp_store(master_address, master_port, rank, world_size, timeout)
     store.set_timeout(timeout)
     prefix_store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(

@@ -264,3 +264,41 @@ def test_heartbeater_declares_a_silent_peer_dead_within_liveness():
     took = asyncio.run(main())
     # dead after 3 missed 0.2 s intervals: not before ~0.4 s, and within one interval of 0.6 s
     assert 0.35 < took < 0.6 + 0.4, took
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses listening on TCP `port` (from /proc/net/tcp{,6}: state 0A)."""
+    found = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(name) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.split(":")
+                if state == "0A" and int(p, 16) == port:
+                    found.add(addr)
+    return found
+
+
+def test_the_rendezvous_store_listens_only_on_the_address_the_ranks_are_given():
+    """torch's TCPStore alone listens on every interface, unauthenticated; rank 0's store of
+    the trainer ranks and of the weight-update group binds the address it is reached at."""
+    import socket
+    import threading
+    from datetime import timedelta
+
+    from rollmesh.ranks import tcp_store
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    timeout = timedelta(seconds=20)
+    joined = []
+    client = threading.Thread(target=lambda: joined.append(
+        tcp_store("127.0.0.1", port, 1, 2, timeout).set("rank1", "here")))
+    client.start()
+    server = tcp_store("127.0.0.1", port, 0, 2, timeout)  # waits for rank 1
+    client.join(20)
+    assert joined and server.get("rank1") == b"here"
+    assert _listeners(port) == {"0100007F"}  # 127.0.0.1 only, not 0.0.0.0 nor [::]
+    del server
+    assert _listeners(port) == set()  # the store closed the socket it was given
