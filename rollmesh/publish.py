@@ -20,10 +20,21 @@ anything, and rank 0 pauses the engines in place (`/pause_generation {"mode": "i
 requests and their KV kept) right after SyncGo, before the first bucket, and resumes them
 (`/continue_generation`) after the broadcast, whether it worked or not, before SyncDone.
 
+Engines that die: the group is built with the engines that answer /health (`choose_members`),
+so a sync never waits for one the launcher is restarting. After a broadcast every serving engine
+must report the new version (`verify`, and the synchronizer checks again before publishing it);
+a restarted engine (initial weights, version 0) fails the attempt, which is retried with the
+group rebuilt. Between syncs the trainer checks the engines (`engines_behind`, at every step and
+every empty wait for a batch) and sends its version again to one behind
+(`sync_weights(republish=True)`). A failed broadcast drops the group at once (`reset_group`):
+gloo then closes its connections, so an engine still waiting for the rest of that broadcast
+fails at once instead of holding its scheduler until the group's timeout.
+
 Retries: a failed broadcast is tried again (SYNC_ATTEMPTS in all) with the group built anew, on
 any number of ranks: rank 0 finishes the gather loop in lock-step with the other ranks even
 after a failure (gathering, no longer sending), so every rank is back at `ranks.share` for the
-next order: "broadcast" (again), "done" or "abort".
+next order: "broadcast" (again), "done" or "abort". Attempts that failed because an engine died
+or restarted do not count towards SYNC_ATTEMPTS (up to SYNC_ATTEMPTS_WITH_RESTARTS in all).
 """
 
 from __future__ import annotations
@@ -123,8 +134,8 @@ class Publisher:
         await self.engines.close()
         self.synchronizer.close()
 
-    async def join_weight_group(self) -> None:
-        """Fire /init_weights_update_group, join as rank 0, then collect the replies."""
+    async def choose_members(self) -> None:
+        """The engines the next group is built with: those that answer /health now."""
         live = [s for s in self.engines.servers if await self.engines.health(s.url)]
         if not live:
             raise EngineError("no engine answers /health: none to send the weights to")
@@ -136,7 +147,13 @@ class Publisher:
         if len(live) < len(self.engines.servers):
             log.warning("weight_group_without", engines=[s.url for s in self.engines.servers
                                                          if s not in live])
+
+    async def join_weight_group(self) -> None:
+        """Fire /init_weights_update_group, join as rank 0, then collect the replies."""
+        if self.members is None:
+            await self.choose_members()
         members = self.members
+        assert members is not None
         try:  # a group left by a previous trainer process (restart) would refuse a new one
             await asyncio.wait_for(members.destroy_weights_update_group(GROUP),
                                    DESTROY_TIMEOUT_S)
@@ -226,8 +243,11 @@ class Publisher:
         tensors = gathered(model, [s.name for s in specs])
         in_place = self.sync.pause_mode == "in_place"
         try:
+            if self.group is None:  # the group is built anew with the engines serving now
+                await self.choose_members()
             if in_place:  # the engines keep their requests (and KV) while the weights land
-                await self.engines.pause("in_place")
+                assert self.members is not None
+                await self.members.pause("in_place")
             return await self._broadcast(specs, tensors, version)
         finally:
             # the rest of the gather loop (nothing left after a success)
@@ -241,7 +261,8 @@ class Publisher:
         answer is asked again once)."""
         for attempt in (1, 2):
             try:
-                await self.engines.resume()
+                assert self.members is not None
+                await self.members.resume()
                 return
             except Exception as e:  # noqa: BLE001 - logged; SyncDone must still be sent
                 log.warning("engines_resume_failed", attempt=attempt, error=str(e)[:500])
