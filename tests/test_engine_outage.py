@@ -29,7 +29,7 @@ from rollmesh.engine.sglang import builtin_argv
 from rich.console import Console
 
 from rollmesh.monitor import StatusBoard, render
-from rollmesh.protocol import Metrics
+from rollmesh.protocol import Metrics, Pause
 from rollmesh.transport import Transport
 from tests.engine.engine_harness import REPO, Engine, repo_env
 from tests.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
@@ -254,10 +254,16 @@ def test_rollouter_admits_nothing_while_no_engine_is_healthy_and_resumes_after(t
         after = await d.wait_for(
             lambda s: s["rollouter"]["admitted_samples"] > failed["rollouter"]["admitted_samples"]
             and s["mq"]["depth_groups"] > 0, timeout_s=120, what="new prompts generated")
-        return stopped, failed, reopened, after, text
+        # the accounting, once nothing is between the rollouter and the queue
+        await d.rollouter.request(Pause(mode="abort"))
+        settled = await d.wait_for(
+            lambda s: (lambda a, b: a == b)(*accounting(s, 0))
+            and s["rollouter"]["to_score"] == 0 and s["rollouter"]["ready_groups"] == 0,
+            what="the accounting to settle")
+        return stopped, failed, reopened, after, text, settled
 
     try:
-        stopped, failed, reopened, after, text = run_stack(tmp_path, exp, body)
+        stopped, failed, reopened, after, text, settled = run_stack(tmp_path, exp, body)
     finally:
         for p in restarted:
             p.kill()
@@ -270,8 +276,8 @@ def test_rollouter_admits_nothing_while_no_engine_is_healthy_and_resumes_after(t
     assert reopened["rollouter"]["engines_healthy"] == 1
     assert after["rollouter"]["cursor"] != s["cursor"]
     assert "stopped: no healthy engine (0/1 engines healthy)" in text
-    admitted, accounted = accounting(after, 0)
-    assert admitted == accounted
+    admitted, accounted = accounting(settled, 0)
+    assert admitted == accounted and admitted > s["admitted_samples"]
 
 
 # -- evaluation across syncs (issue 13, item 7) -------------------------------------------------
@@ -343,11 +349,12 @@ def test_kill9_of_the_only_engine_mid_run_drops_nothing_and_training_goes_on(tmp
     rows = trained_history(metrics(run_dir))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     summary = check_accounting(run_dir)
-    # No generation failed and no group was given up: the outage lost nothing. A `stale` drop
-    # can still happen, in runs without any kill too: the MessageQueue hands groups out in the
-    # order they were put, so a group admitted at v that finishes after groups admitted at v+1
-    # can reach the trainer at v+2 (seen here in about 1 run in 3, one group, long after the
-    # engine was back as often as right after it); that is the queue's ordering, not the outage.
+    # No generation failed and no group was given up: the outage lost nothing. One `stale`
+    # group can still be dropped: the MessageQueue hands groups out in the order they were put,
+    # so a group admitted at v that finishes after groups admitted at v+1 can reach the trainer
+    # at v+2 (seen in 5 of 11 runs of this test, one group each time, at versions 7, 14, 18,
+    # 22 with the kill at 4; not seen in 2 runs without a kill). The outage's own losses
+    # (generation_failed, group_failed) are what this test forbids.
     assert set(summary["dropped"]) <= {"stale"}, summary
     assert summary["dropped"].get("stale", 0) <= 8, summary  # one group at most
     assert summary["consumed"] == rows[-1]["samples_consumed"], summary
