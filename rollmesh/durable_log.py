@@ -20,8 +20,12 @@ Durability (`fsync_interval_s`):
   `fsync_interval_s` of acknowledged records, and the replay sees a whole prefix of the log.
   `fsync_interval_s = 0` fsyncs every record before `append` returns (nothing acknowledged is
   lost even to a machine crash; each put then costs a disk flush).
-- A failed write (disk full) is cut back off the file, so later records are never hidden behind
-  a half-written one; the error goes to the caller, which must not acknowledge.
+- A failed write (disk full: ENOSPC, or EFBIG past a file size limit) is cut back off the file,
+  so later records are never hidden behind a half-written one; the error (an OSError naming the
+  file) goes to the caller, which must not acknowledge. Once space returns, the next append
+  simply works: the file holds whole records only. A failed fsync raises too (naming the file):
+  what the kernel held may not be on disk, so the owner should stop and replay the file.
+- A failed compaction (`rewrite`: no room for the new file) leaves the log as it was.
 
 Compaction: `rewrite(payloads)` writes the live records to a temporary file beside the log,
 fsyncs it, renames it over the log and fsyncs the directory: a crash at any moment leaves either
@@ -187,9 +191,11 @@ class DurableLog:
                     else:
                         pending[0] = pending[0][n:]
                         n = 0
-        except BaseException:
+        except BaseException as e:
             os.ftruncate(self._fd, self.size)  # never leave a half record before later ones
             os.lseek(self._fd, 0, os.SEEK_END)
+            if isinstance(e, OSError) and e.filename is None:  # name the file (disk full...)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
             raise
         self.size += data_len
         self.appended_records += 1
@@ -201,7 +207,10 @@ class DurableLog:
     def sync(self) -> None:
         """fsync if anything was written since the last one."""
         if self._fd is not None and self.dirty:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as e:
+                raise OSError(e.errno, f"fsync failed: {e.strerror}", str(self.path)) from None
             self.fsyncs += 1
             self.dirty = False
         self.last_sync = time.monotonic()
@@ -221,9 +230,11 @@ class DurableLog:
                     f.write(data)
                     size += len(data)
             os.fsync(fd)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
             tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.filename is None:
+                raise OSError(e.errno, e.strerror, str(tmp)) from None
             raise
         os.close(fd)
         os.replace(tmp, self.path)

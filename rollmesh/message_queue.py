@@ -72,6 +72,10 @@ class QueueLogError(RuntimeError):
     """A whole (checksummed) log record that cannot be understood: a format mismatch, fatal."""
 
 
+class QueueDiskError(OSError):
+    """The log could not be written (disk full...): the request changed nothing."""
+
+
 def oldest_version(group: Group) -> int | None:
     """The oldest weight version that produced a token of this group (None: nothing generated)."""
     oldest = None
@@ -198,6 +202,9 @@ class MessageQueue:
         self.live_bytes = 0
         self.replayed_records = 0
         self.journal: DurableLog | None = None
+        self.log_error: str | None = None  # the last failed log write, until one succeeds
+        self.log_write_failures = 0
+        self._compact_after = 0.0  # a failed compaction (no room) is retried after this
         if state_dir is not None:
             self.journal, payloads = DurableLog.open(
                 Path(state_dir) / LOG_NAME, fsync_interval_s=fsync_interval_s, log=self.log)
@@ -214,10 +221,30 @@ class MessageQueue:
     # -- the log -----------------------------------------------------------------------------
 
     def _record(self, entry: list[Any]) -> Any:
-        """Write-ahead: durable (in the kernel) first, then applied. Returns what _apply does."""
+        """Write-ahead: durable (in the kernel) first, then applied. Returns what _apply does.
+
+        A write that fails (disk full, file size limit) changes nothing: the log is cut back to
+        its last whole record, the state is not touched, the error (naming the file) goes to
+        the request's caller, which was not acknowledged and retries; `log_error` in the stats
+        (the role's status) says so until a write succeeds again."""
         nbytes = 0
         if self.journal is not None:
-            nbytes = self.journal.append_parts(entry_parts(entry))
+            try:
+                nbytes = self.journal.append_parts(entry_parts(entry))
+            except OSError as e:
+                first = self.log_error is None
+                self.log_error = f"{e.filename or self.journal.path}: {e.strerror}"
+                self.log_write_failures += 1
+                if first:  # once per episode: a full disk fails every request until it clears
+                    self.log.error("log_write_failed", path=str(self.journal.path),
+                                   error=str(e), record=entry[0])
+                raise QueueDiskError(
+                    f"MessageQueue cannot write its log {self.journal.path}: {e.strerror} "
+                    f"(nothing was changed; retry once there is room)") from None
+            if self.log_error is not None:
+                self.log.warning("log_write_recovered", path=str(self.journal.path),
+                                 failed_writes=self.log_write_failures, error=self.log_error)
+                self.log_error = None
         out = self._apply(entry, nbytes)
         if self.journal is not None:
             self._maybe_compact()
@@ -350,8 +377,14 @@ class MessageQueue:
     def _maybe_compact(self) -> None:
         assert self.journal is not None
         if self.journal.size > max(2 * (self.live_bytes + _STATE_OVERHEAD + self._seen_bytes),
-                                   self.compact_floor_bytes):
-            self.compact()
+                                   self.compact_floor_bytes) \
+                and time.monotonic() >= self._compact_after:
+            try:
+                self.compact()
+            except OSError as e:  # no room for the new file: the log is as it was, still valid
+                self._compact_after = time.monotonic() + 30.0
+                self.log.warning("log_compaction_failed", path=str(self.journal.path),
+                                 error=str(e), retry_in_s=30)
 
     def sync(self) -> None:
         if self.journal is not None:
@@ -395,11 +428,12 @@ class MessageQueue:
             return 0
         stale = [seq for seq, (oldest, _) in self.queued.items()
                  if self.staleness(oldest, version) > self.max_staleness]
-        self._clean_at = version
         if not stale:
+            self._clean_at = version
             return 0
         before = self.dropped["stale"]
         self._record(["drop", "stale", stale])
+        self._clean_at = version  # only once recorded: a failed write scans again next time
         return self.dropped["stale"] - before
 
     def commit(self, committed_step: int) -> None:
@@ -461,7 +495,8 @@ class MessageQueue:
         if self.journal is not None:
             out.update(log_bytes=self.journal.size, log_live_bytes=self.live_bytes,
                        log_compactions=self.journal.compactions,
-                       log_fsyncs=self.journal.fsyncs, replayed_records=self.replayed_records)
+                       log_fsyncs=self.journal.fsyncs, replayed_records=self.replayed_records,
+                       log_error=self.log_error, log_write_failures=self.log_write_failures)
         return out
 
 
@@ -546,7 +581,13 @@ async def main(ctx: RoleContext) -> None:
     async def fsync_loop() -> None:  # the batched fsync: nothing written stays unsynced longer
         while True:
             await asyncio.sleep(max(fsync_interval_s, 0.05))
-            queue.sync()
+            try:
+                queue.sync()
+            except OSError as e:
+                # what the kernel held may never reach the disk (and Linux forgets the error
+                # after reporting it once): stop, so that a restart replays what is on disk
+                ctx.log.error("log_fsync_failed", path=e.filename, error=str(e))
+                raise
 
     server = RpcServer(ctx.transport, ctx.config["bind"], {
         PutGroup: put, GetBatch: get, WeightVersion: version, StatsRequest: stats,
@@ -558,7 +599,12 @@ async def main(ctx: RoleContext) -> None:
     ctx.set_status(queue.stats)
     await ctx.ready(rpc=server.address)
     try:
-        await ctx.stopping.wait()
+        stop = asyncio.create_task(ctx.stopping.wait())
+        await asyncio.wait([stop, *([syncing] if syncing is not None else [])],
+                           return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if syncing is not None and syncing.done():
+            syncing.result()  # a failed fsync: exit with its error (the launcher restarts us)
     finally:
         serving.cancel()
         if syncing is not None:

@@ -91,6 +91,10 @@ class OpenGroup:
     done: bool = False  # queued, or dropped as a whole
 
 
+class JournalDiskError(OSError):
+    """The rollouter's journal could not be written (disk full...): the change did not happen."""
+
+
 class Journal:
     """The rollouter's state on disk, so that a restarted rollouter (kill -9, or
     `rollmesh launch --resume`) goes on where this one stood: an append-only log
@@ -115,6 +119,12 @@ class Journal:
 
     def __init__(self, path: str | Path, log: Any, compact_bytes: int = 8 << 20):
         self.file, records = DurableLog.open(path, fsync_interval_s=1.0, log=log)
+        if log is None:
+            from rollmesh.log import get_logger
+            log = get_logger("rollmesh.rollouter")
+        self.log = log
+        self.error: str | None = None  # the last failed write
+        self._compact_after = 0.0
         self.compact_bytes = compact_bytes
         self.cursor: dict[str, Any] | None = None
         self.version = 0
@@ -161,10 +171,27 @@ class Journal:
             self.paused = False
 
     def _write(self, record: dict[str, Any]) -> None:
+        """Write-ahead: on disk (in the kernel) first, then applied. A write that fails (disk
+        full, file size limit) is cut back off the file and changes nothing here; it raises
+        JournalDiskError naming the file, which stops the rollouter (the launcher restarts it,
+        and the replay starts from the whole records on disk; nothing was acknowledged that
+        is not in them). A failed compaction only leaves the log longer."""
+        try:
+            self.file.append(msgpack.packb(record, use_bin_type=True))
+        except OSError as e:
+            self.error = f"{e.filename or self.file.path}: {e.strerror}"
+            self.log.error("journal_write_failed", path=str(self.file.path), error=str(e),
+                           record=record["k"])
+            raise JournalDiskError(f"rollouter cannot write its journal {self.file.path}: "
+                                   f"{e.strerror}") from None
         self._apply(record)
-        self.file.append(msgpack.packb(record, use_bin_type=True))
-        if self.file.size > self.compact_bytes:
-            self.compact()
+        if self.file.size > self.compact_bytes and time.monotonic() >= self._compact_after:
+            try:
+                self.compact()
+            except OSError as e:
+                self._compact_after = time.monotonic() + 30.0
+                self.log.warning("journal_compaction_failed", path=str(self.file.path),
+                                 error=str(e), retry_in_s=30)
 
     def admitted(self, group: PromptGroup, cursor: dict[str, Any], version: int) -> None:
         self._write({"k": "admit", "g": group.group_id, "row": group.row.index,
