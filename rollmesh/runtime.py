@@ -230,10 +230,20 @@ async def run_role(spec: RoleSpec) -> int:
         tasks.append(stop_task)
         await asyncio.wait({main_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if not main_task.done():
-            grace = min(spec.grace_s, PARENT_LOST_GRACE_S) if orphaned else spec.grace_s
-            logger.info("stopping", parent_lost=parent_lost, orphaned=orphaned, grace_s=grace)
-            done, _ = await asyncio.wait({main_task}, timeout=grace)
-            if not done:
+            logger.info("stopping", parent_lost=parent_lost, orphaned=orphaned)
+            # A multi-threaded parent's threads die one by one: the first PDEATHSIG can come
+            # while getppid() still names it. Look again while waiting: orphaned, the grace
+            # is PARENT_LOST_GRACE_S.
+            began = time.monotonic()
+            while not main_task.done():
+                if spec.parent_pid and os.getppid() != spec.parent_pid and not orphaned:
+                    orphaned = True
+                    _orphan()
+                grace = min(spec.grace_s, PARENT_LOST_GRACE_S) if orphaned else spec.grace_s
+                if time.monotonic() - began >= grace:
+                    break
+                await asyncio.wait({main_task}, timeout=0.1)
+            if not main_task.done():
                 logger.warning("grace_expired", grace_s=grace)
                 main_task.cancel()
                 if orphaned:  # its clean-up may wait on peers that are gone: not for long
@@ -304,7 +314,7 @@ def role_main(argv: list[str]) -> int:
         try:
             code = await run_role(spec)
         finally:
-            if _orphaned:
+            if _orphaned or (spec.parent_pid and os.getppid() != spec.parent_pid):
                 _exit_now(code)
         return code
 
