@@ -349,11 +349,12 @@ def test_kill9_of_the_only_engine_mid_run_drops_nothing_and_training_goes_on(tmp
     rows = trained_history(metrics(run_dir))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     summary = check_accounting(run_dir)
-    # No generation failed and no group was given up: the outage lost nothing. One `stale`
-    # group can still be dropped: the MessageQueue hands groups out in the order they were put,
-    # so a group admitted at v that finishes after groups admitted at v+1 can reach the trainer
-    # at v+2 (seen in 5 of 11 runs of this test, one group each time, at versions 7, 14, 18,
-    # 22 with the kill at 4; not seen in 2 runs without a kill). The outage's own losses
+    # No generation failed and no group was given up. One `stale` group is still dropped in
+    # about half the runs (5 of 11 here; 0 of 5 runs of the same command without a kill): a
+    # group admitted at v finishes after groups admitted at v+1 and, the MessageQueue handing
+    # groups out in put order, reaches the trainer at v+2. Seen at versions 7, 14, 18 and 22
+    # with the kill at 4: after the outage, not during it; its cause is not pinned down yet
+    # (the lead has the details). Allowed here, at most that one group; the outage's own losses
     # (generation_failed, group_failed) are what this test forbids.
     assert set(summary["dropped"]) <= {"stale"}, summary
     assert summary["dropped"].get("stale", 0) <= 8, summary  # one group at most
