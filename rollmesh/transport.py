@@ -44,6 +44,11 @@ PROTOCOL_ERRORS: collections.Counter[str] = collections.Counter()
 DEFAULT_HWM = 1000
 DEFAULT_MAX_MSG_BYTES = 256 << 20
 DEFAULT_LINGER_MS = 1000
+# ZMTP heartbeats on every connection: a connection that stays silent (a partition that drops
+# packets without a reset, a NAT or firewall that forgot the flow) is closed after the timeout
+# and re-established, instead of swallowing messages until TCP gives up (~15 minutes).
+DEFAULT_ZMTP_HEARTBEAT_MS = 2000
+DEFAULT_ZMTP_TIMEOUT_MS = 10000
 
 
 class TransportError(RuntimeError):
@@ -144,8 +149,11 @@ class Transport:
         hwm: int = DEFAULT_HWM,
         max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
         linger_ms: int = DEFAULT_LINGER_MS,
+        heartbeat_ms: int = DEFAULT_ZMTP_HEARTBEAT_MS,
+        heartbeat_timeout_ms: int = DEFAULT_ZMTP_TIMEOUT_MS,
     ):
         self.keys = keys
+        self.heartbeat_ms, self.heartbeat_timeout_ms = heartbeat_ms, heartbeat_timeout_ms
         self.hwm = hwm
         self.max_msg_bytes = max_msg_bytes
         self.linger_ms = linger_ms
@@ -209,6 +217,12 @@ class Transport:
         sock.setsockopt(zmq.LINGER, self.linger_ms if linger_ms is None else linger_ms)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
+        if self.heartbeat_ms > 0:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_timeout_ms)  # the peer's side too
+            # a connection whose handshake stalls (made into a partition) is retried as soon
+            sock.setsockopt(zmq.HANDSHAKE_IVL, self.heartbeat_timeout_ms)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone peer errors, not vanishes
         if secure:
@@ -450,6 +464,9 @@ class RpcClient:
         self._pending: dict[bytes, tuple[asyncio.Future, list[Any]]] = {}
         self._sock: zmq.Socket | None = None
         self._reader: asyncio.Task | None = None
+        # The last request got no reply at all: the next one starts on a fresh socket (a
+        # caller with retries=0, such as a Heartbeater, would otherwise never rebuild one).
+        self._stale = False
 
     def _connect(self) -> None:
         self._sock = self.transport.socket(
@@ -492,6 +509,9 @@ class RpcClient:
         retries = self.retries if retries is None else retries
         if self._sock is None:
             self._connect()
+        elif self._stale:
+            self._rebuild()
+        self._stale = False
         corr = next(self._ids).to_bytes(8, "big")
         frames = protocol.encode(rec)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -510,6 +530,7 @@ class RpcClient:
                     reply = future.result()
                     break
             else:
+                self._stale = True
                 raise PeerTimeout(
                     f"no reply from {self.address} to {type(rec).__name__} after "
                     f"{retries + 1} attempt(s) of {timeout_s:g}s: is the {self.name} peer alive?"

@@ -1,0 +1,182 @@
+"""Network partitions (issue 13, item 5) at the transport level: a TCP relay the test controls
+(`tests/relay.py`) sits between the two ends of a link, black-holes it for longer than the
+heartbeat limit (interval x liveness), then heals it.
+
+The links the roles use are these two patterns: the worker channel (ROUTER <-> DEALER: agent
+and reward workers <-> rollouter) and request-reply (RpcClient <-> RpcServer: rollouter ->
+MessageQueue puts, trainer -> MessageQueue batches, heartbeats). Checked: while cut, the far
+side is declared dead within the limit; after the heal the link carries messages again by
+itself (no restart), both when the held connections come back (TCP's retransmissions) and when
+they are lost for good (a NAT or firewall that forgot them: only ZMTP heartbeats notice those);
+nothing sent over a kept connection is lost; a link that delays every message by 200 ms is
+slower, not wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rollmesh.protocol import Heartbeat, Ok
+from rollmesh.transport import (
+    Channel, ChannelClient, Heartbeater, Liveness, PeerTimeout, RpcClient, RpcServer, Transport,
+)
+from tests.relay import Relay
+
+INTERVAL_S, LIVENESS = 0.2, 3  # the heartbeat limit: 0.6 s
+ZMTP = {"heartbeat_ms": 200, "heartbeat_timeout_ms": 1000}
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+async def until(predicate, timeout_s: float, step_s: float = 0.05) -> float:
+    """Seconds until `predicate()` holds (polled state of real sockets), or fail."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"not within {timeout_s}s"
+        await asyncio.sleep(step_s)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("keep_connections", [True, False], ids=["held", "lost"])
+def test_worker_channel_through_a_partition_is_declared_dead_then_recovers(keep_connections):
+    async def main():
+        with Transport(**ZMTP) as t:
+            channel = Channel(t, "tcp://127.0.0.1:0", name="rollouter")
+            relay = Relay(port_of(channel.address))
+            worker = ChannelClient(t, relay.address, identity=b"worker-0")
+            live = Liveness(interval_s=INTERVAL_S, liveness=LIVENESS)
+            got: list[int] = []  # worker -> rollouter sequence numbers, as received
+
+            async def rollouter():  # beats the worker every interval, counts its answers
+                seq = 0
+                while True:
+                    seq += 1
+                    await channel.send(b"worker-0", Heartbeat(sender="rollouter", seq=seq))
+                    try:
+                        peer, msg = await asyncio.wait_for(channel.recv(), INTERVAL_S)
+                    except TimeoutError:
+                        continue
+                    live.beat(peer.decode())
+                    got.append(msg.seq)
+
+            async def answer():  # the worker answers each heartbeat with its own sequence
+                n = 0
+                while True:
+                    await worker.recv()
+                    n += 1
+                    await worker.send(Heartbeat(sender="worker-0", seq=n))
+
+            tasks = [asyncio.create_task(rollouter()), asyncio.create_task(answer())]
+            await until(lambda: len(got) >= 3, 10)
+            relay.black_hole()
+            dead_after = await until(lambda: not live.is_alive("worker-0"), 5)
+            await asyncio.sleep(3 * INTERVAL_S * LIVENESS)  # cut well past the limit
+            assert not live.is_alive("worker-0")  # shown dead all along the cut
+            cut_at = len(got)
+            relay.heal(keep_connections=keep_connections)
+            recovered = await until(lambda: live.is_alive("worker-0") and len(got) > cut_at + 3,
+                                    15)
+            for task in tasks:
+                task.cancel()
+            worker.close()
+            channel.close()
+            relay.close()
+            return dead_after, relay.cut_s(), recovered, got, relay.connections
+
+    dead_after, cut_s, recovered, got, connections = asyncio.run(main())
+    print(f"declared dead after {dead_after:.2f}s, cut {cut_s:.2f}s, recovered in "
+          f"{recovered:.2f}s, connections {connections}")
+    assert dead_after <= INTERVAL_S * LIVENESS + 1.0
+    assert cut_s > INTERVAL_S * LIVENESS
+    assert got == sorted(got)  # in order, whatever came through
+    if not keep_connections:  # ZMTP heartbeats dropped the dead connection; a new one served
+        assert connections >= 2
+
+
+@pytest.mark.parametrize("keep_connections", [True, False], ids=["held", "lost"])
+def test_rpc_through_a_partition_times_out_then_recovers(keep_connections):
+    async def main():
+        with Transport(**ZMTP) as t:
+            served = []
+
+            async def ok(msg, peer):
+                served.append(msg.seq)
+                return Heartbeat(sender="queue", seq=msg.seq)
+
+            server = RpcServer(t, "tcp://127.0.0.1:0", {Heartbeat: ok}, name="message_queue")
+            serving = asyncio.create_task(server.serve())
+            relay = Relay(port_of(server.address))
+            client = RpcClient(t, relay.address, timeout_s=INTERVAL_S, retries=0)
+            dead = asyncio.get_running_loop().create_future()
+            live = Liveness(interval_s=INTERVAL_S, liveness=LIVENESS)
+            beater = asyncio.create_task(Heartbeater(
+                client, "rollouter", live, lambda: dead.set_result(time.monotonic())).run())
+            await until(lambda: len(served) >= 3, 10)
+            relay.black_hole()
+            cut_at = time.monotonic()
+            await asyncio.wait_for(dead, 5)  # the Heartbeater declared the queue dead
+            dead_after = dead.result() - cut_at
+            await beater
+            with pytest.raises(PeerTimeout):
+                await client.request(Heartbeat(sender="rollouter", seq=1000))
+            await asyncio.sleep(INTERVAL_S * LIVENESS)
+            relay.heal(keep_connections=keep_connections)
+            healed = time.monotonic()
+            # the caller retries, as the rollouter's put loop and the trainer do
+            while True:
+                try:
+                    reply = await client.request(Heartbeat(sender="rollouter", seq=2000),
+                                                 timeout_s=0.5, retries=0)
+                    break
+                except PeerTimeout:
+                    assert time.monotonic() - healed < 15, "the link never came back"
+            recovered = time.monotonic() - healed
+            assert reply.seq == 2000
+            client.close()
+            serving.cancel()
+            server.close()
+            relay.close()
+            return dead_after, relay.cut_s(), recovered
+
+    dead_after, cut_s, recovered = asyncio.run(main())
+    print(f"declared dead after {dead_after:.2f}s, cut {cut_s:.2f}s, recovered in "
+          f"{recovered:.2f}s")
+    assert dead_after <= INTERVAL_S * LIVENESS + 1.0 and cut_s > INTERVAL_S * LIVENESS
+
+
+def test_a_link_that_delays_every_message_is_slower_not_wrong():
+    async def main():
+        with Transport(**ZMTP) as t:
+            async def echo(msg, peer):
+                return Ok(message=str(msg.seq))
+
+            server = RpcServer(t, "tcp://127.0.0.1:0", {Heartbeat: echo}, name="message_queue")
+            serving = asyncio.create_task(server.serve())
+            relay = Relay(port_of(server.address))
+            relay.delay(0.2)
+            client = RpcClient(t, relay.address, timeout_s=5, retries=0)
+            started = time.monotonic()
+            replies = await asyncio.gather(*(client.request(Heartbeat(sender="c", seq=i))
+                                             for i in range(50)))
+            took = time.monotonic() - started
+            channel = Channel(t, "tcp://127.0.0.1:0")
+            relay2 = Relay(port_of(channel.address))
+            relay2.delay(0.2)
+            worker = ChannelClient(t, relay2.address, identity=b"w")
+            for i in range(100):
+                await worker.send(Heartbeat(sender="w", seq=i))
+            seqs = [(await asyncio.wait_for(channel.recv(), 10))[1].seq for _ in range(100)]
+            for x in (client, worker, channel, server, relay, relay2):
+                x.close()
+            serving.cancel()
+            return replies, took, seqs
+
+    replies, took, seqs = asyncio.run(main())
+    assert [r.message for r in replies] == [str(i) for i in range(50)]
+    assert took >= 0.4  # there and back through the delay: it did delay
+    assert seqs == list(range(100))  # every message, in order
