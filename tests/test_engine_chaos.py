@@ -186,6 +186,9 @@ def test_an_engine_killed_at_a_sync_gets_the_current_weights_and_the_run_finishe
         killed = kill_engine(run_dir, "engine[0]", proc)
         until_current(run_dir, proc)
         recover.append(round(time.monotonic() - killed, 1))
+    except BaseException:
+        proc.send_signal(signal.SIGINT)  # a run that cannot go on is stopped, not waited for
+        raise
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
@@ -239,6 +242,9 @@ def test_chaos_the_only_engine_killed_again_and_again_at_random_moments(tmp_path
             held_again(run_dir, url, proc)
             kills.append({"step": step, "at_sync": at_sync,
                           "recover_s": round(time.monotonic() - killed, 1)})
+    except BaseException:
+        proc.send_signal(signal.SIGINT)  # a run that cannot go on is stopped, not waited for
+        raise
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
@@ -266,6 +272,9 @@ def test_two_engines_one_killed_the_run_goes_on_without_a_hiccup(tmp_path):
         killed = kill_engine(run_dir, "engine[1]", proc)
         held_again(run_dir, url, proc)
         recover_s = time.monotonic() - killed
+    except BaseException:
+        proc.send_signal(signal.SIGINT)  # a run that cannot go on is stopped, not waited for
+        raise
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
