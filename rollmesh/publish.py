@@ -289,8 +289,11 @@ class Publisher:
         try:
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
+                # No cache flush under an in-place pause: SGLang's flush asserts an idle engine
+                # and its scheduler dies with requests kept (their KV stays, by design).
+                flush = last and self.sync.pause_mode != "in_place"
                 body = update_body(bucket, weight_version=str(version if last else version - 1),
-                                   load_format=load_format, flush_cache=last, group_name=GROUP)
+                                   load_format=load_format, flush_cache=flush, group_name=GROUP)
                 packed = await packing
                 replies = self._start_update(body)
                 try:

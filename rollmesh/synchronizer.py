@@ -233,6 +233,15 @@ class Synchronizer:
         await asyncio.sleep(self.exp.sync.timeout_s)
         self.log.error("sync_timed_out", version=sync.version, timeout_s=self.exp.sync.timeout_s)
         self.abandoned.add(sync.version)
+        if self.exp.sync.pause_mode == "in_place" and self.engines is not None:
+            # The trainer paused the engines in place and never came back to continue them:
+            # without this they would hold their requests until a restarted trainer syncs.
+            try:
+                await self.engines.resume()
+                self.log.warning("engines_continued", version=sync.version,
+                                 reason="in-place sync abandoned")
+            except Exception as e:  # noqa: BLE001 - an engine that is down continues nothing
+                self.log.error("engines_continue_failed", version=sync.version, error=str(e))
         await self._finish(sync, SyncDone(version=sync.version, ok=False,
                                           error="the trainer did not report back in time"))
 

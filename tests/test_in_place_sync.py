@@ -311,6 +311,9 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
     # ...and cut none (the requests still running when the run ends are aborted then)
     assert not [e for e in events if e["event"] == "requests_aborted"
                 and e["timestamp"] < pauses[-1]["timestamp"]]
+    # no update asked the engine to flush its cache with requests kept (SGLang's scheduler
+    # would die on that assert)
+    assert not [e for e in events if e["event"] == "flush_cache_with_requests_kept"]
     # the rollouter answered each sync's Pause at once, trajectories still out with the
     # workers (the launcher's own Pause at the end, to collect the summary, is mode abort)
     paused = [json.loads(line) for line in (run_dir / "logs/rollouter-0.log").open()

@@ -402,3 +402,47 @@ def test_a_restarted_engine_holds_rollout_until_it_has_the_current_weights():
     before, held = asyncio.run(body())
     assert [type(r).__name__ for r in before] == ["Pause", "Resume"]  # the sync's own
     assert [type(r).__name__ for r in held] == ["Pause", "Resume"] and held[1].version == 1
+
+
+def test_an_abandoned_in_place_sync_continues_the_engines():
+    """In-place mode: the trainer paused the engines in place and never reported back (it
+    died): when the synchronizer gives the sync up it continues the engines, which would
+    otherwise hold their requests until a restarted trainer syncs."""
+    from types import SimpleNamespace
+
+    from aiohttp import web
+
+    from rollmesh.engine.client import EngineClient
+    from rollmesh.log import get_logger
+    from rollmesh.synchronizer import Synchronizer
+    from tests.test_trainer import experiment as trainer_experiment
+
+    async def body():
+        calls: list[str] = []
+
+        async def record(request):
+            calls.append(request.path)
+            return web.json_response({"message": "ok", "status": "ok"})
+
+        app = web.Application()
+        app.router.add_post("/continue_generation", record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        exp = trainer_experiment("sync.timeout_s=0.2", "sync.pause_mode=in_place")
+        try:
+            async with EngineClient([f"http://127.0.0.1:{port}"]) as engines:
+                s = Synchronizer(SimpleNamespace(log=get_logger("test")), exp, FakePeer(),
+                                 FakePeer(), engines=engines)
+                await s.request(SyncRequest(version=1))
+                for _ in range(200):  # the watchdog gives the sync up after 0.2 s
+                    await asyncio.sleep(0.05)
+                    if s.current is None:
+                        break
+                return calls, s.version
+        finally:
+            await runner.cleanup()
+
+    calls, version = asyncio.run(body())
+    assert calls == ["/continue_generation"] and version == 0
