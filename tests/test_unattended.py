@@ -138,11 +138,13 @@ def test_killed_trainer_is_restarted_by_the_launcher_and_the_run_finishes(tmp_pa
         # the restarted trainer trims the lost rows, then writes the step after its checkpoint
         wait_for(lambda: proc_of(run_dir, "trainer[0]")["restarts"] == 1, 120,
                  "the trainer's restart", proc)
-        wait_for(lambda: len(metrics(run_dir)) > resumed_from
-                 and proc_of(run_dir, "trainer[0]")["restarts"] == 1
-                 and metrics(run_dir)[-1]["step"] > resumed_from
-                 and any(r["step"] == resumed_from + 1 for r in metrics(run_dir)), 300,
-                 "a step trained by the restarted trainer", proc)
+        old_row = next(r for r in before if r["step"] == resumed_from + 1)
+
+        def retrained() -> bool:  # the row of the first lost step, written anew (its timings
+            rows = metrics(run_dir)  # differ from the first one's)
+            return any(r["step"] == resumed_from + 1 and r != old_row for r in rows)
+
+        wait_for(retrained, 300, "a step trained by the restarted trainer", proc)
         recovered_s = time.monotonic() - killed_at
     finally:
         out = finish(proc)
