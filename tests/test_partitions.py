@@ -180,3 +180,125 @@ def test_a_link_that_delays_every_message_is_slower_not_wrong():
     assert [r.message for r in replies] == [str(i) for i in range(50)]
     assert took >= 0.4  # there and back through the delay: it did delay
     assert seqs == list(range(100))  # every message, in order
+
+
+# -- a real rollout side: the rollouter cut off from its agent worker and from the queue ---------
+
+
+ROWS = [{"prompt": f"What is {a} plus {b}?", "label": str(a + b)}
+        for a in range(4) for b in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delayed", [False, True], ids=["black_hole", "delay_200ms"])
+def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_path, delayed):
+    """Agent worker <-> rollouter and rollouter -> MessageQueue both go through relays; both are
+    black-holed past the heartbeat limit (0.5 s x 4), then healed with the held connections
+    lost. The rollouter's status shows the worker gone (what the monitor displays) while cut;
+    afterwards generation and queueing go on by themselves; no group is handed out twice, and
+    admitted = consumed + dropped + in flight. With `delayed`, both links delay every message by
+    200 ms instead: the same steps finish, nothing dropped, the identity holds."""
+    from rollmesh.config import to_dict
+    from rollmesh.monitor import StatusBoard
+    from rollmesh.protocol import Pause
+    from rollmesh.runtime import Supervisor
+    from rollmesh.transport import free_port
+    from tests.engine.engine_harness import Engine
+    from tests.rollout_stack import ENV, Driver, accounting, experiment, write_dataset
+
+    exp = experiment(write_dataset(tmp_path / "rows.jsonl", ROWS))
+    spec = to_dict(exp)
+
+    async def main():
+        with Transport() as t:
+            sup = Supervisor(t, heartbeat_s=0.5, liveness=4, log_dir=tmp_path / "logs")
+            engine = await asyncio.to_thread(Engine, tmp_path / "engine.log",
+                                             "--weight-version", "0")
+            relays = []
+            try:
+                mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV, config={
+                    "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}"})
+                mq_rpc = (await sup.wait_ready(mq, 120))["rpc"]
+                to_mq = Relay(port_of(mq_rpc))
+                bind = f"tcp://127.0.0.1:{free_port()}"
+                to_rollouter = Relay(port_of(bind))
+                relays += [to_mq, to_rollouter]
+                rollouter = sup.spawn("rollouter", "rollmesh.rollouter:main", env=ENV, config={
+                    "experiment": spec, "bind": bind,
+                    "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": to_mq.address})
+                eps = await sup.wait_ready(rollouter, 120)
+                reward = sup.spawn("reward_worker", "rollmesh.reward_worker:main", env=ENV,
+                                   config={"experiment": spec, "rollouter": eps["channel"],
+                                           "pool": 2})
+                await sup.wait_ready(reward, 120)
+                agent = sup.spawn("agent_worker", "rollmesh.agent_worker:main", env=ENV, config={
+                    "experiment": spec, "rollouter": to_rollouter.address,
+                    "engines": [engine.url], "credits": 16})
+                await sup.wait_ready(agent, 120)
+                d = Driver(t, eps["rpc"], mq_rpc, engine.url)
+                shown = lambda s: StatusBoard._rollouter(s["rollouter"])["agent_workers"]  # noqa: E731
+                taken: list[str] = []
+
+                async def take(n):
+                    groups = await d.take(n, timeout_s=120)
+                    taken.extend(g.group_id for g in groups)
+                    return sum(len(g.trajectories) for g in groups)
+
+                await d.wait_for(lambda s: s["mq"]["depth_groups"] >= 2 and shown(s) == 1,
+                                 what="groups queued")
+                consumed = await take(2)
+                if delayed:  # every message on both links 200 ms late: slower, not wrong
+                    for r in relays:
+                        r.delay(0.2)
+                    for _ in range(2):
+                        await d.sync()
+                        consumed += await take(2)
+                    await d.rollouter.request(Pause(mode="abort"))
+                    stats = await d.wait_for(
+                        lambda s: (lambda a, b: a == b)(*accounting(s, consumed)), timeout_s=60,
+                        what="the accounting to settle")
+                    d.close()
+                    return stats, taken, 0.0, 0.0, 0.0, 0.0
+                for r in relays:
+                    r.black_hole()
+                cut = time.monotonic()
+                s = await d.wait_for(lambda s: shown(s) == 0, timeout_s=20,
+                                     what="the worker shown dead")
+                dead_after = time.monotonic() - cut
+                put_before = s["mq"]["put_samples"]
+                await asyncio.sleep(4.0)  # well past the limit (2 s)
+                s = await d.wait_for(lambda s: True)
+                assert shown(s) == 0 and s["mq"]["put_samples"] == put_before  # nothing passed
+                for r in relays:
+                    r.heal(keep_connections=False)
+                healed = time.monotonic()
+                await d.wait_for(lambda s: shown(s) == 1, timeout_s=60, what="worker back")
+                recovered = time.monotonic() - healed
+                consumed += await take(2)
+                await d.sync()  # the staleness bound admits more: generated, put through the
+                await d.wait_for(lambda s: s["mq"]["put_samples"] > put_before,  # healed link
+                                 timeout_s=60, what="groups queued again")
+                queued_again = time.monotonic() - healed
+                consumed += await take(2)
+                await d.rollouter.request(Pause(mode="abort"))
+                stats = await d.wait_for(
+                    lambda s: (lambda a, b: a == b)(*accounting(s, consumed)), timeout_s=60,
+                    what="the accounting to settle")
+                d.close()
+                return stats, taken, dead_after, to_mq.cut_s(), recovered, queued_again
+            finally:
+                for r in relays:
+                    r.close()
+                await sup.close(grace_s=10)
+                await asyncio.to_thread(engine.stop)
+
+    stats, taken, dead_after, cut_s, recovered, queued_again = asyncio.run(main())
+    print(f"worker shown dead {dead_after:.2f}s into the cut; cut {cut_s:.2f}s; worker back "
+          f"{recovered:.2f}s after the heal, groups queued again {queued_again:.2f}s; dropped {stats['rollouter']['dropped']} "
+          f"{stats['mq']['dropped']}")
+    assert len(taken) == len(set(taken)) == 6  # no group handed out twice
+    assert sum(stats["rollouter"]["dropped"].values()) + sum(stats["mq"]["dropped"].values()) == 0
+    admitted, accounted = accounting(stats, 12)
+    assert admitted == accounted
+    if not delayed:
+        assert stats["rollouter"]["workers_lost"] >= 1
