@@ -138,3 +138,40 @@ def test_a_record_written_in_pieces_reads_back_as_one(tmp_path):
     joined = b"head" + arr.tobytes() + arr[::-1].tobytes() + b"tail"
     assert size == 8 + len(joined) and path.stat().st_size == len(MAGIC) + size
     assert DurableLog.open(path)[1] == [joined]
+
+
+def test_a_file_size_limit_fails_the_append_naming_the_file_and_leaves_whole_records(tmp_path):
+    """RLIMIT_FSIZE (SIGXFSZ ignored) in a child: a write past it fails with EFBIG part-way
+    through a record; the part written is cut off, the error names the file, and the file
+    reopens with every whole record and nothing torn."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "q.log"
+    script = f"""
+import errno, resource, signal
+from rollmesh.durable_log import DurableLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+log, _ = DurableLog.open({str(path)!r}, fsync_interval_s=0)
+n = 0
+try:
+    while True:
+        log.append(bytes([n % 256]) * 1000)
+        n += 1
+except OSError as e:
+    assert e.errno == errno.EFBIG, e
+    print(n, log.size, str(e))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    n, size, error = out.stdout.strip().split(" ", 2)
+    assert int(n) == (10_000 - len(MAGIC)) // 1008
+    assert error == f"[Errno 27] File too large: '{path}'"
+    assert path.stat().st_size == int(size)  # the partial record was cut back off
+    log, records = DurableLog.open(path)
+    assert log.discarded_bytes == 0 and records == [bytes([i]) * 1000 for i in range(int(n))]
+    log.append(b"after")  # room again (no limit here): appending goes on
+    log.close()
+    assert DurableLog.open(path)[1][-1] == b"after"
