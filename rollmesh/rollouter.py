@@ -293,6 +293,7 @@ class Rollouter:
         # Engine health (watch_engines): None until the first probe, or without engine URLs.
         self.engines: list[str] = []
         self.engines_healthy: int | None = None
+        self.queue_stale_groups = 0  # groups the MessageQueue dropped as stale (watch_queue)
         self.admission_stopped_since: float | None = None
 
     # -- capacity and admission --------------------------------------------------------------
@@ -319,8 +320,10 @@ class Rollouter:
         r, s = self.exp.rollout, self.exp.staleness
         per_version = r.batch_groups * self.exp.sync.sync_every
         concurrency = r.max_concurrent - self.running_groups
+        # Groups the queue dropped as stale never reach the trainer: their places in the bound
+        # are given back (else each stale drop would lower admission for good, down to 0).
         headroom = ((s.max_staleness + self.version + 1) * per_version
-                    - self.counters["accepted_groups"])
+                    - (self.counters["accepted_groups"] - self.queue_stale_groups))
         staleness = int(max(0, headroom) * self.over_sampling()) - self.running_groups
         return min(concurrency, staleness)
 
@@ -637,11 +640,29 @@ class Rollouter:
             "eval": self.last_eval, "eval_pending": len(self.eval_queue),
             "cursor": self.source.state(),
             "engines_healthy": self.engines_healthy, "engines": len(self.engines),
-            "admission": self.admission,
+            "admission": self.admission, "queue_stale_groups": self.queue_stale_groups,
             "admission_stopped_s": (round(time.monotonic() - self.admission_stopped_since, 1)
                                     if self.admission_stopped_since is not None else None),
             "over_sampling": round(self.over_sampling(), 3),
         }
+
+    async def watch_queue(self, interval_s: float = 2.0) -> None:
+        """Read the MessageQueue's stale drops (samples; groups are data.group_size each):
+        `capacity` gives their places in the staleness bound back."""
+        size = self.exp.data.group_size
+        while True:
+            try:
+                reply = await self.mq.request(StatsRequest(), timeout_s=10)
+                groups = int(reply.values.get("dropped", {}).get("stale", 0)) // size
+            except (PeerTimeout, RemoteError, TypeError, ValueError, AttributeError) as e:
+                self.log.warning("queue_stats_failed", error=str(e))
+            else:
+                if groups > self.queue_stale_groups:
+                    self.log.info("queue_dropped_stale", groups=groups - self.queue_stale_groups,
+                                  total=groups)
+                    self.queue_stale_groups = groups
+                    self.changed.set()
+            await asyncio.sleep(interval_s)
 
     async def watch_engines(self, urls: list[str], api_key: str | None,
                             interval_s: float = 1.0) -> None:
@@ -775,7 +796,8 @@ async def main(ctx: RoleContext) -> None:
 
     control = RpcServer(ctx.transport, ctx.config["control"],
                         {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
-    coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), control.serve()]
+    coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), r.watch_queue(),
+             control.serve()]
     if ctx.config.get("engines"):  # no new prompt while no engine can generate it
         coros.append(r.watch_engines(ctx.config["engines"], run_api_key(ctx.spec.keys_dir)))
     tasks = [asyncio.create_task(c) for c in coros]
