@@ -8,6 +8,7 @@ Staleness of a group handed to a trainer at version v: v minus the oldest weight
 the group's generated tokens. A group past `max_staleness` is dropped at hand-out and counted
 (reason "stale"): the bound holds even for trajectories resumed across many syncs. Groups are
 kept whole (GRPO needs the n samples of a prompt together), so one stale sample drops its group.
+Hand-out order: the oldest generated first (the group's oldest token version), then put order.
 
 Durability (role config `state_dir`; without it the queue lives in memory only). Every change
 is first appended to `<state_dir>/queue.log` (`rollmesh.durable_log`: length + crc32 framed
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
+import heapq
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -461,7 +462,12 @@ class MessageQueue:
             self.log.warning("get_batch_for_committed_step", step=step,
                              committed_step=self.committed_step)
             step = 0  # a checkpoint already covers it: nothing to keep it for
-        seqs = list(itertools.islice(self.queued, n))
+        # The oldest generated first (then in put order): a group that finished late (resumed
+        # across an engine restart, say) is trained before the fresher ones put before it, so
+        # it meets its staleness deadline instead of being dropped at the next version.
+        seqs = [seq for _, seq in heapq.nsmallest(
+            n, ((oldest if oldest is not None else version, seq)
+                for seq, (oldest, _) in self.queued.items()))]
         groups = self._record(["take", step, version, seqs])
         while len(self.pending) > self.max_pending_batches:
             oldest = min(self.pending)
