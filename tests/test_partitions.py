@@ -302,3 +302,89 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
     assert admitted == accounted
     if not delayed:
         assert stats["rollouter"]["workers_lost"] >= 1
+
+
+# -- a whole run: the trainer and the rollouter cut off from the MessageQueue -----------------------
+
+# `rollmesh launch` with the plan's MessageQueue address, as the trainer and the rollouter are
+# handed it, pointed at the test's relay (the MessageQueue itself binds its usual port).
+LAUNCH_THROUGH_RELAY = """
+import os, sys
+import rollmesh.launcher as launcher
+planned = launcher.build_plan
+def build_plan(*args, **kwargs):
+    plan = planned(*args, **kwargs)
+    for p in plan:
+        if p.proc.role in ("trainer", "rollouter"):
+            p.config["message_queue"] = os.environ["ROLLMESH_TEST_MQ_RELAY"]
+    return plan
+launcher.build_plan = build_plan
+from rollmesh.cli import main
+sys.argv[0] = "rollmesh"
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_with_the_queue_cut_off_from_trainer_and_rollouter_resumes_and_finishes(tmp_path):
+    """A real `rollmesh launch` (embedded default) whose trainer -> MessageQueue and rollouter ->
+    MessageQueue links both go through one relay. Mid-run the relay black-holes them for 8 s
+    (past the heartbeat limit, 1 s x 3, and past nothing else: the RPCs' own timeouts are
+    20-30 s), then heals with the held connections lost for good. The run resumes by itself and
+    finishes (exit 0, every step once), summary.json's identity holds, no group is in two steps,
+    and the cut really stopped the traffic (the trainer made no step in its last seconds)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_launcher import (
+        ROOT, assert_nothing_trained_twice, check_accounting, finish, free_ports_base, metrics,
+        wait_for,
+    )
+
+    base = free_ports_base()
+    mq_port = free_ports_base(8)
+    while abs(mq_port - base) < 64:
+        mq_port = free_ports_base(8)
+    relay = Relay(mq_port)
+    steps, run_dir = 16, tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH_THROUGH_RELAY, "launch", "launch/local.toml", "--quiet",
+         "--run-dir", str(run_dir), "--set", f"ports.base={base}",
+         "--set", f"ports.message_queue={mq_port}", "--set", f"trainer.total_steps={steps}",
+         "--set", "rollout.eval_every=0"],
+        cwd=ROOT, env={**os.environ, "ROLLMESH_TEST_MQ_RELAY": relay.address},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "training under way", proc)
+        assert relay.connections >= 2  # trainer and rollouter both reach the queue through it
+        relay.black_hole()
+        cut = time.monotonic()
+        rows_at_cut = len(metrics(run_dir))
+        time.sleep(4.0)  # a step in progress when the cut came may still finish meanwhile
+        rows_mid_cut = len(metrics(run_dir))
+        time.sleep(4.0)  # the cut: 8 s, past the heartbeat limit (3 s)
+        rows_at_heal = len(metrics(run_dir))
+        connections_at_heal = relay.connections
+        relay.heal(keep_connections=False)
+        healed = time.monotonic()
+        wait_for(lambda: len(metrics(run_dir)) > rows_at_heal, 120, "a step after the heal",
+                 proc)
+        recovered = time.monotonic() - healed
+    finally:
+        out = finish(proc, 300)
+        relay.close()
+    print(f"cut {relay.cut_s():.1f}s (rows {rows_at_cut} -> {rows_mid_cut} -> {rows_at_heal}); "
+          f"first step {recovered:.1f}s after the heal; connections {connections_at_heal} -> "
+          f"{relay.connections}; run {time.monotonic() - cut:.1f}s from the cut to its end")
+    assert proc.returncode == 0, out[-3000:]
+    assert rows_at_heal == rows_mid_cut  # nothing got through the black hole
+    assert relay.connections > connections_at_heal  # the lost connections were made anew
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert_nothing_trained_twice(rows)
+    summary = check_accounting(run_dir)
+    assert summary["consumed"] == rows[-1]["samples_consumed"], summary
+    print(f"summary: admitted {summary['admitted']} consumed {summary['consumed']} "
+          f"dropped {summary['dropped']} in flight {summary['in_flight']}")
