@@ -288,6 +288,7 @@ class StatusBoard:
             "engines_healthy": r.get("engines_healthy"), "engines": r.get("engines"),
             "admission": r.get("admission"),
             "admission_stopped_s": r.get("admission_stopped_s"),
+            "journal_error": r.get("journal_error"),
         }
 
     @staticmethod
@@ -299,6 +300,7 @@ class StatusBoard:
         mq_dropped, r_dropped = _counts(q.get("dropped")), _counts((r or {}).get("dropped"))
         return {
             "depth": q.get("depth_samples"), "depth_groups": q.get("depth_groups"),
+            "log_error": q.get("log_error"),
             "capacity_groups": q.get("capacity_groups"), "version": q.get("version"),
             "put": q.get("put_samples"), "consumed": q.get("consumed_samples"),
             "consumed_per_s": q.get("consumed_per_s"), "rejected_puts": q.get("rejected_puts"),
@@ -415,6 +417,11 @@ def _header(snap: dict[str, Any], live: bool) -> Text:
     admission = str((snap.get("rollouter") or {}).get("admission") or "")
     if admission.startswith("stopped"):  # an engine outage: say it where it is seen first
         header.append(f"  admission {admission}", "bold red")
+    # a durable log that cannot be written (a full disk): the path and the error
+    for who, error in (("queue log", (snap.get("queue") or {}).get("log_error")),
+                       ("rollouter journal", (snap.get("rollouter") or {}).get("journal_error"))):
+        if error:
+            header.append(f"  {who}: {error}", "bold red")
     if live:
         header.append("   (q or Ctrl-C detaches)", "dim")
     if snap.get("failure"):

@@ -641,6 +641,7 @@ class Rollouter:
             "cursor": self.source.state(),
             "engines_healthy": self.engines_healthy, "engines": len(self.engines),
             "admission": self.admission, "queue_stale_groups": self.queue_stale_groups,
+            "journal_error": self.journal.error if self.journal is not None else None,
             "admission_stopped_s": (round(time.monotonic() - self.admission_stopped_since, 1)
                                     if self.admission_stopped_since is not None else None),
             "over_sampling": round(self.over_sampling(), 3),

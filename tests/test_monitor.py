@@ -355,3 +355,20 @@ def test_each_roles_malformed_message_count_is_shown():
     line = next(l for l in console.export_text().splitlines() if "message_queue[0]" in l)
     roles_cell = line.split("│")[1].split()  # the Roles panel's part of the line
     assert roles_cell[0] == "message_queue[0]" and roles_cell[-1] == "13", line
+
+
+def test_a_log_that_cannot_be_written_is_shown_with_its_path():
+    """A full disk under the MessageQueue's log or the rollouter's journal: the header says
+    which file and why, in every refresh, until a write succeeds again."""
+    board = StatusBoard()
+    board.update(*metrics("message_queue", 0, "local", {
+        "pid": 7, "ready": True, "log_error": "RUN/message_queue/queue.log: No space left on "
+                                             "device"}), 1.0)
+    board.update(*metrics("rollouter", 0, "local", {
+        "pid": 8, "ready": True, "journal_error": "RUN/rollouter/rollouter.log: File too large"}),
+        1.0)
+    console = Console(record=True, width=240)
+    console.print(render(board.snapshot(now=1.5), width=console.width))
+    text = console.export_text()
+    assert "queue log: RUN/message_queue/queue.log: No space left on device" in text
+    assert "rollouter journal: RUN/rollouter/rollouter.log: File too large" in text
