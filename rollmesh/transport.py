@@ -464,6 +464,7 @@ class RpcClient:
         self._pending: dict[bytes, tuple[asyncio.Future, list[Any]]] = {}
         self._sock: zmq.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None  # resends pending requests on a disconnect
         # The last request got no reply at all: the next one starts on a fresh socket (a
         # caller with retries=0, such as a Heartbeater, would otherwise never rebuild one).
         self._stale = False
@@ -473,12 +474,33 @@ class RpcClient:
             zmq.DEALER, connect=self.address, secure=self.secure, linger_ms=0
         )
         self._reader = asyncio.create_task(self._read(self._sock))
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._watcher = asyncio.create_task(self._resend_on_disconnect(self._sock, self._monitor))
+
+    async def _resend_on_disconnect(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        """A connection dropped (a ZMTP heartbeat timeout after a partition, a reset): what was
+        written to it may be lost, so every pending request is sent again at once, to go out on
+        the next connection, instead of waiting out its timeout (the same resend as a retry)."""
+        while True:
+            await monitor.recv_multipart()
+            for corr, (future, frames) in list(self._pending.items()):
+                if not future.done():
+                    try:
+                        sock.send_multipart([corr, *frames], copy=False, flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
 
     def _disconnect(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._reader = self._watcher = None
         if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
             self._sock.close(0)
             self._sock = None
 

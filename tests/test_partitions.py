@@ -333,14 +333,18 @@ def test_run_with_the_queue_cut_off_from_trainer_and_rollouter_resumes_and_finis
     (past the heartbeat limit, 1 s x 3, and past nothing else: the RPCs' own timeouts are
     20-30 s), then heals with the held connections lost for good. The run resumes by itself and
     finishes (exit 0, every step once), summary.json's identity holds, no group is in two steps,
-    and the cut really stopped the traffic (the trainer made no step in its last seconds)."""
+    and the cut really stopped the traffic (the trainer made no step in its last seconds).
+    What the monitor shows meanwhile: every role alive (they report to the launcher directly,
+    not through the relay), the trainer's step frozen, the rollouter's ready_groups piling up
+    while the queue's put count stands still; no role is shown dead for this link."""
+    import json
     import os
     import subprocess
     import sys
 
     from tests.test_launcher import (
         ROOT, assert_nothing_trained_twice, check_accounting, finish, free_ports_base, metrics,
-        wait_for,
+        rollmesh, wait_for,
     )
 
     base = free_ports_base()
@@ -362,9 +366,11 @@ def test_run_with_the_queue_cut_off_from_trainer_and_rollouter_resumes_and_finis
         relay.black_hole()
         cut = time.monotonic()
         rows_at_cut = len(metrics(run_dir))
-        time.sleep(4.0)  # a step in progress when the cut came may still finish meanwhile
+        # what the monitor shows while cut off (read-only, from the launcher's status hub)
+        snap = rollmesh("monitor", str(run_dir), "--json", "--once", "--wait", "5")
+        time.sleep(max(0.0, cut + 4.0 - time.monotonic()))  # a step under way may finish
         rows_mid_cut = len(metrics(run_dir))
-        time.sleep(4.0)  # the cut: 8 s, past the heartbeat limit (3 s)
+        time.sleep(max(0.0, cut + 8.0 - time.monotonic()))  # the cut: 8 s, past the limit (3 s)
         rows_at_heal = len(metrics(run_dir))
         connections_at_heal = relay.connections
         relay.heal(keep_connections=False)
@@ -378,6 +384,13 @@ def test_run_with_the_queue_cut_off_from_trainer_and_rollouter_resumes_and_finis
     print(f"cut {relay.cut_s():.1f}s (rows {rows_at_cut} -> {rows_mid_cut} -> {rows_at_heal}); "
           f"first step {recovered:.1f}s after the heal; connections {connections_at_heal} -> "
           f"{relay.connections}; run {time.monotonic() - cut:.1f}s from the cut to its end")
+    assert snap.returncode == 0, snap.stdout + snap.stderr
+    shown = json.loads(snap.stdout)
+    print("monitor mid-cut: roles", {r["name"]: r["liveness"] for r in shown["roles"]},
+          "rollouter", {k: shown["rollouter"][k] for k in ("ready_groups", "queued_samples",
+                                                            "admission", "paused")},
+          "queue", {k: shown["queue"].get(k) for k in ("put", "depth", "dropped")
+                    } if shown["queue"] else None, "trainer step", shown["trainer"]["step"])
     assert proc.returncode == 0, out[-3000:]
     assert rows_at_heal == rows_mid_cut  # nothing got through the black hole
     assert relay.connections > connections_at_heal  # the lost connections were made anew
@@ -386,5 +399,8 @@ def test_run_with_the_queue_cut_off_from_trainer_and_rollouter_resumes_and_finis
     assert_nothing_trained_twice(rows)
     summary = check_accounting(run_dir)
     assert summary["consumed"] == rows[-1]["samples_consumed"], summary
+    # nothing wasted either: before the RpcClient resent its pending requests on a dropped
+    # connection, the rollouter's put waited out its 30 s timeout and 8-16 samples went stale
+    assert sum(summary["dropped"].values()) == 0, summary
     print(f"summary: admitted {summary['admitted']} consumed {summary['consumed']} "
           f"dropped {summary['dropped']} in flight {summary['in_flight']}")
