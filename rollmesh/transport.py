@@ -486,9 +486,11 @@ class RpcClient:
             for corr, (future, frames) in list(self._pending.items()):
                 if not future.done():
                     try:
-                        sock.send_multipart([corr, *frames], copy=False, flags=zmq.NOBLOCK)
+                        sent = sock.send_multipart([corr, *frames], copy=False, flags=zmq.NOBLOCK)
                     except zmq.ZMQError:
-                        pass
+                        continue
+                    if isinstance(sent, asyncio.Future):  # an asyncio socket: Again lands here
+                        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _disconnect(self) -> None:
         for task in (self._reader, self._watcher):
