@@ -289,6 +289,7 @@ class StatusBoard:
             "admission": r.get("admission"),
             "admission_stopped_s": r.get("admission_stopped_s"),
             "journal_error": r.get("journal_error"),
+            "queue_unreachable_s": r.get("queue_unreachable_s"),
         }
 
     @staticmethod
@@ -417,6 +418,10 @@ def _header(snap: dict[str, Any], live: bool) -> Text:
     admission = str((snap.get("rollouter") or {}).get("admission") or "")
     if admission.startswith("stopped"):  # an engine outage: say it where it is seen first
         header.append(f"  admission {admission}", "bold red")
+    unreachable = (snap.get("rollouter") or {}).get("queue_unreachable_s")
+    if unreachable is not None:  # a partition between the rollouter and the MessageQueue
+        header.append(f"  MessageQueue unreachable from the rollouter for {unreachable:g}s",
+                      "bold red")
     # a durable log that cannot be written (a full disk): the path and the error
     for who, error in (("queue log", (snap.get("queue") or {}).get("log_error")),
                        ("rollouter journal", (snap.get("rollouter") or {}).get("journal_error"))):

@@ -294,6 +294,7 @@ class Rollouter:
         self.engines: list[str] = []
         self.engines_healthy: int | None = None
         self.queue_stale_groups = 0  # groups the MessageQueue dropped as stale (watch_queue)
+        self.queue_unreachable_since: float | None = None  # the queue stopped answering
         self.admission_stopped_since: float | None = None
 
     # -- capacity and admission --------------------------------------------------------------
@@ -642,22 +643,34 @@ class Rollouter:
             "engines_healthy": self.engines_healthy, "engines": len(self.engines),
             "admission": self.admission, "queue_stale_groups": self.queue_stale_groups,
             "journal_error": self.journal.error if self.journal is not None else None,
+            "queue_unreachable_s": (None if self.queue_unreachable_since is None else
+                                    round(time.monotonic() - self.queue_unreachable_since, 1)),
             "admission_stopped_s": (round(time.monotonic() - self.admission_stopped_since, 1)
                                     if self.admission_stopped_since is not None else None),
             "over_sampling": round(self.over_sampling(), 3),
         }
 
-    async def watch_queue(self, interval_s: float = 2.0) -> None:
-        """Read the MessageQueue's stale drops (samples; groups are data.group_size each):
-        `capacity` gives their places in the staleness bound back."""
+    async def watch_queue(self, interval_s: float = 1.0) -> None:
+        """Ask the MessageQueue for its stats every `interval_s`, on a short leash: its stale
+        drops (samples; groups are data.group_size each) give places in the bound back
+        (`capacity`), and a queue that does not answer is reported (stats
+        `queue_unreachable_s`, the monitor's header) while it is cut off."""
         size = self.exp.data.group_size
         while True:
             try:
-                reply = await self.mq.request(StatsRequest(), timeout_s=10)
+                reply = await self.mq.request(StatsRequest(), timeout_s=3, retries=0)
                 groups = int(reply.values.get("dropped", {}).get("stale", 0)) // size
-            except (PeerTimeout, RemoteError, TypeError, ValueError, AttributeError) as e:
+            except PeerTimeout:
+                if self.queue_unreachable_since is None:
+                    self.queue_unreachable_since = time.monotonic()
+                    self.log.error("queue_unreachable", queue=self.mq.address)
+            except (RemoteError, TypeError, ValueError, AttributeError) as e:
                 self.log.warning("queue_stats_failed", error=str(e))
             else:
+                if self.queue_unreachable_since is not None:
+                    self.log.warning("queue_reachable", unreachable_s=round(
+                        time.monotonic() - self.queue_unreachable_since, 1))
+                    self.queue_unreachable_since = None
                 if groups > self.queue_stale_groups:
                     self.log.info("queue_dropped_stale", groups=groups - self.queue_stale_groups,
                                   total=groups)
