@@ -124,7 +124,9 @@ def mutated_record(draw: Any) -> list[bytes]:
 def wrong_types(draw: Any) -> list[bytes]:
     name = draw(st.sampled_from(NAMES))
     fields = list(RECORDS[name].__dataclass_fields__)
-    body = {f: draw(_plain) for f in draw(st.lists(st.sampled_from(fields), unique=True))}
+    # a record without fields (StatsRequest): newer hypothesis refuses sampled_from([])
+    chosen = draw(st.lists(st.sampled_from(fields), unique=True)) if fields else []
+    body = {f: draw(_plain) for f in chosen}
     if draw(st.booleans()):
         body[draw(st.text(max_size=6))] = draw(_plain)  # an extra field, maybe
     return [name.encode(), msgpack.packb(body, use_bin_type=True)]

@@ -232,9 +232,10 @@ def test_micro_batches_accumulate_to_exactly_one_big_batch(overrides):
     for a, b in zip(small, big):
         scale = max(float(g.abs().max()) for g in b.values())
         assert max_diff(a, b) < 1e-5 * scale
-    assert small_loss == pytest.approx(big_loss, abs=1e-6)
+    # float32 sums in another order (transformers 5.24's kernels): 1e-5 relative, as the grads
+    assert small_loss == pytest.approx(big_loss, rel=1e-5, abs=1e-6)
     if overrides:
-        assert small_value == pytest.approx(big_value, abs=1e-6) and small_value > 0
+        assert small_value == pytest.approx(big_value, rel=1e-5, abs=1e-6) and small_value > 0
 
 
 def test_micro_batch_plan_covers_every_sequence_once_within_the_budget():
