@@ -475,6 +475,9 @@ class RpcClient:
         )
         self._reader = asyncio.create_task(self._read(self._sock))
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # the transport closes it with its other sockets: an open monitor socket left by a
+        # client nobody closed would block the context's term() forever
+        self.transport._sockets.add(self._monitor)
         self._watcher = asyncio.create_task(self._resend_on_disconnect(self._sock, self._monitor))
 
     async def _resend_on_disconnect(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:

@@ -307,8 +307,10 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
               if line.startswith("{")]
     pauses = [e for e in events if e["event"] == "generation_paused"]
     assert len(pauses) == steps and {e["mode"] for e in pauses} == {"in_place"}
-    assert any(e["running"] > 0 for e in pauses), pauses  # syncs happened mid-answer...
-    # ...and cut none (the requests still running when the run ends are aborted then)
+    # Syncs mid-answer are likely here but not certain on a loaded machine (every pause found
+    # the engine idle in one run of the whole suite); tests/engine/test_engine_in_place.py
+    # holds a request across an in-place sync for certain. None was cut (the requests still
+    # running when the run ends are aborted then):
     assert not [e for e in events if e["event"] == "requests_aborted"
                 and e["timestamp"] < pauses[-1]["timestamp"]]
     # no update asked the engine to flush its cache with requests kept (SGLang's scheduler
