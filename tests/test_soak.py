@@ -25,6 +25,10 @@ STEPS = int(os.environ.get("ROLLMESH_SOAK_STEPS", "60"))
 # trainer's took more than 15 of 60 steps)
 WARM_STEPS = max(15, STEPS // 3)
 RSS_GROWTH_MIB = 32  # per process: late-run median minus early-run median
+# The trainer's allocator moves by tens of MiB with the batches' lengths, with no trend: a 150-step
+# soak (ROLLMESH_SOAK_DUMP) sampled 553, 572, 567, 548, 556 MiB at steps 4, 30, 58, 84, 113, and
+# a loaded CI run of 60 steps went 600 -> 644 between its thirds. A leak is what a long soak shows.
+RSS_GROWTH_MIB_OF = {"trainer[0]": 64}
 FD_GROWTH = 8  # per process: late-run median minus early-run median
 
 
@@ -77,6 +81,8 @@ def test_soak_memory_and_descriptors_stay_bounded_and_nothing_leaks(tmp_path):
     syncs = {r["version"] for r in rows}
     assert len(syncs) >= STEPS - 1, "a weight sync at every step"
 
+    if os.environ.get("ROLLMESH_SOAK_DUMP"):  # the series, to tell a leak's slope from noise
+        Path(os.environ["ROLLMESH_SOAK_DUMP"]).write_text(json.dumps(samples))
     report = {}
     assert {"engine[0]", "trainer[0]", "rollouter[0]", "message_queue[0]", "synchronizer[0]",
             "agent_worker[0]", "reward_worker[0]"} <= set(samples), sorted(samples)
@@ -102,7 +108,7 @@ def test_soak_memory_and_descriptors_stay_bounded_and_nothing_leaks(tmp_path):
                         "rss_peak_mib": round(max(s[1] for s in warm), 1),
                         "fds_warm": fds_early, "fds_end": fds_late,
                         "fds_peak": max(s[2] for s in warm)}
-        assert late - early <= RSS_GROWTH_MIB, (name, report[name])
+        assert late - early <= RSS_GROWTH_MIB_OF.get(name, RSS_GROWTH_MIB), (name, report[name])
         assert fds_late - fds_early <= FD_GROWTH, (name, report[name])
     print("soak:", json.dumps({"steps": STEPS, "samples_consumed": summary["consumed"],
                                "processes": report}))
