@@ -112,9 +112,12 @@ class DataConfig:
     eval_path: str | None = _field(
         "evaluation prompts, same format (needed if eval_every > 0)", None
     )
-    format: Literal["auto", "jsonl", "parquet", "gsm8k"] = _field(
+    format: Literal["auto", "jsonl", "parquet", "gsm8k", "verl", "hf"] = _field(
         "file format; `auto` goes by the extension; `gsm8k` is JSONL whose label is the text "
-        "after '####' in label_key",
+        "after '####' in label_key; `verl` is verl's Parquet schema as its data-preparation "
+        "scripts write it (`prompt` a chat message list, `reward_model.ground_truth` the label, "
+        "`data_source`, `extra_info`); `hf` a Hugging Face `datasets` directory written by "
+        "`save_to_disk` (the `datasets` extra)",
         "auto",
     )
     prompt_key: str = _field(
@@ -171,6 +174,12 @@ class RolloutConfig:
         "evaluate the held-out set (data.eval_path) every N weight versions, alongside training "
         "(0 = never)", 0, ge=0)
     eval_temperature: float = _field("sampling temperature of evaluation (0 = greedy)", 0.0, ge=0)
+    eval_n: int = _field(
+        "responses sampled per evaluation prompt; the eval row reports pass@k for k = 1, 2, "
+        "4, ... up to eval_n (unbiased estimator)", 1, ge=1)
+    eval_pass_threshold: float = _field(
+        "an evaluation response counts as passed (for pass@k) when its reward is at least this",
+        1.0)
 
     def validate(self) -> None:
         if self.top_k != -1 and self.top_k < 1:
@@ -380,6 +389,19 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True)
+class MetricsConfig:
+    wandb_project: str | None = _field(
+        "log every metrics row and the resolved config to this Weights & Biases project, from "
+        "the trainer's rank 0 (the `wandb` extra; none = no W&B)", None)
+    wandb_entity: str | None = _field("W&B entity (team or user; default: yours)", None)
+    wandb_run_name: str | None = _field("W&B run name (default: the run directory's name)", None)
+    wandb_mode: Literal["online", "offline", "disabled"] = _field(
+        "W&B mode: `offline` writes the run under RUN/wandb to `wandb sync` later; the "
+        "WANDB_MODE environment variable overrides it", "online")
+    wandb_tags: list[str] = _field("W&B run tags", factory=list)
+
+
+@dataclass(kw_only=True)
 class ExperimentConfig:
     name: str | None = _field("experiment name, for logs", None)
     seed: int = _field("base seed; data.seed and trainer.seed default to it", 1)
@@ -391,6 +413,8 @@ class ExperimentConfig:
     trainer: TrainerConfig = _field("optimisation and checkpoints", factory=TrainerConfig)
     sync: SyncConfig = _field("weight synchronisation to the engines", factory=SyncConfig)
     engine: EngineConfig = _field("inference servers", factory=EngineConfig)
+    metrics: MetricsConfig = _field("where metrics go besides metrics.jsonl (W&B)",
+                                    factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         # Resolved here so that the logged config shows the seeds actually used.
