@@ -218,6 +218,7 @@ class StatusBoard:
                         if isinstance(e, dict)],
             "last_sync": self._last_sync(),
             "accounting": self._accounting(rollouter, queue),
+            "eval": self._eval(rollouter),
         }
 
     def _roles(self, launcher: dict[str, Any], launcher_age: float | None,
@@ -326,6 +327,25 @@ class StatusBoard:
         return {"url": e.get("url"), "healthy": e.get("healthy"), "running_requests": running,
                 "waiting_requests": waiting, "load": (running or 0) + (waiting or 0),
                 "weight_version": e.get("weight_version")}
+
+    def _eval(self, r: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The newest finished evaluation round: the rollouter's summary (pass@k, per
+        data_source), else what the trainer reported of it (reward mean and version only)."""
+        ev = _dict((r or {}).get("eval"))
+        if ev:
+            sources = {str(s): {k: f.get(k) for k in ("prompts", "n", "failed", "reward_mean")}
+                       | {"pass_at": _dict(f.get("pass_at"))}
+                       for s, f in _dict(ev.get("by_source")).items() if isinstance(f, dict)}
+            return {"version": ev.get("version"), "prompts": ev.get("prompts"),
+                    "n": ev.get("n"), "failed": ev.get("failed"),
+                    "reward_mean": ev.get("reward_mean"), "pass_at": _dict(ev.get("pass_at")),
+                    "by_source": sources, "pending": (r or {}).get("eval_pending")}
+        tr = self._values("trainer") or {}
+        if tr.get("eval_version") is None:
+            return None  # no round finished yet (or no eval configured)
+        return {"version": tr.get("eval_version"), "prompts": None, "n": None, "failed": None,
+                "reward_mean": tr.get("eval_reward_mean"), "pass_at": {}, "by_source": {},
+                "pending": None}
 
     def _last_sync(self) -> dict[str, Any] | None:
         s = self._values("synchronizer")
@@ -494,7 +514,7 @@ def _trainer_panel(snap: dict[str, Any]) -> Panel:
     tr = snap.get("trainer") or {}
     spark = Text(sparkline(tr.get("reward_history") or []), "cyan")
     optional = ("pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
-                "samples_consumed", "eval_reward_mean", "eval_version")
+                "samples_consumed")  # the eval: its own panel
     return Panel(_fields(
         [("step", tr.get("step")), ("weight version", tr.get("version")),
          ("loss", tr.get("loss")), ("reward mean", tr.get("reward_mean")),
@@ -502,6 +522,41 @@ def _trainer_panel(snap: dict[str, Any]) -> Panel:
          ("batch staleness max", tr.get("batch_staleness_max"))]
         + [(k.replace("_", " "), tr[k]) for k in optional if tr.get(k) is not None]),
         title="Trainer")
+
+
+MAX_EVAL_SOURCES = 8  # data sources listed in the eval panel; the rest summed up in one line
+
+
+def _share(v: Any) -> str:
+    return f"{v:.3f}" if _num(v) is not None else "-"
+
+
+def _eval_panel(snap: dict[str, Any]) -> Panel | None:
+    ev = snap.get("eval")
+    if not ev:
+        return None
+    pass_at = ev.get("pass_at") or {}
+    size = (f"{_fmt(ev.get('n'))} answers, {_fmt(ev.get('prompts'))} prompts"
+            if ev.get("n") is not None else "-")
+    failed = ev.get("failed")
+    rows: list[tuple[str, Any]] = [
+        ("version", ev.get("version")), ("reward mean", _share(ev.get("reward_mean"))),
+        ("pass@k", "  ".join(f"pass@{k} {_share(v)}" for k, v in pass_at.items()) or "-"),
+        ("answers", Text(size + (f", {failed} failed" if failed else ""),
+                         "yellow" if failed else ""))]
+    sources = ev.get("by_source") or {}
+    if not sources:
+        return Panel(_fields(rows), title="Last eval")
+    table = Table(box=None, padding=(0, 1))
+    table.add_column("data source")
+    for col in ("n", "reward", *(f"pass@{k}" for k in pass_at)):
+        table.add_column(col, no_wrap=True, justify="right")
+    for name, f in list(sources.items())[:MAX_EVAL_SOURCES]:
+        table.add_row(name, _fmt(f.get("n")), _share(f.get("reward_mean")),
+                      *(_share((f.get("pass_at") or {}).get(k)) for k in pass_at))
+    if len(sources) > MAX_EVAL_SOURCES:
+        table.add_row(Text(f"... {len(sources) - MAX_EVAL_SOURCES} more", "dim"))
+    return Panel(Group(_fields(rows), table), title="Last eval")
 
 
 def _rollouter_panel(snap: dict[str, Any]) -> Panel:
@@ -579,7 +634,8 @@ def render(snap: dict[str, Any], *, width: int = 140, live: bool = False) -> Gro
     from 120 columns of terminal up, one below."""
     left = Group(_roles_panel(snap), _engines_panel(snap), _workers_panel(snap),
                  _sync_panel(snap))
-    right = Group(_trainer_panel(snap), _rollouter_panel(snap), _queue_panel(snap))
+    right = Group(*(p for p in (_trainer_panel(snap), _eval_panel(snap), _rollouter_panel(snap),
+                                _queue_panel(snap)) if p is not None))
     if width < 120:
         return Group(_header(snap, live), right, left, _accounting_panel(snap))
     body = Table.grid(expand=True, padding=(0, 1))

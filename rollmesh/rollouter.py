@@ -22,7 +22,9 @@ admitted wait in the workers, up to rollout.engine_wait_s) and says so in its st
 
 Evaluation answers are resumed like training trajectories when a sync interrupts them (their
 partial tokens kept), and each is labelled by the version its round started at (metadata
-`eval_version`), so an eval whose answers outlast a sync interval still finishes.
+`eval_version`), so an eval whose answers outlast a sync interval still finishes. A round samples
+rollout.eval_n answers per prompt and ends in one summary (stats `eval`, the `eval` log line):
+mean reward, pass@k and the same per data_source (rollmesh.evaluation).
 
 Pause (from the synchronizer): stop dispatching, send Cancel to every agent worker, answer
 Paused once no trajectory is out with a worker; with `sync.pause_mode = "in_place"` send no
@@ -49,6 +51,7 @@ from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.data import Dataset, PromptGroup, PromptSource, render_prompt
 from rollmesh.durable_log import DurableLog
 from rollmesh.engine.client import EngineClient, run_api_key
+from rollmesh.evaluation import eval_summary
 from rollmesh.protocol import (
     Assign, Cancel, Group, Heartbeat, Metrics, Ok, Pause, Paused, PutGroup, Resume, Returned,
     Score, Scored, StatsRequest, Trajectory, WorkerHello,
@@ -290,6 +293,11 @@ class Rollouter:
         self.eval_queue: collections.deque[Trajectory] = collections.deque()
         self.eval_runs: dict[int, dict[str, Any]] = {}
         self.last_eval: dict[str, Any] | None = None
+        if self.eval_rows and getattr(exp.rollout, "eval_n", 1) > 1 \
+                and exp.rollout.eval_temperature == 0:
+            self.log.warning("eval_n_greedy", eval_n=exp.rollout.eval_n,
+                             hint="rollout.eval_temperature = 0 samples the same answer "
+                                  "eval_n times: pass@k > 1 equals pass@1")
         # Engine health (watch_engines): None until the first probe, or without engine URLs.
         self.engines: list[str] = []
         self.engines_healthy: int | None = None
@@ -337,18 +345,24 @@ class Rollouter:
         return "open"
 
     def start_eval(self) -> None:
+        """A round of the held-out set at this version, if one is due: eval_n responses per
+        prompt (ids eval-v{version}-{prompt}-{j}), all scored, summarised when the last one
+        is in (`eval_scored`)."""
         v, every = self.version, self.exp.rollout.eval_every
         if not self.eval_rows or v % every or v in self.eval_runs:
             return
-        self.eval_runs[v] = {"n": len(self.eval_rows), "rewards": [], "failed": 0,
+        eval_n = getattr(self.exp.rollout, "eval_n", 1)
+        self.eval_runs[v] = {"n": len(self.eval_rows) * eval_n, "records": [],
                              "resumed": 0, "response_tokens": 0}
         for i, row in enumerate(self.eval_rows):
             prompt = render_prompt(row, self.tokenizer, self.exp.data.system_prompt)
-            self.eval_queue.append(new_trajectory(
-                f"eval-v{v:06d}-{i:04d}", f"eval-v{v:06d}", i, prompt,
-                agent_loop=row.agent_loop or self.exp.data.default_agent_loop, label=row.label,
-                metadata={**row.metadata, "eval_version": v,
-                          "sampling": {"temperature": self.exp.rollout.eval_temperature}}))
+            for j in range(eval_n):
+                self.eval_queue.append(new_trajectory(
+                    f"eval-v{v:06d}-{i:04d}-{j:02d}", f"eval-v{v:06d}", i * eval_n + j, prompt,
+                    agent_loop=row.agent_loop or self.exp.data.default_agent_loop,
+                    label=row.label,
+                    metadata={**row.metadata, "eval_version": v, "eval_prompt": i,
+                              "sampling": {"temperature": self.exp.rollout.eval_temperature}}))
 
     @staticmethod
     def is_eval(traj: Trajectory) -> bool:
@@ -370,19 +384,19 @@ class Rollouter:
         run = self.eval_runs.get(traj.metadata["eval_version"])
         if run is None:
             return
-        if traj.status == "finished" and traj.reward_status == "ok":
-            run["rewards"].append(traj.reward)
-        else:
-            run["failed"] += 1
+        ok = traj.status == "finished" and traj.reward_status == "ok"
+        run["records"].append({"prompt": traj.metadata.get("eval_prompt", traj.index),
+                               "reward": traj.reward if ok else None,  # None: failed
+                               "data_source": traj.metadata.get("data_source")})
         generated = traj.versions[traj.loss_mask == 1]
         run["response_tokens"] += int(generated.size)
         run["resumed"] += int(len(set(generated.tolist())) > 1)  # went on across a sync
-        if len(run["rewards"]) + run["failed"] == run["n"]:
+        if len(run["records"]) == run["n"]:
             v = traj.metadata["eval_version"]
-            rewards = run["rewards"]
-            self.last_eval = {"version": v, "n": len(rewards), "failed": run["failed"],
-                              "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                              "answers_resumed": run["resumed"],
+            summary = eval_summary(run["records"], eval_n=getattr(self.exp.rollout, "eval_n", 1),
+                                   threshold=getattr(self.exp.rollout, "eval_pass_threshold",
+                                                     1.0))
+            self.last_eval = {"version": v, **summary, "answers_resumed": run["resumed"],
                               "response_tokens": run["response_tokens"]}
             del self.eval_runs[v]
             self.log.info("eval", **self.last_eval)

@@ -77,6 +77,7 @@ from rollmesh.config import AlgorithmConfig, ExperimentConfig, parse_config
 from rollmesh.durable_log import write_atomic
 from rollmesh.engine.client import run_api_key
 from rollmesh.engine.models import is_tiny, load_model, load_tokenizer, resolve_device
+from rollmesh.evaluation import eval_metrics
 from rollmesh.log import get_logger
 from rollmesh.packing import BatchData
 from rollmesh.protocol import Batch, GetBatch, Metrics, StatsRequest
@@ -791,8 +792,7 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
         if link is not None:
             latest = await link.latest_eval()
             if latest and latest != reported_eval:  # each evaluation once, on the next step
-                metrics.update(eval_reward_mean=latest["reward_mean"],
-                               eval_version=latest["version"], eval_samples=latest["n"])
+                metrics.update(eval_metrics(latest))  # eval_pass@k, eval/{source}/...
                 reported_eval = link.eval = latest
             link.report(metrics)
         # after the step's row: a checkpoint never holds a step whose row was not written
