@@ -297,7 +297,7 @@ class Rollouter:
                 and exp.rollout.eval_temperature == 0:
             self.log.warning("eval_n_greedy", eval_n=exp.rollout.eval_n,
                              hint="rollout.eval_temperature = 0 samples the same answer "
-                                  "eval_n times: pass@k > 1 equals pass@1")
+                                  "eval_n times: pass@k for k > 1 equals pass@1")
         # Engine health (watch_engines): None until the first probe, or without engine URLs.
         self.engines: list[str] = []
         self.engines_healthy: int | None = None
