@@ -1,8 +1,9 @@
 """Prompt data: dataset rows, the resumable cursor over them, and prompt rendering.
 
-This module owns what the rollouter reads: a file (JSONL, Parquet, or GSM8K's JSONL) becomes a
-`Dataset` of `PromptRow`s, validated row by row (a bad row is an error naming the file, the line
-and the problem, unless `skip_bad_rows` counts and logs it); a `PromptCursor` walks the rows in a
+This module owns what the rollouter reads: a file (JSONL, Parquet, GSM8K's JSONL, verl's Parquet
+schema) or a Hugging Face `datasets` directory becomes a `Dataset` of `PromptRow`s, validated row
+by row (a bad row is an error naming the file, the line and the problem, unless `skip_bad_rows`
+counts and logs it); a `PromptCursor` walks the rows in a
 deterministic per-epoch order and resumes exactly from its `state()`; a `PromptSource` hands out
 `PromptGroup`s (a row, the group size and a stable group id). `render_prompt` turns a row into
 prompt token ids for the agent loops.
@@ -71,7 +72,7 @@ class Dataset:
     """The rows of one file, in file order."""
 
     path: str
-    format: str  # resolved: jsonl | parquet | gsm8k
+    format: str  # resolved: jsonl | parquet | gsm8k | verl | hf
     rows: list[PromptRow]
     skipped: int = 0  # bad rows dropped under skip_bad_rows
 
@@ -87,12 +88,16 @@ class Dataset:
     @classmethod
     def from_config(cls, cfg: DataConfig, *, eval: bool = False, **kw: Any) -> Dataset:
         """The train (or eval) file of a `[data]` config section. For GSM8K the config's key
-        defaults (`prompt`, `label`) mean GSM8K's own fields (`question`, `answer`)."""
+        defaults (`prompt`, `label`) mean GSM8K's own fields (`question`, `answer`). A `datasets`
+        directory holding several splits gives its `train` split for training and its `test`
+        split (else `validation`) for evaluation unless the path names one (`DIR:SPLIT`)."""
         path = cfg.eval_path if eval else cfg.train_path
         if path is None:
             raise DatasetError("<config>", "data.eval_path", "expected a file, got none")
         fmt = _resolve_format(path, cfg.format)
-        gsm8k_maybe = fmt in ("gsm8k", "jsonl")  # jsonl may still be detected as GSM8K
+        # jsonl may still be detected as GSM8K, and an hf directory may hold GSM8K's fields
+        gsm8k_maybe = fmt in ("gsm8k", "jsonl", "hf")
+        kw.setdefault("split", ("test", "validation") if eval else ("train",))
         return load_dataset(
             path,
             format=cfg.format,
@@ -116,22 +121,48 @@ def load_dataset(
     label_key: str | None = None,
     system_prompt: str | None = None,
     skip_bad_rows: bool = False,
+    split: str | Sequence[str] | None = None,
 ) -> Dataset:
     """Read and validate every row of `path`.
 
-    `format`: `auto` (by extension: `.parquet` is Parquet, anything else JSONL; JSONL whose first
-    row has `question` and a `####` `answer` is GSM8K), `jsonl`, `parquet` or `gsm8k`. Keys default
-    to `prompt`/`label` (`question`/`answer` for GSM8K). With `system_prompt`, text prompts become
-    chat messages (see `with_system_prompt`).
+    `format`: `auto`, `jsonl`, `parquet`, `gsm8k`, `verl` or `hf`. `auto` goes by the path: a
+    directory (or `DIR:SPLIT`) is a `datasets` directory (`hf`); `.parquet` is Parquet, read as
+    `verl` when it has a `reward_model` column holding `ground_truth`; anything else is JSONL,
+    read as GSM8K when its first row has `question` and a `####` `answer`. Keys default to
+    `prompt`/`label` (`question`/`answer` for GSM8K).
+
+    `verl` rows (verl's data-preparation scripts' schema): the prompt is the `prompt` column (a
+    chat message list), the label `reward_model.ground_truth` (a number becomes its string), and
+    the metadata holds every other column (`data_source`, `ability`, `extra_info`, ...; the
+    `reward_model` struct included) as plain Python values. `label_key` is not used.
+
+    `hf`: a directory written by `datasets`' `save_to_disk`: a `Dataset`, or a `DatasetDict` of
+    which `DIR:SPLIT` names the split (else the first of `split` it has, or its only split). Its
+    rows are verl rows when it has a `reward_model` column, else JSONL (or GSM8K) rows.
+
+    With `system_prompt`, text prompts become chat messages (see `with_system_prompt`).
     """
     path = os.fspath(path)
     fmt = _resolve_format(path, format)
-    if not os.path.isfile(path):
-        raise DatasetError(path, "", "no such file")
-    records = _parquet_records(path) if fmt == "parquet" else _jsonl_records(path)
-    if format == "auto" and fmt == "jsonl" and _looks_like_gsm8k(records, prompt_key):
-        fmt = "gsm8k"
-    if fmt == "gsm8k":
+    if fmt == "hf":
+        records, schema = _hf_records(path, split)
+        if schema == "jsonl" and _looks_like_gsm8k(records, prompt_key):
+            schema = "gsm8k"
+    else:
+        if not os.path.isfile(path):
+            raise DatasetError(path, "", "no such file")
+        if fmt in ("parquet", "verl"):
+            records = _parquet_records(path)
+            if format == "auto" and _has_ground_truth(records):
+                fmt = "verl"
+                log.info("dataset_format_detected", path=path, format="verl",
+                         why="a Parquet file with reward_model.ground_truth")
+        else:
+            records = _jsonl_records(path)
+        if format == "auto" and fmt == "jsonl" and _looks_like_gsm8k(records, prompt_key):
+            fmt = "gsm8k"
+        schema = fmt
+    if schema == "gsm8k":
         prompt_key, label_key = prompt_key or "question", label_key or "answer"
     else:
         prompt_key, label_key = prompt_key or "prompt", label_key or "label"
@@ -142,7 +173,10 @@ def load_dataset(
         try:
             if isinstance(obj, _BadJSON):
                 raise _BadRow(obj.problem)
-            row = _make_row(index, obj, prompt_key, label_key, gsm8k=fmt == "gsm8k")
+            if schema == "verl":
+                row = _make_verl_row(index, obj, prompt_key)
+            else:
+                row = _make_row(index, obj, prompt_key, label_key, gsm8k=schema == "gsm8k")
             if system_prompt is not None:
                 row.prompt = with_system_prompt(row.prompt, system_prompt)
         except _BadRow as e:
@@ -158,17 +192,23 @@ def load_dataset(
     if not rows:
         why = f" ({skipped} bad rows skipped)" if skipped else ""
         raise DatasetError(path, "", f"no rows{why}")
-    log.info("dataset_loaded", path=path, format=fmt, rows=len(rows), skipped=skipped)
+    extra = {"rows_as": schema} if fmt == "hf" else {}
+    log.info("dataset_loaded", path=path, format=fmt, rows=len(rows), skipped=skipped, **extra)
     return Dataset(path=path, format=fmt, rows=rows, skipped=skipped)
 
 
+_FORMATS = ("auto", "jsonl", "parquet", "gsm8k", "verl", "hf")
+
+
 def _resolve_format(path: str, format: str) -> str:
-    if format not in ("auto", "jsonl", "parquet", "gsm8k"):
+    if format not in _FORMATS:
         raise DatasetError(
-            path, "", f"unknown format {format!r} (expected auto, jsonl, parquet or gsm8k)"
+            path, "", f"unknown format {format!r} (expected {', '.join(_FORMATS[:-1])} or hf)"
         )
     if format != "auto":
         return format
+    if os.path.isdir(path) or (":" in path and os.path.isdir(path.rsplit(":", 1)[0])):
+        return "hf"
     return "parquet" if path.endswith((".parquet", ".pq")) else "jsonl"
 
 
@@ -209,6 +249,60 @@ def _parquet_records(path: str) -> list[tuple[str, Any]]:
     return [(f"row {i}", obj) for i, obj in enumerate(table.to_pylist())]
 
 
+def _has_ground_truth(records: list[tuple[str, Any]]) -> bool:
+    """The first row has verl's `reward_model` struct with a `ground_truth` field."""
+    first = next((obj for _, obj in records if isinstance(obj, dict)), None)
+    rm = first.get("reward_model") if first is not None else None
+    return isinstance(rm, dict) and "ground_truth" in rm
+
+
+_HF_EXTRA = "data.format = 'hf' needs the `datasets` package: pip install 'rollmesh[datasets]'"
+
+
+def _hf_records(
+    path: str, split: str | Sequence[str] | None
+) -> tuple[list[tuple[str, Any]], str]:
+    """The rows of a `save_to_disk` directory (`DIR` or `DIR:SPLIT`) and how to read them:
+    `verl` when it has a `reward_model` column, else `jsonl`."""
+    directory, named = path, None
+    if not os.path.isdir(path) and ":" in path:
+        directory, named = path.rsplit(":", 1)
+    if not os.path.isdir(directory):
+        raise DatasetError(path, "", "no such directory (data.format = 'hf' reads a directory "
+                                     "written by datasets' save_to_disk, or DIR:SPLIT)")
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(path, "", _HF_EXTRA) from None
+    try:
+        loaded = datasets.load_from_disk(directory)
+    except Exception as e:  # datasets raises FileNotFoundError and its own errors
+        raise DatasetError(
+            path, "", f"not a Hugging Face datasets directory written by save_to_disk: {e}"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        if named is None:
+            wanted = [split] if isinstance(split, str) else list(split or ())
+            named = next((s for s in wanted if s in loaded), None)
+            if named is None and len(splits) == 1:
+                named = splits[0]
+            if named is None:
+                raise DatasetError(
+                    path, "", f"a DatasetDict with splits {', '.join(splits)}: name one as "
+                              f"{directory}:SPLIT"
+                )
+        elif named not in loaded:
+            raise DatasetError(path, "", f"no split {named!r} (splits: {', '.join(splits)})")
+        loaded = loaded[named]
+    elif named is not None:
+        raise DatasetError(path, "", f"split {named!r} named, but {directory} holds one Dataset "
+                                     "(no splits): give the directory alone")
+    table = loaded.with_format(None)
+    records = [(f"row {i}", obj) for i, obj in enumerate(table.to_list())]
+    return records, "verl" if _has_ground_truth(records) else "jsonl"
+
+
 def _looks_like_gsm8k(records: list[tuple[str, Any]], prompt_key: str | None) -> bool:
     """The first row has GSM8K's fields (and the prompt key, if given, is GSM8K's)."""
     first = next((obj for _, obj in records if isinstance(obj, dict)), None)
@@ -247,6 +341,63 @@ def _make_row(index: int, obj: Any, prompt_key: str, label_key: str, *, gsm8k: b
             raise _BadRow(f"{label_key!r}: no '#### <answer>' line")
         metadata["solution"] = label
         label = final
+    return PromptRow(index, prompt, label, metadata, agent_loop, tools)
+
+
+def _plain(v: Any) -> Any:
+    """A value as msgpack-serialisable Python: numpy scalars and arrays, tuples (Arrow maps)
+    and nested containers become ints, floats, strs, lists and dicts."""
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, np.ndarray):
+        return [_plain(x) for x in v.tolist()]
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _make_verl_row(index: int, obj: Any, prompt_key: str) -> PromptRow:
+    """A row of verl's schema: `prompt` a chat message list, `reward_model.ground_truth` the
+    label, every other column metadata (`data_source`, `ability`, `extra_info`, ...)."""
+    if not isinstance(obj, dict):
+        raise _BadRow(f"expected a row object, got {_type_name(obj)}")
+    obj = _plain(obj)
+    if prompt_key not in obj:
+        raise _BadRow(
+            f"missing key {prompt_key!r} (row keys: {', '.join(map(str, obj)) or 'none'})"
+        )
+    raw = obj[prompt_key]
+    if not isinstance(raw, list):
+        raise _BadRow(f"{prompt_key!r}: expected a list of chat messages, got {_type_name(raw)}")
+    # Arrow gives every message every field of the column's struct (None where a message had
+    # none, e.g. tool_calls): drop those, as the message was written; content stays.
+    raw = [{k: v for k, v in m.items() if v is not None or k == "content"}
+           if isinstance(m, dict) else m for m in raw]
+    prompt = _check_prompt(raw, prompt_key)
+    rm = obj.get("reward_model")
+    if not isinstance(rm, dict):
+        raise _BadRow(
+            "missing 'reward_model' (expected a struct holding 'ground_truth')" if rm is None
+            else f"'reward_model': expected a struct holding 'ground_truth', got {_type_name(rm)}"
+        )
+    label = rm.get("ground_truth")
+    if label is None:
+        raise _BadRow("'reward_model.ground_truth': missing or null")
+    if isinstance(label, (int, float)) and not isinstance(label, bool):
+        label = str(label)
+    elif isinstance(label, str) and not label.strip():
+        raise _BadRow("'reward_model.ground_truth': empty string")
+    source = obj.get("data_source")
+    if source is not None and not isinstance(source, str):
+        raise _BadRow(f"'data_source': expected a string, got {_type_name(source)}")
+    agent_loop, tools = obj.get("agent_loop"), obj.get("tools")
+    if agent_loop is not None and not isinstance(agent_loop, str):
+        raise _BadRow(f"'agent_loop': expected a string or null, got {_type_name(agent_loop)}")
+    if tools is not None and not isinstance(tools, list):
+        raise _BadRow(f"'tools': expected a list or null, got {_type_name(tools)}")
+    metadata = {k: v for k, v in obj.items() if k not in (prompt_key, *_RESERVED)}
     return PromptRow(index, prompt, label, metadata, agent_loop, tools)
 
 
