@@ -107,6 +107,15 @@ def test_the_preparation_script_writes_what_verl_writes(tmp_path):
     test = load_dataset(out / "test.parquet", format="verl")
     assert test[0].metadata["extra_info"]["split"] == "test"
 
+    # the example experiment reads those files as they are
+    from rollmesh.config import load_experiment
+
+    exp = load_experiment(ROOT / "configs" / "gsm8k_verl.toml", [
+        f"data.train_path={out / 'train.parquet'}", f"data.eval_path={out / 'test.parquet'}"])
+    assert exp.data.format == "verl"
+    assert len(Dataset.from_config(exp.data)) == 6
+    assert Dataset.from_config(exp.data, eval=True)[0].metadata["data_source"] == "openai/gsm8k"
+
 
 def test_labels_other_columns_and_math_style_sources(tmp_path):
     rows = [
@@ -281,3 +290,5 @@ def test_a_verl_schema_gsm8k_parquet_file_trains(tmp_path):
     logs = (run_dir / "logs" / "rollouter-0.log").read_text().splitlines()
     loaded = [json.loads(x) for x in logs if '"dataset_loaded"' in x]
     assert {(e["format"], e["rows"]) for e in loaded} == {("verl", 32), ("verl", 4)}, loaded
+    # the rows' data_source reaches the trajectories: the eval figures per source
+    assert any("eval/openai/gsm8k/reward_mean" in r for r in rows), rows
