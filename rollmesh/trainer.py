@@ -79,6 +79,8 @@ from rollmesh.engine.client import run_api_key
 from rollmesh.engine.models import is_tiny, load_model, load_tokenizer, resolve_device
 from rollmesh.evaluation import eval_metrics
 from rollmesh.log import get_logger
+from rollmesh.metrics_sink import MetricsSinks, require_extras
+from rollmesh.metrics_sink import tensorboard_writer as _tensorboard  # noqa: F401 - tests
 from rollmesh.packing import BatchData
 from rollmesh.protocol import Batch, GetBatch, Metrics, StatsRequest
 from rollmesh.publish import Publisher, sync_weights
@@ -607,10 +609,12 @@ class Link:
         self.metrics_path = Path(metrics_path) if metrics_path else None
         if self.metrics_path is not None:  # on another host, the run's directory is new there
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        self.tensorboard = _tensorboard(self.metrics_path.parent / "tensorboard"
-                                        if self.metrics_path else None, ctx.log)
+        self.sinks: MetricsSinks | None = None  # TensorBoard and W&B, opened by `open`
 
     async def open(self) -> dict[str, str]:
+        self.sinks = await run(MetricsSinks.open, self.state.exp,
+                               self.metrics_path.parent if self.metrics_path else None,
+                               self.ctx.log)
         if self.publisher is not None:
             await self.publisher.open()
         self._serving = asyncio.create_task(self.server.serve())
@@ -625,6 +629,9 @@ class Link:
             if client is not None:
                 client.close()
         self.server.close()
+        if self.sinks is not None:  # W&B finishes its run and stops its service process
+            sinks, self.sinks = self.sinks, None
+            await run(sinks.close)
 
     async def _stats(self, msg: StatsRequest, peer: bytes) -> Metrics:
         s = self.state
@@ -639,11 +646,8 @@ class Link:
         if self.metrics_path is not None:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tensorboard.add_scalar(key, value, metrics["step"])
-            self.tensorboard.flush()
+        if self.sinks is not None:
+            self.sinks.log(metrics)
 
     async def engines_behind(self) -> list[str]:
         """The engines serving another version than the trainer's (logged; [] if none)."""
@@ -676,18 +680,6 @@ class Link:
         if self.rollouter is None or not self.state.exp.rollout.eval_every:
             return None
         return (await self.rollouter.request(StatsRequest())).values.get("eval")
-
-
-def _tensorboard(directory: Path | None, log: Any) -> Any:
-    """A TensorBoard writer beside metrics.jsonl where the optional extra is installed."""
-    if directory is None:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # the `tensorboard` extra is not installed: JSONL only
-        return None
-    log.info("tensorboard", logdir=str(directory))
-    return SummaryWriter(str(directory))
 
 
 # -- batches in ------------------------------------------------------------------------------------
@@ -842,6 +834,8 @@ async def main(ctx: RoleContext) -> None:
                       exp.trainer.ranks, backend)
     link = None
     try:
+        if ranks.is_main:  # a missing extra fails now, before the model loads
+            await run(require_extras, exp)
         state = await run(build_state, exp, ranks, device)
         ckpt_dir = ctx.config.get("checkpoint_dir") or exp.trainer.checkpoint_dir
         resume = checkpoint.latest(ckpt_dir) if ckpt_dir else None

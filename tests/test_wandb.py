@@ -1,0 +1,192 @@
+"""The Weights & Biases sink (`rollmesh.metrics_sink`): a real run in WANDB_MODE=offline, its
+offline run directory read back record by record; the missing extra's error.
+
+The offline run file (RUN/wandb/offline-run-*/run-<id>.wandb) is W&B's transaction log: a
+LevelDB-style log of `wandb_internal_pb2.Record` protobufs. wandb 0.31 has no Python reader for it
+any more (its Go service reads and writes it), so `wandb_records` reads the log format itself and
+parses each record with wandb's own protobuf classes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import pytest
+
+from tests.test_launcher import ROOT, finish, launch, metrics
+
+pytest.importorskip("wandb", reason="the optional `wandb` extra is not installed")
+
+WANDB_OFFLINE = ("--set", "metrics.wandb_project=rollmesh-test",
+                 "--set", "metrics.wandb_mode=offline")
+
+
+def wandb_records(path: Path) -> list:
+    """Every record of a .wandb file: a 7-byte file header (":W&B", magic 0xBEE1, version 0),
+    then 32 KiB blocks of chunks, each a 7-byte header (CRC-32 of type byte + data, uint16
+    length, type: 1 full, 2 first, 3 middle, 4 last) and its data; a block's tail shorter than a
+    chunk header is padding."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B" and raw[4:6] == (0xBEE1).to_bytes(2, "little"), raw[:7]
+    block, pos, parts, records = 32768, 7, b"", []
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        crc = int.from_bytes(raw[pos:pos + 4], "little")
+        length = int.from_bytes(raw[pos + 4:pos + 6], "little")
+        kind = raw[pos + 6]
+        data = raw[pos + 7:pos + 7 + length]
+        if kind == 0 and length == 0:  # zeroed tail
+            break
+        assert zlib.crc32(data, zlib.crc32(bytes([kind]))) == crc, f"bad CRC at byte {pos}"
+        pos += 7 + length
+        parts = data if kind in (1, 2) else parts + data
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+    return records
+
+
+def history_rows(records: list) -> list[dict]:
+    rows = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                         for i in r.history.item})
+    return rows
+
+
+def config_items(records: list) -> dict:
+    """The run's config as W&B holds it: {top-level key: value}, from the run record and any
+    later config records."""
+    config: dict = {}
+    for r in records:
+        kind = r.WhichOneof("record_type")
+        updates = (r.run.config.update if kind == "run"
+                   else r.config.update if kind == "config" else ())
+        for item in updates:
+            config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return config
+
+
+def wandb_core_pids() -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                if b"wandb-core" in cmd and (proc / "stat").read_text().split()[2] != "Z":
+                    pids.add(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """Offline, and W&B's own files (settings, caches) under tmp_path, not the user's home."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_offline_wandb_run_holds_every_step_and_the_resolved_config(tmp_path, wandb_env):
+    services_before = wandb_core_pids()
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--set", "trainer.total_steps=6", *WANDB_OFFLINE)
+    out = finish(proc, timeout_s=100)
+    assert proc.returncode == 0, out[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and runs[0].name.endswith(f"-{run_id}"), runs
+    records = wandb_records(runs[0] / f"run-{run_id}.wandb")
+
+    logged = history_rows(records)
+    by_step = {r["trainer/step"]: r for r in logged if "trainer/step" in r}
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6], logged
+    for row in rows:  # every numeric value of every row, as metrics.jsonl has it
+        wb = by_step[row["step"]]
+        assert wb["reward_mean"] == pytest.approx(row["reward_mean"], rel=1e-12, abs=0)
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                assert wb[key] == pytest.approx(value, rel=1e-12), key
+        assert "group_ids" not in wb  # lists are not metrics
+
+    config = config_items(records)
+    spec = json.loads(next((run_dir / "specs").glob("trainer*.json")).read_text())
+    experiment = spec.get("config", spec)["experiment"]
+    assert config["data"]["group_size"] == experiment["data"]["group_size"]
+    assert config["trainer"]["total_steps"] == 6
+    assert config["metrics"]["wandb_project"] == "rollmesh-test"
+    run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run_record.project == "rollmesh-test" and run_record.display_name == run_dir.name
+
+    # the trainer said where the run is, once; W&B's service process ended with the trainer
+    trainer_log = "".join(p.read_text() for p in (run_dir / "logs").glob("trainer*"))
+    said = [json.loads(line) for line in trainer_log.splitlines()
+            if line.startswith("{") and '"event": "wandb"' in line]
+    assert len(said) == 1 and said[0]["mode"] == "offline" and said[0]["run_id"] == run_id, said
+    assert not (wandb_core_pids() - services_before)
+
+
+def test_missing_wandb_package_is_a_clear_error_naming_the_extra(tmp_path):
+    """`import wandb` fails in this process (as where the extra is not installed): opening the
+    sinks says which key asked for it and what to install."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["wandb"] = None  # `import wandb` raises ModuleNotFoundError
+        from pathlib import Path
+        from rollmesh.config import ConfigError, load_experiment
+        from rollmesh.log import get_logger
+        from rollmesh.metrics_sink import MetricsSinks
+        exp = load_experiment("configs/tiny_cpu.toml",
+                              ["metrics.wandb_project=rollmesh-test", "metrics.wandb_mode=offline"])
+        try:
+            MetricsSinks.open(exp, Path({str(tmp_path)!r}), get_logger())
+        except ConfigError as e:
+            print("ERROR", e)
+            sys.exit(3)
+        """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert ("ERROR metrics.wandb_project is set but the `wandb` package is not installed: "
+            "pip install 'rollmesh[wandb]'") in result.stdout
+    assert not (tmp_path / "wandb").exists() and not (tmp_path / "wandb_run_id").exists()
+
+
+def test_no_wandb_project_never_imports_wandb(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from rollmesh.config import load_experiment
+        from rollmesh.log import get_logger
+        from rollmesh.metrics_sink import MetricsSinks
+        sinks = MetricsSinks.open(load_experiment("configs/tiny_cpu.toml"),
+                                  Path({str(tmp_path)!r}), get_logger())
+        sinks.log({{"step": 1, "reward_mean": 0.5, "group_ids": [1, 2]}})
+        sinks.close()
+        print("wandb imported:", "wandb" in sys.modules)
+        """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wandb imported: False" in result.stdout
