@@ -3,10 +3,10 @@
 This module owns what the rollouter reads: a file (JSONL, Parquet, GSM8K's JSONL, verl's Parquet
 schema) or a Hugging Face `datasets` directory becomes a `Dataset` of `PromptRow`s, validated row
 by row (a bad row is an error naming the file, the line and the problem, unless `skip_bad_rows`
-counts and logs it); a `PromptCursor` walks the rows in a
-deterministic per-epoch order and resumes exactly from its `state()`; a `PromptSource` hands out
-`PromptGroup`s (a row, the group size and a stable group id). `render_prompt` turns a row into
-prompt token ids for the agent loops.
+counts and logs it); a `PromptCursor` walks the rows in a deterministic per-epoch order and
+resumes exactly from its `state()`; a `PromptSource` hands out `PromptGroup`s (a row, the group
+size and a stable group id). `render_prompt` turns a row into prompt token ids for the agent
+loops.
 """
 
 from __future__ import annotations
@@ -145,6 +145,9 @@ def load_dataset(
     path = os.fspath(path)
     fmt = _resolve_format(path, format)
     if fmt == "hf":
+        if format == "auto":
+            log.info("dataset_format_detected", path=path, format="hf",
+                     why="a directory: read as one written by datasets' save_to_disk")
         records, schema = _hf_records(path, split)
         if schema == "jsonl" and _looks_like_gsm8k(records, prompt_key):
             schema = "gsm8k"

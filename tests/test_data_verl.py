@@ -221,7 +221,8 @@ def test_hf_save_to_disk_dataset_and_dataset_dict(tmp_path):
     assert len(load_dataset(both / "test", format="hf")) == 4  # one split's own directory
     with pytest.raises(DatasetError) as err:
         load_dataset(both, format="hf")
-    assert str(err.value) == f"{both}: a DatasetDict with splits train, test: name one as {both}:SPLIT"
+    assert str(err.value) == (
+        f"{both}: a DatasetDict with splits train, test: name one as {both}:SPLIT")
     with pytest.raises(DatasetError, match=r"no split 'dev' \(splits: train, test\)"):
         load_dataset(f"{both}:dev", format="hf")
     # from a config: train_path gets the train split, eval_path the test split
