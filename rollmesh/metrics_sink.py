@@ -11,7 +11,10 @@ Opened by the trainer's rank 0 with the experiment config and the directory of m
   run's id is kept in DIR/wandb_run_id, so a trainer restarted from a checkpoint (it trains the
   steps after the checkpoint again) goes on with the same W&B run. W&B drops a row whose `step`
   is not above the last one, so rows carry their step as the `trainer/step` metric instead:
-  a step trained again is logged again. Mode: WANDB_MODE, else `metrics.wandb_mode`.
+  a step trained again is logged again. The restarted trainer also logs again the rows of the
+  last REPLAY_S that metrics.jsonl keeps: W&B may not have written them before the old trainer
+  died (a few rows may be there twice, never missing). Mode: WANDB_MODE, else
+  `metrics.wandb_mode`. W&B's service process is stopped at `close`.
 
 A sink failing mid-run (W&B's network, a full disk under TensorBoard) is logged once and that
 sink is dropped: training goes on and metrics.jsonl keeps every row.
@@ -19,6 +22,7 @@ sink is dropped: training goes on and metrics.jsonl keeps every row.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -28,6 +32,8 @@ from rollmesh.config import ConfigError, ExperimentConfig, to_dict
 from rollmesh.durable_log import write_atomic
 
 STEP_METRIC = "trainer/step"
+TRANSACTION_LOG_FLUSH_S = 1.0
+REPLAY_S = 30.0  # covers W&B's 1 s offline flush and its 15 s online send interval
 
 
 class MissingExtra(ConfigError):
@@ -89,20 +95,45 @@ class MetricsSinks:
         self._wandb = wandb_module
 
     @classmethod
-    def open(cls, exp: ExperimentConfig, directory: Path | None, log: Any) -> MetricsSinks:
-        """The sinks the config and the installed extras ask for (`directory`: where
-        metrics.jsonl is; None: no files, so no TensorBoard)."""
+    def open(cls, exp: ExperimentConfig, metrics_path: Path | None, log: Any) -> MetricsSinks:
+        """The sinks the config and the installed extras ask for, in the directory of
+        `metrics_path` (None: no files, so no TensorBoard)."""
+        directory = metrics_path.parent if metrics_path is not None else None
         tensorboard = tensorboard_writer(directory / "tensorboard" if directory else None, log)
         if not exp.metrics.wandb_project:
             return cls(log, tensorboard)
         wandb = import_wandb()
         try:
-            run = _wandb_init(wandb, exp, directory, log)
+            run, resumed = _wandb_init(wandb, exp, directory, log)
         except BaseException:
             if tensorboard is not None:
                 tensorboard.close()
             raise
-        return cls(log, tensorboard, run, wandb)
+        sinks = cls(log, tensorboard, run, wandb)
+        if resumed and metrics_path is not None:
+            sinks.replay_to_wandb(metrics_path)
+        return sinks
+
+    def replay_to_wandb(self, metrics_path: Path) -> None:
+        """A trainer restarted goes on with the W&B run of the one before it, which may have died
+        with its last rows unwritten by W&B (flushed every second offline, sent every 15 s
+        online). Log again the rows metrics.jsonl keeps from the last REPLAY_S before its newest
+        (the rows past the checkpoint are gone from it: they are trained again): W&B may hold
+        some of them twice, with the same values at the same trainer/step, but none is lost."""
+        rows = _read_rows(metrics_path)
+        if not rows or self.wandb_run is None:
+            return
+        since = rows[-1].get("time", 0.0) - REPLAY_S
+        again = [r for r in rows if r.get("time", 0.0) >= since]
+        wandb_run, tensorboard, self.tensorboard = self.wandb_run, self.tensorboard, None
+        try:
+            for row in again:
+                self.log(row)
+        finally:
+            self.tensorboard = tensorboard
+        if self.wandb_run is wandb_run:
+            self.log_.info("wandb_replayed", rows=len(again), first_step=again[0]["step"],
+                           last_step=again[-1]["step"])
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (a trainer step, eval keys included): its numeric values."""
@@ -149,30 +180,58 @@ class MetricsSinks:
             self._wandb = None
 
 
-def _wandb_init(wandb: Any, exp: ExperimentConfig, directory: Path | None, log: Any) -> Any:
+def _wandb_init(wandb: Any, exp: ExperimentConfig, directory: Path | None,
+                log: Any) -> tuple[Any, bool]:
+    """The W&B run (resumed: its id was in `directory` already) and whether it was resumed."""
     cfg = exp.metrics
     mode = os.environ.get("WANDB_MODE") or cfg.wandb_mode
     run_id = None
+    resumed = False
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
         id_path = directory / "wandb_run_id"
         run_id = id_path.read_text().strip() if id_path.exists() else ""
+        resumed = bool(run_id)
         if not run_id:
-            run_id = uuid.uuid4().hex[:12]  # W&B's own ids: 8 of [a-z0-9]
+            run_id = uuid.uuid4().hex[:12]  # W&B run ids take [a-z0-9]
             write_atomic(id_path, run_id + "\n")
     name = cfg.wandb_run_name or (_run_name(directory) if directory is not None else None)
     run = wandb.init(
         project=cfg.wandb_project, entity=cfg.wandb_entity, name=name, mode=mode,
         dir=str(directory) if directory is not None else None, config=to_dict(exp),
         tags=list(cfg.wandb_tags) or None, id=run_id, resume="allow" if run_id else None,
-        settings=wandb.Settings(console="off", silent=True))
+        settings=wandb.Settings(**_settings(wandb)))
     run.define_metric(STEP_METRIC)
     run.define_metric("*", step_metric=STEP_METRIC)
     log.info("wandb", project=cfg.wandb_project, entity=cfg.wandb_entity, name=name, mode=mode,
              run_id=run.id, url=getattr(run, "url", None),
-             dir=str(Path(run.dir).parent) if getattr(run, "dir", None) else None,
+             dir=str(Path(run.dir).parent) if mode != "disabled" else None,
+             resumed=resumed,
              **({"sync": f"wandb sync {Path(run.dir).parent}"} if mode == "offline" else {}))
-    return run
+    return run, resumed
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if line.endswith("\n") and isinstance(row, dict) and "step" in row:
+                rows.append(row)
+    return rows
+
+
+def _settings(wandb: Any) -> dict[str, Any]:
+    """The role's output stays the role's (no console capture); the offline run file is flushed
+    every second, not every 15 s (W&B's default): a trainer killed -9 loses W&B's unwritten
+    rows with it, and its replacement only logs the steps after the checkpoint again."""
+    settings: dict[str, Any] = {"console": "off", "silent": True}
+    if "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {}):
+        settings["x_transaction_log_flush_interval"] = TRANSACTION_LOG_FLUSH_S
+    return settings
 
 
 def _run_name(directory: Path) -> str:

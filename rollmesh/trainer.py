@@ -612,9 +612,7 @@ class Link:
         self.sinks: MetricsSinks | None = None  # TensorBoard and W&B, opened by `open`
 
     async def open(self) -> dict[str, str]:
-        self.sinks = await run(MetricsSinks.open, self.state.exp,
-                               self.metrics_path.parent if self.metrics_path else None,
-                               self.ctx.log)
+        self.sinks = await run(MetricsSinks.open, self.state.exp, self.metrics_path, self.ctx.log)
         if self.publisher is not None:
             await self.publisher.open()
         self._serving = asyncio.create_task(self.server.serve())

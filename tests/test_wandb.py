@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launcher import ROOT, finish, launch, metrics
+from tests.test_launcher import ROOT, finish, launch, metrics, status, wait_for
 
 pytest.importorskip("wandb", reason="the optional `wandb` extra is not installed")
 
@@ -45,7 +46,7 @@ def wandb_records(path: Path) -> list:
         length = int.from_bytes(raw[pos + 4:pos + 6], "little")
         kind = raw[pos + 6]
         data = raw[pos + 7:pos + 7 + length]
-        if kind == 0 and length == 0:  # zeroed tail
+        if (kind == 0 and length == 0) or len(data) < length:  # zeroed or torn tail
             break
         assert zlib.crc32(data, zlib.crc32(bytes([kind]))) == crc, f"bad CRC at byte {pos}"
         pos += 7 + length
@@ -147,6 +148,49 @@ def test_offline_wandb_run_holds_every_step_and_the_resolved_config(tmp_path, wa
     assert not (wandb_core_pids() - services_before)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_restarted_trainer_goes_on_with_the_same_wandb_run(tmp_path, wandb_env):
+    """kill -9 the trainer past a checkpoint: the launcher restarts it, it trains the steps after
+    the checkpoint again, and logs them to the same W&B run (resumed by id; offline, a second
+    offline-run directory with that id), none of them dropped for going back in step. W&B may
+    not have written the dead trainer's last rows: the new one logs the last kept ones again."""
+    run_dir = tmp_path / "run"
+    steps, every = 8, 3
+    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}", "--set",
+                  f"trainer.checkpoint_every={every}", "--set", "rollout.eval_every=0",
+                  *WANDB_OFFLINE)
+    try:
+        # past a checkpoint and not on one: the steps after it are lost with the trainer
+        wait_for(lambda: len(metrics(run_dir)) > every and len(metrics(run_dir)) % every != 0,
+                 100, "training past a checkpoint", proc)
+        trainer = next(p for p in status(run_dir)["processes"] if p["name"] == "trainer[0]")
+        os.kill(trainer["pid"], signal.SIGKILL)
+    finally:
+        out = finish(proc, timeout_s=130)
+    assert proc.returncode == 0, out[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))  # named by start time
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+    first, second = (history_rows(wandb_records(r / f"run-{run_id}.wandb")) for r in runs)
+    log = [json.loads(line) for line in (run_dir / "logs" / "trainer-0.log").read_text()
+           .splitlines() if line.startswith("{")]
+    kept = [e["step"] for e in log if e["event"] == "resumed"][-1]  # the checkpoint's step
+    replayed = [e for e in log if e["event"] == "wandb_replayed"][-1]
+    assert kept % every == 0 and replayed["last_step"] == kept, (kept, replayed)
+    assert [r["trainer/step"] for r in first] == list(range(1, len(first) + 1))
+    assert [r["trainer/step"] for r in second] == [*range(replayed["first_step"], kept + 1),
+                                                   *range(kept + 1, steps + 1)]
+    assert len(first) + 1 >= replayed["first_step"]  # no step missing between the two
+    logged = {r["trainer/step"]: r for r in first + second}  # the latest row of each step
+    for row in rows:
+        assert logged[row["step"]]["reward_mean"] == row["reward_mean"], row["step"]
+        assert logged[row["step"]]["samples_consumed"] == row["samples_consumed"]
+
+
 def test_missing_wandb_package_is_a_clear_error_naming_the_extra(tmp_path):
     """`import wandb` fails in this process (as where the extra is not installed): opening the
     sinks says which key asked for it and what to install."""
@@ -160,7 +204,7 @@ def test_missing_wandb_package_is_a_clear_error_naming_the_extra(tmp_path):
         exp = load_experiment("configs/tiny_cpu.toml",
                               ["metrics.wandb_project=rollmesh-test", "metrics.wandb_mode=offline"])
         try:
-            MetricsSinks.open(exp, Path({str(tmp_path)!r}), get_logger())
+            MetricsSinks.open(exp, Path({str(tmp_path)!r}) / "metrics.jsonl", get_logger())
         except ConfigError as e:
             print("ERROR", e)
             sys.exit(3)
@@ -173,6 +217,65 @@ def test_missing_wandb_package_is_a_clear_error_naming_the_extra(tmp_path):
     assert not (tmp_path / "wandb").exists() and not (tmp_path / "wandb_run_id").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_without_the_wandb_package_fails_at_the_trainers_start(tmp_path, wandb_env,
+                                                                      monkeypatch):
+    """Every process of the run finds a `wandb` that is not installed (a module on PYTHONPATH
+    that raises as an absent one does): the trainer exits at its start, before loading the
+    model, and the launcher's output and the trainer's log say what to install."""
+    shim = tmp_path / "no_wandb"
+    shim.mkdir()
+    (shim / "wandb.py").write_text(
+        'raise ModuleNotFoundError("No module named \'wandb\'", name="wandb")\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(shim), os.environ.get("PYTHONPATH")])))
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--set", "trainer.total_steps=4", *WANDB_OFFLINE)
+    out = finish(proc, timeout_s=100)
+    message = ("metrics.wandb_project is set but the `wandb` package is not installed: "
+               "pip install 'rollmesh[wandb]'")
+    assert proc.returncode != 0
+    assert message in out, out[-3000:]
+    assert message in (run_dir / "logs" / "trainer-0.log").read_text()
+    assert not metrics(run_dir) and not (run_dir / "wandb").exists()
+
+
+def test_wandb_failing_mid_run_is_a_warning_not_an_error(tmp_path, wandb_env):
+    """W&B's service process dies under the trainer (as when W&B breaks mid-run): logging a row
+    warns once and W&B is dropped; the rows after it and `close` go on without raising."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        from rollmesh.config import load_experiment
+        from rollmesh.log import configure_logging
+        from rollmesh.metrics_sink import MetricsSinks
+        log = configure_logging("trainer", json=True)
+        exp = load_experiment("configs/tiny_cpu.toml", ["metrics.wandb_project=rollmesh-test"])
+        sinks = MetricsSinks.open(exp, Path({str(tmp_path)!r}) / "metrics.jsonl", log)
+        sinks.log({{"step": 1, "reward_mean": 0.1}})
+        for proc in Path("/proc").iterdir():  # this process's wandb-core service
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\\0")
+            except OSError:
+                continue
+            if any(b"wandb-core" in c for c in cmd) and str(os.getpid()).encode() in cmd:
+                os.kill(int(proc.name), signal.SIGKILL)
+        time.sleep(1.0)
+        for step in range(2, 5):
+            sinks.log({{"step": step, "reward_mean": 0.1 * step}})
+        sinks.close()
+        print("closed", flush=True)
+        """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    failed = [e for e in events if e["event"] == "wandb_failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 2 and failed[0]["level"] == "warning"
+    assert "closed" in result.stdout
+
+
 def test_no_wandb_project_never_imports_wandb(tmp_path):
     code = textwrap.dedent(f"""
         import sys
@@ -181,7 +284,7 @@ def test_no_wandb_project_never_imports_wandb(tmp_path):
         from rollmesh.log import get_logger
         from rollmesh.metrics_sink import MetricsSinks
         sinks = MetricsSinks.open(load_experiment("configs/tiny_cpu.toml"),
-                                  Path({str(tmp_path)!r}), get_logger())
+                                  Path({str(tmp_path)!r}) / "metrics.jsonl", get_logger())
         sinks.log({{"step": 1, "reward_mean": 0.5, "group_ids": [1, 2]}})
         sinks.close()
         print("wandb imported:", "wandb" in sys.modules)
