@@ -58,10 +58,11 @@ def registered(group: str, *builtin: str) -> str:
     return ", ".join(map(repr, names))
 
 
-EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine"
+EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics"
 ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, "
                 "max_turns, tool_timeout_s, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
-                "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature")
+                "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
+                "eval_pass_threshold")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
 CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus"
 HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
