@@ -107,7 +107,8 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     train_path: str = _field(
-        "training prompts: a .jsonl or .parquet file (relative to the working directory)"
+        "training prompts: a .jsonl or .parquet file, or a Hugging Face `datasets` directory "
+        "(DIR or DIR:SPLIT; relative to the working directory)"
     )
     eval_path: str | None = _field(
         "evaluation prompts, same format (needed if eval_every > 0)", None
