@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--reference", action="store_true",
                    help="print the configuration reference (markdown) instead")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pl = sub.add_parser("plot", help="draw a run's metrics to a PNG (rollmesh plot RUN)")
+    pl.add_argument("run", metavar="RUN", help="a run directory or its metrics.jsonl")
+    pl.add_argument("--metrics", metavar="A,B,...",
+                    help="one panel per named metrics key instead of the default panels")
+    pl.add_argument("-o", "--output", metavar="FILE", help="the PNG (default: RUN/plot.png)")
     return p
 
 
@@ -48,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "config":
         return _config(args)
+    if args.command == "plot":
+        return _plot(args)
     _parser().print_help()
     return 2
 
@@ -67,4 +74,24 @@ def _config(args: argparse.Namespace) -> int:
         print(f"rollmesh: {e}", file=sys.stderr)
         return 2
     print(to_toml(cfg))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rollmesh.plot import metrics_file, plot_run
+
+    metrics = None
+    if args.metrics is not None:
+        metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    try:
+        path = metrics_file(args.run)
+        out = Path(args.output) if args.output else path.parent / "plot.png"
+        panels = plot_run(path, out, metrics)
+    except (OSError, ValueError) as e:
+        print(f"rollmesh plot: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    print("panels: " + ", ".join(panels))
     return 0
