@@ -123,7 +123,7 @@ def _draw(ax: Axes, rows: Sequence[dict], keys: Sequence[str], smooth: Sequence[
         if not ys:
             continue
         # few points, or not every step (eval rounds, syncs every n steps): show the points
-        points = len(ys) <= 30 or len(ys) < len(rows)
+        points = len(ys) <= 30 or len(ys) < 0.9 * len(rows)
         color = next(colors)
         k = max(1, len(ys) // 10)
         if key in smooth and k > 1:
@@ -243,5 +243,6 @@ def plot_metric(metrics_path: Path, key: str, out: Path) -> None:
 
     rows = _with_derived(read_metrics(metrics_path))
     fig = Figure(figsize=(8, 4.5), layout="constrained")
-    _draw_panel(fig.add_subplot(), rows, Panel(f"{key} by step", (key,), smooth=(key,)))
+    panel = Panel(f"{key} by step", (key,), ylabel=key, smooth=(key,))
+    _draw_panel(fig.add_subplot(), rows, panel)
     _save(fig, out)
