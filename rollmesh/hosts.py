@@ -7,13 +7,13 @@ left as the user's ssh configuration has it (on, for a fixed fleet). The remote 
 properly quoted shell line: `cd WORKDIR && exec env K=V ... PYTHON -m rollmesh ...`.
 
 Each process's output (JSON log lines) is pumped by a thread into its own log file and, when an
-`echo` is given, to the terminal with a host and role prefix.
+`echo` is given, handed to it line by line (the launcher's console: rollmesh.console, which
+shows them human-readable with a host and role prefix under --verbose).
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import os
 import shlex
 import signal
@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from typing import IO, Callable
 
 from rollmesh.config import HostConfig
+from rollmesh.console import render_line
 
 Echo = Callable[[str, str], None]  # (label, line)
 
@@ -285,21 +286,9 @@ def make_host(name: str, cfg: HostConfig) -> Host:
 # --------------------------------------------------------------------------------------------
 
 
-def render_line(line: str) -> str:
-    """A JSON log line as `level event key=value ...`; anything else as it is."""
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return line
-    if not isinstance(rec, dict) or "event" not in rec:
-        return line
-    skip = {"event", "level", "timestamp", "role", "host", "instance", "run"}
-    rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in skip)
-    return f"{rec.get('level', ''):7s} {rec['event']} {rest}".rstrip()
-
-
 def pump(stream: IO[bytes] | None, log_path: Path, echo: Echo | None, label: str) -> threading.Thread:
-    """Copy a process's output to its log file (and the terminal) until it closes."""
+    """Copy a process's output to its log file (JSON lines, as the process writes them) and
+    hand each line to `echo` (the console decides what to show), until it closes."""
 
     def run() -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -316,6 +305,7 @@ def pump(stream: IO[bytes] | None, log_path: Path, echo: Echo | None, label: str
 
 
 def terminal_echo(lock: threading.Lock | None = None) -> Echo:
+    """Every line to stdout, human-readable, prefixed `[host role/i]`."""
     lock = lock or threading.Lock()
 
     def echo(label: str, line: str) -> None:

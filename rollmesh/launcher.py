@@ -20,6 +20,10 @@
 
 Hosts whose address is this machine run their roles as local processes; others over OpenSSH
 (rollmesh.hosts). `--dry-run` prints the plan (the command per host) and starts nothing.
+
+What the user sees is rollmesh.console's: a live progress bar and event lines on a terminal,
+plain lines otherwise; every role's log and the launcher's own go to RUN/logs/ (JSON lines),
+and to the terminal too, human-readable, with `--verbose`.
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollmesh.console import Console, LogStream
 from rollmesh.config import (
     ClusterConfig, ConfigError, ExperimentConfig, Process, load_cluster, to_dict, to_toml,
 )
 from rollmesh.durable_log import write_atomic
 from rollmesh.engine.client import API_KEY_FILE, EngineClient
 from rollmesh.engine.sglang import EngineLaunch, engine_launch
-from rollmesh.hosts import Host, SshHost, make_host, terminal_echo
+from rollmesh.hosts import Host, SshHost, make_host
 from rollmesh.log import configure_logging, get_logger
 from rollmesh.plot import plot_metric, read_metrics
 from rollmesh.protocol import (
@@ -219,12 +224,16 @@ class EngineProc:
 
 class Launcher:
     def __init__(self, cluster: ClusterConfig, run_dir: Path, echo: bool = True,
-                 resume: bool = False):
+                 resume: bool = False, console: Console | None = None):
         self.cluster = cluster
         self.resume = resume
         self.exp: ExperimentConfig = cluster.experiment_config  # type: ignore[assignment]
         self.run_dir = run_dir
-        self.echo = terminal_echo() if echo else None
+        # what the user sees (`echo=False`: as --quiet); every role's lines reach it
+        self.console = console or Console(self.exp.trainer.total_steps, quiet=not echo)
+        self.echo = self.console.role_line
+        self.failed_log: Path | None = None  # the log of the role whose failure ended the run
+        self.metrics_seen: tuple[int, int] | None = None  # metrics.jsonl's (size, mtime) shown
         self.hosts = {name: make_host(name, cfg) for name, cfg in cluster.hosts.items()}
         # The engines' HTTP API key (the CURVE keys guard the ZeroMQ sockets; this guards the
         # engines' routes, weight updates included): one per run, kept in its keys directory.
@@ -296,8 +305,20 @@ class Launcher:
 
     # -- the run ---------------------------------------------------------------------------
 
+    def log_to_run_dir(self) -> None:
+        """The launcher's own lines: JSON in RUN/logs/launcher.log; on the terminal only with
+        --verbose (through the console, human-readable like the roles')."""
+        console = self.console
+        terminal = (LogStream(console, f"{os.uname().nodename} launcher") if console.verbose
+                    else False)
+        configure_logging("launcher", stream=terminal, json=True,
+                          file=self.run_dir / "logs" / "launcher.log")
+        log.info("config", cluster=to_dict(self.cluster), experiment=to_dict(self.exp),
+                 run_dir=str(self.run_dir))
+
     async def run(self) -> int:
         keys = self.prepare_run_dir()
+        self.log_to_run_dir()
         addr = self.launcher_address()
         base = self.cluster.launcher_port
         bind = "127.0.0.1" if addr == "127.0.0.1" else "*"
@@ -324,25 +345,32 @@ class Launcher:
                 loop.add_signal_handler(sig, self.stop_requested.set)
             code = 1
             watch: asyncio.Task | None = None
+            self.console.start()
             try:
                 await self.start_all()
-                self.state = "running"
+                self.state = self.console.state = "running"
                 watch = asyncio.create_task(self.watch_progress())
                 code = await self.supervise()
             except (RoleFailed, RuntimeError, OSError) as e:
                 self.failure = self.failure or str(e)
                 log.error("run_failed", error=self.failure)
+                if self.failed_log is None:  # a role that died while starting
+                    self.failed_log = next((c.log_path for c in self.children.values()
+                                            if c.process.poll() is not None), None)
             finally:
                 if watch is not None:
                     watch.cancel()
                     await asyncio.gather(watch, return_exceptions=True)
-                self.state = "stopping"
+                self.state = self.console.state = "stopping"
                 await self.shutdown()
                 self.state = "finished" if code == 0 else "failed"
                 await self.publish_once()
                 status.cancel()
                 self.publisher.close()
                 hub.close()
+                self.mirror_metrics()  # the trainer's last rows, where it ran on another host
+                self.progress()
+                self.console.stop()  # the bar's last state stays on the screen
             self.report(code)
             return code
 
@@ -356,7 +384,7 @@ class Launcher:
             for child in started:
                 await self.sup.wait_ready(child, timeout_s=self.exp.engine.startup_timeout_s)
             if started:
-                log.info("started", role=role, count=len(started))
+                log.info("started", started=role, count=len(started))
             if role == "trainer" and self.resume:
                 self.mirror_whole = True  # it trimmed its metrics to its checkpoint
 
@@ -431,6 +459,7 @@ class Launcher:
                     await self.restart(name, child, code)
                     continue
                 self.failure = (child.failure() or f"{name} exited with code {code}")
+                self.failed_log = child.log_path
                 return 1
             for e in self.engines:
                 if e.process.poll() is not None:
@@ -456,8 +485,9 @@ class Launcher:
                   failure=child.failure(), log=str(child.log_path))
         log.warning("trainer_restart", restart=self.trainer_restarts, of=limit, delay_s=delay,
                     ranks=len(ranks))
-        print(f"rollmesh: {child.failure()}; restarting the trainer from its latest "
-              f"checkpoint ({self.trainer_restarts} of {limit})", flush=True)
+        self.console.show_tail(f"{child.failure()}", child.log_path)
+        self.console.event(f"{child.failure()}; restarting the trainer from its latest "
+                           f"checkpoint ({self.trainer_restarts} of {limit})")
         began = time.monotonic()
         sync_name = next((n for n, c in self.children.items()
                           if c.spec.role == "synchronizer"), None)
@@ -484,12 +514,18 @@ class Launcher:
         self.snapshots.clear()  # the watchdog's window starts again
         log.warning("trainer_restarted", restart=self.trainer_restarts,
                     restart_s=round(time.monotonic() - began, 2))
+        self.console.event(f"trainer restarted from its latest checkpoint in "
+                           f"{time.monotonic() - began:.1f}s ({self.trainer_restarts} of {limit})")
 
     async def restart(self, name: str, child: Child, code: int) -> None:
         delay = min(2.0 ** child.restarts, 30.0)
         log.warning("role_restart", child=name, exit_code=code, restarts=child.restarts + 1,
                     delay_s=delay, log=str(child.log_path))
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay)  # also lets its pump write the last lines of its log
+        self.console.show_tail(child.failure() or f"{name} exited with code {code}",
+                               child.log_path)
+        self.console.event(f"{name} exited with code {code}; restarting it "
+                           f"({child.restarts + 1} of {MAX_RESTARTS})")
         self.children[name] = self.sup.respawn(child)
         await self.sup.wait_ready(self.children[name], 120)
 
@@ -499,6 +535,7 @@ class Launcher:
             now = time.monotonic()
             e.restart_times = [t for t in e.restart_times if now - t < ENGINE_RESTART_WINDOW_S]
             if len(e.restart_times) >= limit:
+                self.failed_log = e.log_path
                 raise RuntimeError(
                     f"engine[{e.planned.proc.index}] keeps exiting ({len(e.restart_times)} "
                     f"restarts within {ENGINE_RESTART_WINDOW_S:g}s, engine.max_restarts="
@@ -508,6 +545,9 @@ class Launcher:
             log.warning("engine_restart", engine=e.planned.proc.index, restarts=e.restarts,
                         recent=len(e.restart_times), limit=limit,
                         window_s=ENGINE_RESTART_WINDOW_S)
+            self.console.event(f"engine[{e.planned.proc.index}] exited with code "
+                               f"{e.process.returncode}; restarting it ({len(e.restart_times)} "
+                               f"within {ENGINE_RESTART_WINDOW_S:g}s, of {limit})")
             # It comes back with the initial weights, reported as version 0; the synchronizer
             # (EnginesChanged) and the trainer's check send it the current ones.
             self.start_engine(e)
@@ -540,12 +580,14 @@ class Launcher:
                 log.warning("watchdog_snapshot_failed", error=f"{type(e).__name__}: {e}")
                 continue
             self.snapshots.append(snap)
+            self.console.dropped(snap.dropped)
             self.snapshots = [s for s in self.snapshots
                               if snap.t - s.t <= timeout + 4 * WATCH_EVERY_S
                               or s.trainer_step == snap.trainer_step]
             error = stalled(self.snapshots, timeout)
             if error:
                 log.error("run_stalled", error=error)
+                self.console.event(f"progress watchdog: {error}; stopping the run")
                 self.failure = f"progress watchdog: {error}"
                 self.stop_requested.set()
                 return
@@ -708,7 +750,8 @@ class Launcher:
                 tick += 1
                 if tick % 5 == 0:
                     await asyncio.to_thread(self.mirror_metrics)
-                    self.progress()
+                self.progress()
+                self.console.tick()
             except Exception as e:
                 log.warning("status_failed", error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(1.0)
@@ -738,21 +781,19 @@ class Launcher:
                 f.write(whole)
 
     def progress(self) -> None:
-        """One line on the terminal: where training stands (from metrics.jsonl)."""
+        """Hand the console where training stands (metrics.jsonl, when it changed)."""
         metrics = self.run_dir / "metrics.jsonl"
-        if not metrics.exists():
+        try:
+            st = metrics.stat()
+        except FileNotFoundError:
             return
-        rows = read_metrics(metrics)  # one row per step (a step trained again: its last)
-        if not rows:
+        if (st.st_size, st.st_mtime_ns) == self.metrics_seen:
             return
-        last = rows[-1]
-        print(f"rollmesh: step {last.get('step')}/{self.exp.trainer.total_steps} "
-              f"version {last.get('version')} reward_mean {last.get('reward_mean', 0):.3f} "
-              f"staleness_max {last.get('batch_staleness_max')} "
-              f"elapsed {time.monotonic() - self.started:.0f}s", flush=True)
+        self.metrics_seen = (st.st_size, st.st_mtime_ns)
+        # one row per step (a step trained again: its last)
+        self.console.rows(read_metrics(metrics))
 
     def report(self, code: int) -> None:
-        self.mirror_metrics()  # the trainer's last rows, where it ran on another host
         summary = {k: v for k, v in getattr(self, "summary", {}).items()
                    if k not in ("rollouter", "message_queue")}
         if code != 0 and self.failure:
@@ -764,10 +805,13 @@ class Launcher:
         if metrics.exists():
             plot_metric(metrics, "reward_mean", self.run_dir / "reward.png")
         if code == 0:
-            print(f"rollmesh: run finished; results in {self.run_dir}")
+            self.console.info(f"rollmesh: run finished; results in {self.run_dir}")
         elif code == 130:
-            print(f"rollmesh: run stopped; results in {self.run_dir}")
+            self.console.info(f"rollmesh: run stopped; results in {self.run_dir}")
         else:
+            if self.failed_log is not None:
+                self.console.show_tail("the run failed", self.failed_log)
+            sys.stdout.flush()
             print(f"rollmesh: run failed: {self.failure}\n  run directory: {self.run_dir}",
                   file=sys.stderr)
 
@@ -778,7 +822,14 @@ class Launcher:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="rollmesh launch")
+    p = argparse.ArgumentParser(
+        prog="rollmesh launch",
+        description="Start a run. On a terminal: a live progress bar (step/total, ETA, reward, "
+                    "staleness, samples/s, last sync, elapsed) under one line per notable "
+                    "event (restarts, failures with their log's last lines, failed syncs, "
+                    "dropped samples, eval results, the watchdog). Not a terminal: plain lines "
+                    "`rollmesh: step S/T ...` every few seconds and the event lines. Logs: "
+                    "RUN/logs/*.log, JSON lines.")
     p.add_argument("cluster", nargs="?", help="cluster file (launch/*.toml)")
     p.add_argument("--resume", metavar="RUN",
                    help="go on with the run in this directory after it stopped (a trainer "
@@ -788,7 +839,15 @@ def main(argv: list[str]) -> int:
                    help="override a cluster or experiment key, e.g. staleness.max_staleness=0")
     p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     p.add_argument("--run-dir", help="the run directory (default <run_dir>/<name>-<timestamp>)")
-    p.add_argument("--quiet", action="store_true", help="do not echo the roles' logs")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--verbose", action="store_true",
+                       help="also stream every role's log (and the launcher's) to the terminal, "
+                            "human-readable: `HH:MM:SS [host role/i] level event key=value`; "
+                            "they always go to RUN/logs/ as JSON lines")
+    shown.add_argument("--quiet", action="store_true",
+                       help="no progress bar or event lines while it runs: only the run "
+                            "directory, a failed role's log tail, and the final progress line "
+                            "and summary")
     args = p.parse_args(argv)
     configure_logging("launcher", stream=sys.stderr)
     if (args.cluster is None) == (args.resume is None):
@@ -817,12 +876,14 @@ def main(argv: list[str]) -> int:
         print_plan(cluster, build_plan(cluster, hosts, str(run_dir),
                                        engine_key="<the run's engine key>"), str(run_dir))
         return 0
-    log.info("config", cluster=to_dict(cluster), experiment=to_dict(cluster.experiment_config))
-    print(f"rollmesh: run directory {run_dir}")
-    launcher = Launcher(cluster, run_dir, echo=not args.quiet, resume=bool(args.resume))
+    console = Console(cluster.experiment_config.trainer.total_steps,  # type: ignore[union-attr]
+                      verbose=args.verbose, quiet=args.quiet)
+    console.info(f"rollmesh: run directory {run_dir}")
+    launcher = Launcher(cluster, run_dir, resume=bool(args.resume), console=console)
     try:
         return asyncio.run(launcher.run())
     except (RuntimeError, OSError) as e:  # before any role: run directory, ports, SSH reach
+        console.stop()
         print(f"rollmesh launch: {e}", file=sys.stderr)
         return 1
 
