@@ -273,7 +273,9 @@ class Launcher:
                      if (self.run_dir / "checkpoints").is_dir() else [])
         else:
             # (a run submitted with --sbatch holds its batch script in RUN/slurm already)
-            if self.run_dir.exists() and any(p.name != "slurm" for p in self.run_dir.iterdir()):
+            submitted = (self.run_dir / "slurm" / "job.sh").exists()
+            if self.run_dir.exists() and (not submitted or any(
+                    p.name != "slurm" for p in self.run_dir.iterdir())):
                 raise RuntimeError(f"run directory {self.run_dir} already exists: pick another "
                                    "--run-dir, or go on with it: --resume "
                                    f"{self.run_dir} (a run never writes over another's files)")

@@ -287,7 +287,7 @@ def batch_script(run_dir: Path, cfg: SlurmConfig, launch_args: list[str]) -> str
 
 def submit(run_dir: Path, cfg: SlurmConfig, launch_args: list[str], resume: bool = False) -> str:
     """Write RUN/slurm/job.sh and submit it; the job id (also in RUN/slurm/job_id)."""
-    if not resume and run_dir.exists() and any(p.name != "slurm" for p in run_dir.iterdir()):
+    if not resume and run_dir.exists():
         raise SlurmError(f"run directory {run_dir} already exists: pick another --run-dir")
     (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
     script = run_dir / "slurm" / "job.sh"

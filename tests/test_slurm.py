@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -186,13 +185,16 @@ def job_log(run_dir: Path) -> str:
 @pytest.mark.timeout(300)
 def test_sbatch_runs_the_default_to_the_end_and_restarts_a_killed_step(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    job = submit(cluster, tmp_path, run_dir, steps=12)
+    job = submit(cluster, tmp_path, run_dir, steps=20)
     try:
-        wait_for(lambda: len(metrics(run_dir)) >= 2 or not cluster.jobs(), 150,
+        wait_for(lambda: len(metrics(run_dir)) >= 1 or not cluster.jobs(), 150,
                  "training under way")
-        assert len(metrics(run_dir)) >= 2, job_log(run_dir)
+        assert len(metrics(run_dir)) >= 1, job_log(run_dir)
         st = rollmesh(cluster, "status", str(run_dir))
         assert st.returncode == 0 and "agent_worker[0]" in st.stdout, st.stdout + st.stderr
+        # the steps run this checkout's rollmesh (--chdir to slurm.workdir, PYTHONPATH exported)
+        worker = next(p for p in status(run_dir)["processes"] if p["name"] == "agent_worker[0]")
+        assert os.readlink(f"/proc/{worker['pid']}/cwd") == str(ROOT)
         steps = dict((name, step) for step, name in cluster.steps())
         assert {"engine-0", "trainer-0", "agent_worker-0", "reward_worker-0"} <= set(steps)
         cluster.run("scancel", "--signal=KILL", steps["agent_worker-0"])  # its step, not the job
@@ -208,7 +210,7 @@ def test_sbatch_runs_the_default_to_the_end_and_restarts_a_killed_step(cluster, 
             cluster.run("scancel", job, check=False)
     out = job_log(run_dir)
     assert "rollmesh: run finished" in out, out
-    assert len(metrics(run_dir)) == 12
+    assert len(metrics(run_dir)) == 20
     check_accounting(run_dir)
     final = status(run_dir)
     assert final["state"] == "finished"
@@ -225,6 +227,9 @@ def test_rollmesh_stop_ends_the_job_and_leaves_nothing_running(cluster, tmp_path
         wait_for(lambda: status(run_dir).get("state") == "running" or not cluster.jobs(), 150,
                  "the run")
         assert status(run_dir).get("state") == "running", job_log(run_dir)
+        # the monitor attaches from outside the job (launcher.json names the node's hub)
+        snap = rollmesh(cluster, "monitor", str(run_dir), "--json", "--once", "--wait", "20")
+        assert snap.returncode == 0 and json.loads(snap.stdout)["roles"], snap.stdout + snap.stderr
         stopped = rollmesh(cluster, "stop", str(run_dir))
         assert stopped.returncode == 0 and "through tcp://" in stopped.stdout, (
             stopped.stdout + stopped.stderr)
