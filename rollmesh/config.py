@@ -1200,7 +1200,7 @@ def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
     for role in ("engine", "trainer"):
         for p in getattr(cluster.roles, role):
             host = cluster.hosts[p.host]
-            local = host.launch == "local" or (
+            local = host.launch in ("local", "slurm") or (  # slurm: a shared filesystem
                 host.launch == "auto" and is_local_address(host.address)
             )
             full = os.path.join(host.workdir or ".", os.path.expanduser(path))
@@ -1209,7 +1209,9 @@ def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
                     cluster.experiment,
                     "model.path",
                     f"expected 'tiny', 'tiny:<spec>' or an existing model directory (the {role} "
-                    f"runs on host {p.host!r}, this machine), got {_show(path)}",
+                    f"runs on host {p.host!r}, "
+                    f"{'a Slurm node: a shared filesystem' if host.launch == 'slurm' else 'this machine'}"
+                    f"), got {_show(path)}",
                 )
 
 

@@ -625,6 +625,7 @@ class Launcher:
             if time.monotonic() > deadline:
                 for e in self.engines:
                     if e.process.poll() is None:
+                        e.planned.host.signal(e.process, None, signal.SIGKILL)  # a step: scancel
                         e.process.kill()
                 break
             await asyncio.sleep(0.1)

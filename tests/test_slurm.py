@@ -88,6 +88,27 @@ def test_bad_slurm_tables_are_named(tmp_path, allocation, body, key, words):
         e.value), str(e.value)
 
 
+def test_a_model_directory_is_checked_on_the_shared_filesystem(tmp_path, allocation):
+    with pytest.raises(ConfigError) as e:
+        load_cluster(cluster_file(tmp_path, "[slurm]\n"), [f"model.path={tmp_path / 'nope'}"])
+    assert "model.path" in str(e.value) and "a Slurm node" in str(e.value), str(e.value)
+
+
+def test_the_batch_script_asks_for_what_slurm_says_and_runs_the_launcher(tmp_path):
+    from rollmesh.config import SlurmConfig
+
+    cfg = SlurmConfig(nodes=2, gpus_per_node=8, time="1:00:00", partition="gpu",
+                      python=".venv/bin/python", workdir="/shared/rollmesh",
+                      sbatch_options=["--qos=high"])
+    script = slurm.batch_script(tmp_path / "run", cfg, ["/c.toml", "--run-dir", "/r"])
+    lines = script.splitlines()
+    for opt in ("--nodes=2", "--gpus-per-node=8", "--time=1:00:00", "--partition=gpu",
+                "--qos=high", "--exclusive", f"--output={tmp_path / 'run'}/slurm/job.out"):
+        assert f"#SBATCH {opt}" in lines, (opt, script)
+    assert lines[-2:] == ["cd /shared/rollmesh", "exec /shared/rollmesh/.venv/bin/python -m "
+                          "rollmesh launch /c.toml --run-dir /r"]
+
+
 def test_gpus_in_allocation_reads_what_slurm_sets():
     assert slurm.gpus_in_allocation({"SLURM_GPUS_PER_NODE": "h100:8"}) == 8
     assert slurm.gpus_in_allocation({"SLURM_GPUS_ON_NODE": "2"}) == 2
