@@ -266,7 +266,7 @@ def step_name(label: str) -> str:
 def batch_script(run_dir: Path, cfg: SlurmConfig, launch_args: list[str]) -> str:
     """The batch script: #SBATCH lines from [slurm], then the launcher on the first node."""
     opts = [f"--job-name=rollmesh-{run_dir.name}", f"--nodes={cfg.nodes}",
-            "--ntasks-per-node=1", "--exclusive", "--mem=0",
+            "--ntasks-per-node=1", "--exclusive", "--mem=0", "--open-mode=append",
             f"--output={run_dir.resolve() / 'slurm' / 'job.out'}"]
     if cfg.gpus_per_node:
         opts.append(f"--gpus-per-node={cfg.gpus_per_node}")

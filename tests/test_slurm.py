@@ -173,12 +173,14 @@ def rollmesh(cluster: Slurm, *args: str, timeout: float = 120) -> subprocess.Com
                           env=client_env(cluster))
 
 
-def submit(cluster: Slurm, tmp_path: Path, run_dir: Path, steps: int) -> str:
+def submit(cluster: Slurm, tmp_path: Path, run_dir: Path, steps: int,
+           extra: list[str] = ()) -> str:
     path = cluster_file(tmp_path, "\n".join([
         "[slurm]", f'python = "{sys.executable}"', f'workdir = "{ROOT}"']),
         base=free_ports_base())
     out = rollmesh(cluster, "launch", str(path), "--sbatch", "--nodes", "1", "--time", "10",
-                   "--run-dir", str(run_dir), "--quiet", "--set", f"trainer.total_steps={steps}")
+                   "--run-dir", str(run_dir), "--quiet", "--set", f"trainer.total_steps={steps}",
+                   *extra)
     assert out.returncode == 0 and "submitted batch job" in out.stdout, out.stdout + out.stderr
     job = slurm.job_of(run_dir)
     assert job and job in cluster.jobs()
@@ -262,3 +264,37 @@ def test_rollmesh_stop_ends_the_job_and_leaves_nothing_running(cluster, tmp_path
     wait_for(lambda: not leftovers(run_dir), 20, "every process of the run to be gone")
     assert not cluster.steps()
     assert rollmesh(cluster, "status", str(run_dir)).returncode == 1
+
+
+@pytest.mark.timeout(300)
+def test_scancel_of_the_job_ends_everything_and_resume_goes_on_under_sbatch(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    job = submit(cluster, tmp_path, run_dir, steps=100000, extra=["--set",
+                                                                  "trainer.checkpoint_every=2"])
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").exists()
+                 or not cluster.jobs(), 150, "two checkpoints")
+        assert cluster.jobs(), job_log(run_dir)
+        cluster.run("scancel", job)  # as a user or an administrator ends a job
+        wait_for(lambda: job not in cluster.jobs(), 60, "the cancelled job to leave the queue")
+    finally:
+        if job in cluster.jobs():
+            cluster.run("scancel", job, check=False)
+    wait_for(lambda: not leftovers(run_dir), 20, "every process of the run to be gone")
+    assert not cluster.steps()
+    done = len(metrics(run_dir))
+    resumed = rollmesh(cluster, "launch", "--resume", str(run_dir), "--sbatch", "--quiet",
+                       "--set", f"trainer.total_steps={done + 3}")
+    assert resumed.returncode == 0 and "submitted" in resumed.stdout, resumed.stdout + resumed.stderr
+    again = slurm.job_of(run_dir)
+    assert again != job
+    try:
+        wait_for(lambda: again not in cluster.jobs(), 150, "the resumed job to end")
+    finally:
+        if again in cluster.jobs():
+            cluster.run("scancel", again, check=False)
+    out = job_log(run_dir)
+    assert "rollmesh: run finished" in out and "resuming" in out, out
+    assert [r["step"] for r in metrics(run_dir)][-1] == done + 3
+    check_accounting(run_dir)
+    assert not leftovers(run_dir) and not cluster.steps()
