@@ -23,13 +23,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal as signals
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from rollmesh.config import HostConfig, SlurmConfig, _Context, _parse_dataclass
-from rollmesh.hosts import LocalHost
+from rollmesh.hosts import Echo, LocalHost, die_with_parent, pump
 from rollmesh.log import get_logger
 
 log = get_logger("rollmesh.slurm")
@@ -207,16 +208,15 @@ class SlurmHost(LocalHost):
             full.pop("CUDA_VISIBLE_DEVICES")  # the step's GPUs are Slurm's choice
         return full
 
-    def start(self, args: list[str], *, env: dict[str, str], log_path: Path, echo,
-              label: str) -> subprocess.Popen:
-        import subprocess as sp
-
-        from rollmesh.hosts import die_with_parent, pump
-
+    def start(self, args: list[str], *, env: dict[str, str], log_path: Path,
+              echo: Echo | None, label: str) -> subprocess.Popen:
+        """srun, dying with the launcher (PDEATHSIG: srun then ends its step), its output (the
+        step's) pumped to the log as a local process's is."""
         name = step_name(label)
-        proc = sp.Popen(die_with_parent(self.argv(args, env, name)), stdin=sp.DEVNULL,
-                        stdout=sp.PIPE, stderr=sp.STDOUT, env=self.local_env(env),
-                        cwd=self.local_cwd(), start_new_session=True)
+        proc = subprocess.Popen(die_with_parent(self.argv(args, env, name)),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=self.local_env(env),
+                                cwd=self.local_cwd(), start_new_session=True)
         self.step_names[proc.pid] = name
         pump(proc.stdout, log_path, echo, label)
         return proc
@@ -240,8 +240,6 @@ class SlurmHost(LocalHost):
         cancel of the step); srun exits with it."""
         if proc.poll() is not None:
             return
-        import signal as signals
-
         step = self.step_id(proc)
         if step is not None:
             name = signals.Signals(sig).name.removeprefix("SIG")
