@@ -46,6 +46,7 @@ __all__ = [
     "RolesConfig",
     "RolloutConfig",
     "SINGLETON_ROLES",
+    "SlurmConfig",
     "StalenessConfig",
     "SyncConfig",
     "TrainerConfig",
@@ -493,9 +494,10 @@ class HostConfig:
         "extra environment variables for every process on the host", factory=dict
     )
     gpus: int = _field("GPUs on the host (ids 0 .. gpus-1)", 0, ge=0)
-    launch: Literal["auto", "local", "ssh"] = _field(
+    launch: Literal["auto", "local", "ssh", "slurm"] = _field(
         "how processes start there: `auto` (local processes when the address is this machine, "
-        "else SSH), `local`, or `ssh` (always through sshd, e.g. another user on this machine)",
+        "else SSH), `local`, `ssh` (always through sshd, e.g. another user on this machine), or "
+        "`slurm` (job steps through srun; set by [slurm], which fills the hosts)",
         "auto",
     )
     ssh_options: list[str] = _field(
@@ -609,6 +611,36 @@ class Process(NamedTuple):
 
 
 @dataclass(kw_only=True)
+class SlurmConfig:
+    """`[slurm]` (or `hosts = "slurm"`): hosts node0..nodeN-1 from the Slurm allocation
+    (rollmesh.slurm); each process a job step (srun). Needs a filesystem shared by the nodes."""
+
+    nodes: int = _field("nodes to ask for with `--sbatch` (inside an allocation: its nodes)", 1,
+                        ge=1)
+    gpus_per_node: int | None = _field(
+        "GPUs per node (default: from the allocation, SLURM_GPUS_PER_NODE / "
+        "SLURM_GPUS_ON_NODE; 0 without)", None, ge=0)
+    engine_nodes: int = _field(
+        "roles left out of [roles] are placed by rule: engines on the first engine_nodes nodes, "
+        "trainer ranks on the rest, the other roles on node0; 0: every role on node0", 0, ge=0)
+    agent_workers: int = _field("agent workers on node0 when [roles.agent_worker] is left out",
+                                2, ge=1)
+    reward_workers: int = _field(
+        "reward workers on node0 when [roles.reward_worker] is left out", 1, ge=1)
+    python: str = _field("Python interpreter on the nodes (relative: to workdir)", "python3")
+    workdir: str | None = _field(
+        "directory the steps start in, on the shared filesystem (default: the launcher's)", None)
+    env: dict[str, str] = _field("extra environment variables for every step", factory=dict)
+    srun_options: list[str] = _field(
+        "extra srun options for every step, e.g. \"--cpus-per-task=4\"", factory=list)
+    partition: str | None = _field("`--sbatch`: the partition (default: the cluster's)", None)
+    account: str | None = _field("`--sbatch`: the account to charge", None)
+    time: str | None = _field("`--sbatch`: the time limit, e.g. \"24:00:00\"", None)
+    sbatch_options: list[str] = _field(
+        "`--sbatch`: extra sbatch options, e.g. \"--qos=high\"", factory=list)
+
+
+@dataclass(kw_only=True)
 class ClusterConfig:
     name: str = _field("run name (the run directory is <run_dir>/<name>)")
     experiment: str = _field(
@@ -628,6 +660,9 @@ class ClusterConfig:
     share_gpus: bool = _field(
         "let an engine and trainer ranks use the same GPUs (one GPU for both; the experiment's "
         "sync.backend must then be gloo: NCCL refuses two ranks on one device)", False
+    )
+    slurm: SlurmConfig | None = _field(
+        "run inside a Slurm allocation: hosts from it, processes as job steps (see below)", None
     )
     # Derived: filled by load_cluster, never read from the file, not compared or written out.
     experiment_config: ExperimentConfig | None = field(
@@ -1112,6 +1147,10 @@ def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = ()) ->
         first = _parse_override(text)[0][0]
         (mine if first in cluster_keys else theirs).append(text)
     data, ctx = _merge_overrides(_read_toml(source), mine, source)
+    if "slurm" in data or data.get("hosts") == "slurm":
+        from rollmesh.slurm import fill_cluster  # hosts and roles from the allocation
+
+        data = fill_cluster(data, ctx, source, theirs)
     cluster: ClusterConfig = _parse(ClusterConfig, data, ctx)
     cluster.experiment = os.path.abspath(os.path.join(os.path.dirname(source), cluster.experiment))
     if not os.path.isfile(cluster.experiment):
@@ -1162,7 +1201,7 @@ def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
     for role in ("engine", "trainer"):
         for p in getattr(cluster.roles, role):
             host = cluster.hosts[p.host]
-            local = host.launch == "local" or (
+            local = host.launch in ("local", "slurm") or (  # slurm: a shared filesystem
                 host.launch == "auto" and is_local_address(host.address)
             )
             full = os.path.join(host.workdir or ".", os.path.expanduser(path))
@@ -1171,7 +1210,9 @@ def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
                     cluster.experiment,
                     "model.path",
                     f"expected 'tiny', 'tiny:<spec>' or an existing model directory (the {role} "
-                    f"runs on host {p.host!r}, this machine), got {_show(path)}",
+                    f"runs on host {p.host!r}, "
+                    f"{'a Slurm node: a shared filesystem' if host.launch == 'slurm' else 'this machine'}"
+                    f"), got {_show(path)}",
                 )
 
 
@@ -1284,8 +1325,8 @@ def field_reference(cls: type, prefix: str = "") -> list[dict[str, Any]]:
             default = f.default_factory()
         else:
             default = MISSING
-        if dataclasses.is_dataclass(tp):
-            rows.extend(field_reference(tp, key))
+        if dataclasses.is_dataclass(tp) or dataclasses.is_dataclass(_optional_of(tp)):
+            rows.extend(field_reference(_optional_of(tp) or tp, key))
             continue
         rows.append(
             {

@@ -53,7 +53,8 @@ def is_local_address(address: str) -> bool:
 class Host(ABC):
     """A machine of the cluster file."""
 
-    local = True
+    local = True  # its processes see this machine's paths (the run directory) as they are
+    same_machine = True  # they run here, as the launcher's children (False: SSH, Slurm)
 
     def __init__(self, name: str, cfg: HostConfig):
         self.name, self.cfg = name, cfg
@@ -195,6 +196,7 @@ class LocalHost(Host):
 
 class SshHost(Host):
     local = False
+    same_machine = False
 
     def __init__(self, name: str, cfg: HostConfig, control_dir: Path | None = None):
         super().__init__(name, cfg)
@@ -276,7 +278,11 @@ class SshHost(Host):
         return base64.b64decode(out)
 
 
-def make_host(name: str, cfg: HostConfig) -> Host:
+def make_host(name: str, cfg: HostConfig, srun_options: list[str] | None = None) -> Host:
+    if cfg.launch == "slurm":  # a node of the Slurm allocation: job steps (rollmesh.slurm)
+        from rollmesh.slurm import SlurmHost
+
+        return SlurmHost(name, cfg, srun_options)
     local = cfg.launch == "local" or (cfg.launch == "auto" and is_local_address(cfg.address))
     return LocalHost(name, cfg) if local else SshHost(name, cfg)
 

@@ -117,6 +117,11 @@ def _connect(host: Host, port: int) -> str:
     return f"tcp://{host.address}:{port}"
 
 
+def _make_hosts(cluster: ClusterConfig) -> dict[str, Host]:
+    srun = cluster.slurm.srun_options if cluster.slurm is not None else None
+    return {name: make_host(name, cfg, srun) for name, cfg in cluster.hosts.items()}
+
+
 def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
                engine_key: str | None = None) -> list[Planned]:
     """Every process with the configuration it is handed. Ports: each process owns the block
@@ -192,7 +197,8 @@ def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> Non
     print(f"run {cluster.name}: experiment {cluster.experiment}; run directory {run_dir}")
     for host_name in dict.fromkeys(p.proc.host for p in plan):
         host = next(p.host for p in plan if p.proc.host == host_name)
-        how = "local processes" if host.local else "over ssh"
+        how = ("Slurm job steps (srun)" if not host.same_machine and host.local
+               else "local processes" if host.local else "over ssh")
         print(f"\nhost {host_name} ({host.address}, {how}):")
         if isinstance(host, SshHost):
             print(f"  each command below runs through: {shlex.join(host.ssh())}")
@@ -203,6 +209,11 @@ def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> Non
             else:
                 args, env = ["-m", "rollmesh", "role", "--spec", f"{specs}/specs/{p.name}.json"], {}
             argv = host.argv(args, env)
+            if not host.same_machine and host.local:  # srun: the environment it hands on
+                from rollmesh.slurm import step_name
+
+                argv = host.argv(args, env, step_name(f"{host_name} {p.proc.role}/{p.proc.index}"))
+                argv = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv] if env else argv
             gpus = f" gpus={list(p.proc.gpus)}" if p.proc.gpus else ""
             print(f"  {p.name:18s}{gpus}\n    {shlex.join(argv) if host.local else argv[-1]}")
 
@@ -234,7 +245,7 @@ class Launcher:
         self.echo = self.console.role_line
         self.failed_log: Path | None = None  # the log of the role whose failure ended the run
         self.metrics_seen: tuple[int, int] | None = None  # metrics.jsonl's (size, mtime) shown
-        self.hosts = {name: make_host(name, cfg) for name, cfg in cluster.hosts.items()}
+        self.hosts = _make_hosts(cluster)
         # The engines' HTTP API key (the CURVE keys guard the ZeroMQ sockets; this guards the
         # engines' routes, weight updates included): one per run, kept in its keys directory.
         key_file = run_dir / "keys" / API_KEY_FILE
@@ -257,7 +268,7 @@ class Launcher:
     # -- set-up --------------------------------------------------------------------------
 
     def launcher_address(self) -> str:
-        remote = [h for h in self.hosts.values() if not h.local]
+        remote = [h for h in self.hosts.values() if not h.same_machine]  # SSH, Slurm steps
         if not remote:
             return "127.0.0.1"
         return self.cluster.launcher_address or os.uname().nodename
@@ -270,11 +281,14 @@ class Launcher:
                      checkpoints=sorted(p.name for p in (self.run_dir / "checkpoints").glob("*"))
                      if (self.run_dir / "checkpoints").is_dir() else [])
         else:
-            if self.run_dir.exists():
+            # (a run submitted with --sbatch holds its batch script in RUN/slurm already)
+            submitted = (self.run_dir / "slurm" / "job.sh").exists()
+            if self.run_dir.exists() and (not submitted or any(
+                    p.name != "slurm" for p in self.run_dir.iterdir())):
                 raise RuntimeError(f"run directory {self.run_dir} already exists: pick another "
                                    "--run-dir, or go on with it: --resume "
                                    f"{self.run_dir} (a run never writes over another's files)")
-            self.run_dir.mkdir(parents=True)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             keys = CurveKeys.generate(self.run_dir / "keys")
         key_file = self.run_dir / "keys" / API_KEY_FILE
         if not key_file.exists():
@@ -653,6 +667,7 @@ class Launcher:
             if time.monotonic() > deadline:
                 for e in self.engines:
                     if e.process.poll() is None:
+                        e.planned.host.signal(e.process, None, signal.SIGKILL)  # a step: scancel
                         e.process.kill()
                 break
             await asyncio.sleep(0.1)
@@ -848,7 +863,23 @@ def main(argv: list[str]) -> int:
                        help="no progress bar or event lines while it runs: only the run "
                             "directory, a failed role's log tail, and the final progress line "
                             "and summary")
+    s = p.add_argument_group("Slurm (a cluster file with [slurm]; see rollmesh.slurm)")
+    s.add_argument("--sbatch", action="store_true",
+                   help="submit a batch job that runs this launch inside its allocation")
+    s.add_argument("--nodes", type=int, help="with --sbatch: nodes (slurm.nodes)")
+    s.add_argument("--gpus-per-node", type=int, help="with --sbatch: GPUs per node")
+    s.add_argument("--time", help="with --sbatch: the time limit (slurm.time)")
+    s.add_argument("--partition", help="with --sbatch: the partition (slurm.partition)")
     args = p.parse_args(argv)
+    from rollmesh import slurm
+
+    for flag, key in (("nodes", "nodes"), ("gpus_per_node", "gpus_per_node"),
+                      ("time", "time"), ("partition", "partition")):
+        value = getattr(args, flag)
+        if value is not None:
+            if not args.sbatch:
+                p.error(f"--{flag.replace('_', '-')} goes with --sbatch")
+            args.overrides.append(f"slurm.{key}={json.dumps(value)}")
     configure_logging("launcher", stream=sys.stderr)
     if (args.cluster is None) == (args.resume is None):
         p.error("give a cluster file, or --resume RUN (not both)")
@@ -871,10 +902,19 @@ def main(argv: list[str]) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if not args.resume:
         run_dir = Path(args.run_dir or Path(cluster.run_dir) / f"{cluster.name}-{stamp}")
+    if args.sbatch:
+        return slurm.sbatch_main(args, cluster, run_dir)
+    if cluster.slurm is not None and not args.dry_run and not slurm.in_allocation():
+        print("rollmesh launch: the cluster file has [slurm] but this is not inside a Slurm "
+              "allocation (no SLURM_JOB_ID): submit it with --sbatch, or run it under salloc",
+              file=sys.stderr)
+        return 2
     if args.dry_run:
-        hosts = {n: make_host(n, c) for n, c in cluster.hosts.items()}
+        hosts = _make_hosts(cluster)
         print_plan(cluster, build_plan(cluster, hosts, str(run_dir),
                                        engine_key="<the run's engine key>"), str(run_dir))
+        if cluster.slurm is not None:
+            print(slurm.plan_note(slurm.in_allocation()))
         return 0
     console = Console(cluster.experiment_config.trainer.total_steps,  # type: ignore[union-attr]
                       verbose=args.verbose, quiet=args.quiet)
@@ -900,6 +940,11 @@ def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollmesh status")
     p.add_argument("run")
     args = p.parse_args(argv)
+    from rollmesh.slurm import status_of_job
+
+    queued = status_of_job(Path(args.run))  # submitted with --sbatch, not started yet
+    if queued is not None:
+        return queued
     run = _run_dir(args.run)
     info = json.loads((run / "launcher.json").read_text())
     alive = _pid_alive(info["pid"])
@@ -933,6 +978,14 @@ def stop_main(argv: list[str]) -> int:
                      help="only by signalling the launcher's pid (on its machine)")
     args = p.parse_args(argv)
     configure_logging("stop", stream=sys.stderr)
+    from rollmesh import slurm
+
+    job = slurm.job_of(Path(args.run))  # submitted with --sbatch
+    if job is not None and not (Path(args.run) / "launcher.json").exists():
+        ok = slurm.cancel(job)  # still queued (or its launcher not started): no run to drain
+        print(f"rollmesh: cancelled Slurm job {job}" if ok else
+              f"rollmesh: scancel {job} failed", file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     run = _run_dir(args.run)
     info = json.loads((run / "launcher.json").read_text())
     if not args.pid:
@@ -942,7 +995,13 @@ def stop_main(argv: list[str]) -> int:
             answered = f"cannot use the control socket: {type(e).__name__}: {e}"
         if answered is True:
             print(f"rollmesh: stopped {info['name']} (through {info['control']})")
+            if job is not None:
+                slurm.wait_job_gone(job, args.timeout)
             return 0
+        if job is not None and not args.socket and slurm.job_state(job):
+            # its launcher does not answer: the job's end takes every step with it
+            print(f"rollmesh: {answered}; cancelling Slurm job {job}", file=sys.stderr)
+            return 0 if slurm.cancel(job) and slurm.wait_job_gone(job, args.timeout) else 1
         if args.socket or not _local_launcher(info):
             print(f"rollmesh: could not stop {args.run} through {info.get('control')}: "
                   f"{answered}", file=sys.stderr)

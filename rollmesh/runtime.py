@@ -454,7 +454,8 @@ class Supervisor:
         local = host is None or host.local
         spec = RoleSpec(role=role, entry=entry, control=control or self.control,
                         instance=instance, run_id=self.run_id,
-                        parent_pid=os.getpid() if local else 0,
+                        parent_pid=os.getpid() if local and getattr(host, "same_machine", True)
+                        else 0,  # remote, or a Slurm step (slurmstepd is its parent)
                         keys_dir=keys_dir or self.keys_dir,
                         status_hub=status_hub or self.status_hub,
                         heartbeat_s=self.heartbeat_s, liveness=self.liveness.liveness,

@@ -64,7 +64,7 @@ ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batc
                 "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
                 "eval_pass_threshold")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
-CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus"
+CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, slurm"
 HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
 
 # (id, file text, expected message): {file} is the broken file, {exp} the experiment, {dir} tmp.
@@ -196,7 +196,7 @@ CLUSTERS = [
     ("ssh_options_not_list", cluster(host='ssh_options = "BatchMode=no"\n'),
      "{file}: hosts.local.ssh_options: expected a list of str, got 'BatchMode=no'"),
     ("launch_literal", cluster(host='launch = "remote"\n'),
-     "{file}: hosts.local.launch: expected one of 'auto', 'local', 'ssh', got 'remote'"),
+     "{file}: hosts.local.launch: expected one of 'auto', 'local', 'ssh', 'slurm', got 'remote'"),
     ("per_process_zero", cluster(tail="[ports]\nper_process = 0\n"),
      "{file}: ports.per_process: expected int in [1, 64], got 0"),
     ("gpus_not_divisible_by_count",
