@@ -331,8 +331,11 @@ class Launcher:
                  run_dir=str(self.run_dir))
 
     async def run(self) -> int:
+        if self.resume:  # its directory is there: "resuming" goes to its launcher.log too
+            self.log_to_run_dir()
         keys = self.prepare_run_dir()
-        self.log_to_run_dir()
+        if not self.resume:
+            self.log_to_run_dir()
         addr = self.launcher_address()
         base = self.cluster.launcher_port
         bind = "127.0.0.1" if addr == "127.0.0.1" else "*"
