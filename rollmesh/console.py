@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 import sys
 import threading
 import time
@@ -287,6 +288,7 @@ class Console:
     def show_tail(self, title: str, log_path: Path | str | None, n: int = TAIL_LINES) -> None:
         """The last lines of a role's log, human-readable (shown even with --quiet)."""
         lines = tail_lines(log_path, n)
+        title = re.sub(r" \(log: [^)]*\)$", "", title)  # the path follows
         with self.lock:
             self._write(f"rollmesh: {title}; the last {len(lines)} lines of {log_path}:")
             for line in lines:

@@ -502,9 +502,9 @@ class Launcher:
                   failure=child.failure(), log=str(child.log_path))
         log.warning("trainer_restart", restart=self.trainer_restarts, of=limit, delay_s=delay,
                     ranks=len(ranks))
-        self.console.show_tail(f"{child.failure()}", child.log_path)
         self.console.event(f"{child.failure()}; restarting the trainer from its latest "
                            f"checkpoint ({self.trainer_restarts} of {limit})")
+        self.console.show_tail(f"{child.failure()}", child.log_path)
         began = time.monotonic()
         sync_name = next((n for n, c in self.children.items()
                           if c.spec.role == "synchronizer"), None)
@@ -539,10 +539,10 @@ class Launcher:
         log.warning("role_restart", child=name, exit_code=code, restarts=child.restarts + 1,
                     delay_s=delay, log=str(child.log_path))
         await asyncio.sleep(delay)  # also lets its pump write the last lines of its log
-        self.console.show_tail(child.failure() or f"{name} exited with code {code}",
-                               child.log_path)
         self.console.event(f"{name} exited with code {code}; restarting it "
                            f"({child.restarts + 1} of {MAX_RESTARTS})")
+        self.console.show_tail(child.failure() or f"{name} exited with code {code}",
+                               child.log_path)
         self.children[name] = self.sup.respawn(child)
         await self.sup.wait_ready(self.children[name], 120)
 
