@@ -277,9 +277,13 @@ class Launcher:
         if self.resume:  # the run's own keys, configs and state: the trainer's checkpoints,
             # the queue's log and the rollouter's journal are picked up by the roles themselves
             keys = CurveKeys.load(self.run_dir / "keys")
-            log.info("resuming", run_dir=str(self.run_dir),
-                     checkpoints=sorted(p.name for p in (self.run_dir / "checkpoints").glob("*"))
-                     if (self.run_dir / "checkpoints").is_dir() else [])
+            checkpoints = (sorted(p.name for p in (self.run_dir / "checkpoints").glob("step_*"))
+                           if (self.run_dir / "checkpoints").is_dir() else [])
+            log.info("resuming", run_dir=str(self.run_dir), checkpoints=checkpoints)
+            pointer = self.run_dir / "checkpoints" / "latest"  # rollmesh.checkpoint.LATEST
+            self.console.info("rollmesh: resuming " + (
+                f"from checkpoint {pointer.read_text().strip()}" if pointer.is_file()
+                else "from the start (no checkpoint yet)"))
         else:
             # (a run submitted with --sbatch holds its batch script in RUN/slurm already)
             submitted = (self.run_dir / "slurm" / "job.sh").exists()

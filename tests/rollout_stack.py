@@ -62,12 +62,17 @@ class Driver:
     async def mq_stats(self) -> dict[str, Any]:
         return (await self.mq.request(StatsRequest())).values
 
-    async def sync(self) -> Paused:
-        """What the synchronizer does, with a version bump in place of a broadcast."""
-        paused = await self.rollouter.request(Pause(mode="abort"))
+    async def sync(self, mode: str = "abort") -> Paused:
+        """What the synchronizer does, with a version bump in place of a broadcast; in place,
+        the engine is paused in place around it as the trainer's publisher does."""
+        paused = await self.rollouter.request(Pause(mode=mode))
         self.version += 1
         async with EngineClient([self.engine_url]) as client:
+            if mode == "in_place":
+                await client.pause("in_place")
             await client.update_weight_version(str(self.version))
+            if mode == "in_place":
+                await client.resume()
         await self.mq.request(WeightVersion(version=self.version))
         await self.rollouter.request(Resume(version=self.version))
         return paused

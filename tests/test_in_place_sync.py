@@ -322,7 +322,10 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
               if '"event": "paused"' in line]
     in_place = [e for e in paused if e.get("mode") == "in_place"]
     assert len(in_place) >= steps and paused[:len(in_place)] == in_place, paused
-    assert any(e["in_flight"] > 0 for e in in_place), in_place
+    # (that some sync found trajectories out is likely, not certain: a loaded CI machine once
+    # found the rollouter idle at every one; tests/test_rollout.py's in-place test pauses with
+    # six requests running for certain)
+    assert all(e["cancel_queue"] == 0 for e in in_place), in_place
 
     # What reached the MessageQueue (its log's puts): answers that ran across a sync carry the
     # old version on their first tokens and the new one after, never the other way round.

@@ -136,6 +136,44 @@ def test_pause_mid_generation_resumes_without_generating_anything_twice(tmp_path
     assert engine_tokens == sum(int(t.loss_mask.sum()) for t in trajs)
 
 
+def test_an_in_place_pause_mid_generation_keeps_every_request_running(tmp_path):
+    """sync.pause_mode = "in_place": the rollouter answers the Pause at once with its
+    trajectories still out with the workers (no Cancel, nothing to the cancel queue), the engine
+    holds them across the version change, and they finish with tokens of both versions."""
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=2000",
+                     "model.max_context=2200", "staleness.max_staleness=1",
+                     "rollout.batch_groups=2", "sync.pause_mode=in_place")
+
+    async def body(stack):
+        d = stack.driver
+        for _ in range(3000):
+            engine = stack.engine.stats()
+            if engine["running_requests"] >= 6 and engine["generated_tokens"] >= 300:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"never saw 6 requests mid-generation: {engine}")
+        paused = await d.sync("in_place")
+        stats = await d.wait_for(lambda s: s["mq"]["depth_groups"] == 6
+                                 and s["rollouter"]["in_flight"] == 0, timeout_s=300,
+                                 what="all 6 groups queued")
+        groups = await d.take(6)
+        engine_tokens = stack.engine.stats()["generated_tokens"]
+        return paused, stats, groups, engine_tokens
+
+    paused, stats, groups, engine_tokens = run(tmp_path, exp, body)
+    trajs = [t for g in groups for t in g.trajectories]
+    assert len(trajs) == 12
+    assert paused.in_flight >= 6 and paused.cancel_queue == 0, paused
+    assert stats["rollouter"].get("interrupted", 0) == 0  # nothing went to the cancel queue
+    two_versions = [t for t in trajs if generated_versions(t) == {0, 1}]
+    assert len(two_versions) >= 2, [generated_versions(t) for t in trajs]
+    for t in trajs:
+        assert t.status == "finished"
+        assert (np.diff(t.versions[t.loss_mask == 1]) >= 0).all()
+    assert engine_tokens == sum(int(t.loss_mask.sum()) for t in trajs)
+
+
 def test_custom_agent_loop_from_an_entry_point_runs_end_to_end(tmp_path):
     rows = [{"prompt": "What is 2 plus 2?", "label": "4", "agent_loop": "self_check"}] * 4
     exp = experiment(write_dataset(tmp_path / "d.jsonl", rows), "rollout.max_new_tokens=8")
