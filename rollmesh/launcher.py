@@ -1,6 +1,6 @@
 """`rollmesh launch CLUSTER_TOML`: start every role on every host, supervise them, host the hub.
 
-    plan      every process of the cluster file: host, ports, its role config
+    plan      every process of the cluster file: host, ports, CPUs (rollmesh.cpus), its role config
     run dir   runs/<name>-<timestamp>: keys (CURVE, 0600), resolved configs, specs, logs,
               metrics.jsonl (mirrored from the trainer's host where it runs on another;
               its checkpoints and export stay there, under runs/<name>-<timestamp>)
