@@ -16,14 +16,14 @@ step), the only differences being the staleness setting:
 The same in every setting: model, engine, dataset and its order (same seed), batch size, number
 of trainer steps (so the same number of samples trained) and the response lengths.
 
-Placement. The cluster file (written per run) puts the engine on host "engine" and the trainer
-on host "trainer", both 127.0.0.1, whose `python` is a wrapper that sets the CPU affinity
-(os.sched_setaffinity) and then execs the virtualenv's Python: every thread of the engine
-(resp. trainer) runs on --engine-cpus (resp. --trainer-cpus) only, with OMP_NUM_THREADS set to
-that many cores. The light roles (rollouter, agent and reward workers, MessageQueue,
-synchronizer, and the launcher) run on --other-cpus (default: the engine's cpus, the rollout
-side: on a cluster they are CPU processes of the rollout hosts; '' leaves them unpinned). The
-affinity each process actually got is read back from /proc and printed.
+Placement. The cluster file (written per run) places every role on this machine with the CPUs
+it may use (`cpus` per role, `launcher_cpus`: rollmesh's own CPU placement, README "CPU
+placement"): the engine on --engine-cpus, the trainer on --trainer-cpus, and the light roles
+(rollouter, agent and reward workers, MessageQueue, synchronizer) and the launcher on
+--other-cpus (default: the engine's cpus, the rollout side: on a cluster they are CPU processes
+of the rollout hosts; '' leaves them unpinned). Every thread of a process runs on its CPUs only,
+with OMP_NUM_THREADS (and the torch threads) set to that many. The affinity each process
+actually got is read back from /proc and printed.
 
 Long tail. Response lengths are drawn once per sample (seeded) from a lognormal (median
 --median-len, shape --sigma), clipped to [--min-len, --max-len], and stored in the dataset rows
@@ -68,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import row, write  # noqa: E402
+from rollmesh.cpus import parse_cpulist  # noqa: E402
 
 PYTHON = ROOT / ".venv" / "bin" / "python"
 LOOP_NAME = "bench_long_tail"
@@ -91,22 +92,9 @@ class LongTail:
         traj.status = "finished"
 '''
 
-AFFINITY_WRAPPER = '''#!{python}
-import os, sys
-os.sched_setaffinity(0, {cpus!r})
-os.execv({python!r}, [{python!r}] + sys.argv[1:])
-'''
-
-
-def parse_cpus(text: str) -> set[int] | None:
-    """'0', '0,1', '0-3' -> a set; '' -> None (unpinned)."""
-    if not text.strip():
-        return None
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
+def parse_cpus(text: str) -> tuple[int, ...] | None:
+    """'0', '0,1', '0-3' -> the CPUs; '' -> None (unpinned)."""
+    return parse_cpulist(text) if text.strip() else None
 
 
 def draw_lengths(rows: int, group_size: int, median: float, sigma: float, lo: int, hi: int,
@@ -139,30 +127,23 @@ def write_dataset(path: Path, lengths: np.ndarray) -> None:
                                 "sampling": {"ignore_eos": True}}) + "\n")
 
 
-def write_wrapper(path: Path, cpus: set[int] | None) -> str:
-    if cpus is None:
-        return str(PYTHON)
-    path.write_text(AFFINITY_WRAPPER.format(python=str(PYTHON), cpus=cpus))
-    path.chmod(0o755)
-    return str(path)
-
-
 def write_cluster(path: Path, work: Path, args: argparse.Namespace, port_base: int) -> None:
-    hosts = {"engine": parse_cpus(args.engine_cpus), "trainer": parse_cpus(args.trainer_cpus),
-             "other": parse_cpus(args.other_cpus)}
+    """Every role on this machine, each with its CPUs (rollmesh's `cpus`; '' leaves it out)."""
+    cpus = {"engine": args.engine_cpus, "trainer": args.trainer_cpus}
     lines = ['name = "bench-e2e"', f'experiment = "{ROOT / "configs/tiny_cpu.toml"}"',
-             f'run_dir = "{work}"', ""]
-    for name, cpus in hosts.items():
-        python = write_wrapper(work / f"python-{name}", cpus)
-        env = f'{{ OMP_NUM_THREADS = "{len(cpus)}" }}' if cpus else "{}"
-        lines += [f"[hosts.{name}]", 'address = "127.0.0.1"', f'python = "{python}"',
-                  f"workdir = \"{ROOT}\"", f"env = {env}", ""]
-    placement = {"engine": "engine", "trainer": "trainer", "rollouter": "other",
-                 "agent_worker": "other", "reward_worker": "other", "message_queue": "other",
-                 "synchronizer": "other"}
+             f'run_dir = "{work}"']
+    if args.other_cpus.strip():
+        lines.append(f'launcher_cpus = "{args.other_cpus}"')
+    lines += ["", "[hosts.local]", 'address = "127.0.0.1"', f'python = "{PYTHON}"',
+              f'workdir = "{ROOT}"', ""]
     counts = {"agent_worker": 2}
-    for role, host in placement.items():
-        lines += [f"[roles.{role}]", f'host = "{host}"', f"count = {counts.get(role, 1)}", ""]
+    for role in ("engine", "trainer", "rollouter", "agent_worker", "reward_worker",
+                 "message_queue", "synchronizer"):
+        lines += [f"[roles.{role}]", 'host = "local"', f"count = {counts.get(role, 1)}"]
+        text = cpus.get(role, args.other_cpus)
+        if text.strip():
+            lines.append(f'cpus = "{text}"')
+        lines.append("")
     lines += ["[ports]", f"base = {port_base}", ""]
     path.write_text("\n".join(lines))
 
@@ -202,11 +183,9 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(ROOT)]))
-    other = parse_cpus(args.other_cpus)
     started = time.monotonic()
     log = open(work / f"launcher-{name}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, other)) if other else None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     placement: dict[str, str] = {}
     try:
         while proc.poll() is None:
@@ -216,7 +195,8 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
                 raise RuntimeError(f"setting {name}: no result within {args.timeout:g}s "
                                    f"(launcher log: {log.name})")
             status = run_dir / "status.json"
-            if status.exists() and len(placement) < 8:
+            if status.exists() and len(placement) < 9:
+                placement["launcher"] = affinity_of(proc.pid)  # launcher_cpus
                 try:
                     for p in json.loads(status.read_text())["processes"]:
                         if p.get("pid") and p["state"] != "exited":
@@ -289,6 +269,11 @@ def main() -> int:
     args = p.parse_args()
     if args.other_cpus == "engine":
         args.other_cpus = args.engine_cpus
+    for flag in ("engine_cpus", "trainer_cpus", "other_cpus"):
+        try:
+            parse_cpus(getattr(args, flag))
+        except ValueError as e:
+            p.error(f"--{flag.replace('_', '-')}: {e}")
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     for s in settings:
         if s != "sync" and not s.isdigit():

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Literal, NamedTuple, NoReturn, Union, get_args, get_origin, get_type_hints
 
+from rollmesh.cpus import CpuListError, parse_cpulist
+
 __all__ = [
     "AlgorithmConfig",
     "ClusterConfig",
@@ -529,6 +531,36 @@ class Placement:
         factory=list,
         ge=0,
     )
+    cpus: str | list[str] | None = _field(
+        "CPUs the processes may use: a Linux cpulist of the host's CPU ids (\"0-3,8\") for "
+        "every process of this placement, or a list of one per process; OMP_NUM_THREADS, "
+        "MKL_NUM_THREADS and a trainer's torch threads follow (the number of CPUs) unless the "
+        "host's `env` sets OMP_NUM_THREADS. Unset: not pinned (README: CPU placement)",
+        None,
+    )
+
+    def validate(self) -> None:
+        if isinstance(self.cpus, list):
+            if len(self.cpus) != self.count:
+                raise _Invalid("cpus", f"expected one cpulist per process ({self.count}, as "
+                               f"count), or one string for all, got {_show(self.cpus)}")
+            for i, text in enumerate(self.cpus):
+                _check_cpulist(f"cpus[{i}]", text)
+        elif self.cpus is not None:
+            _check_cpulist("cpus", self.cpus)
+
+    def cpus_of(self, j: int) -> tuple[int, ...]:
+        """The CPUs of this placement's `j`-th process (empty: not pinned)."""
+        if self.cpus is None:
+            return ()
+        return parse_cpulist(self.cpus[j] if isinstance(self.cpus, list) else self.cpus)
+
+
+def _check_cpulist(key: str, text: str) -> None:
+    try:
+        parse_cpulist(text)
+    except CpuListError as e:
+        raise _Invalid(key, str(e)) from None
 
 
 @dataclass(kw_only=True)
@@ -604,6 +636,7 @@ class Process(NamedTuple):
     host: str  # a key of ClusterConfig.hosts
     gpus: tuple[int, ...]
     port: int  # the first of ports.per_process consecutive ports it may bind
+    cpus: tuple[int, ...] = ()  # the CPUs it may use (empty: not pinned)
 
     @property
     def name(self) -> str:
@@ -664,6 +697,12 @@ class ClusterConfig:
     slurm: SlurmConfig | None = _field(
         "run inside a Slurm allocation: hosts from it, processes as job steps (see below)", None
     )
+    launcher_cpus: str | None = _field(
+        "CPUs of the launching machine the launcher itself may use (a cpulist, \"0-1\"); the "
+        "processes it starts there without `cpus` of their own keep the launcher's affinity from "
+        "before. Unset: not pinned",
+        None,
+    )
     # Derived: filled by load_cluster, never read from the file, not compared or written out.
     experiment_config: ExperimentConfig | None = field(
         default=None,
@@ -689,7 +728,8 @@ class ClusterConfig:
                     else:
                         port, cursor = cursor, cursor + per
                     plan.append(
-                        Process(role, index, p.host, tuple(p.gpus[j * k : (j + 1) * k]), port)
+                        Process(role, index, p.host, tuple(p.gpus[j * k : (j + 1) * k]), port,
+                                p.cpus_of(j))
                     )
                     index += 1
         return plan
@@ -729,6 +769,8 @@ class ClusterConfig:
                         f"expected at most {_plural(p.count, 'GPU id')} (one per rank), "
                         f"got {_show(p.gpus)}",
                     )
+        if self.launcher_cpus is not None:
+            _check_cpulist("launcher_cpus", self.launcher_cpus)
         self._check_gpus_given_once()
         self._check_ports()
 
@@ -879,12 +921,34 @@ def _bounds(meta: Mapping[str, Any]) -> str:
 
 
 def _optional_of(tp: Any) -> Any | None:
-    """X for `X | None`, else None."""
+    """X for `X | None` (`X | Y` for `X | Y | None`), else None."""
     if get_origin(tp) in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
-        assert len(args) == 1, f"only `X | None` unions are supported, not {tp}"
-        return args[0]
+        if len(args) == len(get_args(tp)):
+            return None  # a plain `X | Y`: not optional
+        return args[0] if len(args) == 1 else Union[tuple(args)]
     return None
+
+
+def _union_of(tp: Any) -> tuple[Any, ...]:
+    """The members of a plain `X | Y` (scalars and lists only: told apart by the value's
+    shape), else ()."""
+    if get_origin(tp) not in (Union, types.UnionType):
+        return ()
+    members = get_args(tp)
+    assert all(m in (str, int, float, bool) or get_origin(m) is list for m in members), (
+        f"only unions of scalars and lists are supported, not {tp}")
+    return members
+
+
+def _shape_fits(tp: Any, value: Any) -> bool:
+    if get_origin(tp) is list:
+        return isinstance(value, list)
+    if tp is bool or isinstance(value, bool):
+        return tp is bool and isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, tp)
 
 
 def _describe(tp: Any, meta: Mapping[str, Any] = types.MappingProxyType({})) -> str:
@@ -892,6 +956,9 @@ def _describe(tp: Any, meta: Mapping[str, Any] = types.MappingProxyType({})) -> 
     inner = _optional_of(tp)
     if inner is not None:
         return _describe(inner, meta)  # TOML has no null: None is written by leaving the key out
+    members = _union_of(tp)
+    if members:
+        return " or ".join(_describe(m, meta) for m in members)
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return "a table"
@@ -945,6 +1012,14 @@ def _convert(tp: Any, meta: Mapping[str, Any], value: Any, path: str, ctx: _Cont
     inner = _optional_of(tp)
     if inner is not None:
         return None if value is None else _convert(inner, meta, value, path, ctx)
+    members = _union_of(tp)
+    if members:
+        if str in members and path in ctx.raw and not isinstance(value, (str, list, dict)):
+            value = ctx.raw[path]  # `--set roles.trainer.cpus=1`: the text as typed
+        fits = [m for m in members if _shape_fits(m, value)]
+        if not fits:
+            ctx.fail(path, f"expected {_describe(tp, meta)}, got {_show(value)}")
+        return _convert(fits[0], meta, value, path, ctx)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             ctx.fail(path, f"expected a table, got {_show(value)}")
@@ -1157,6 +1232,7 @@ def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = ()) ->
         ctx.fail("experiment", f"expected an existing file, got {_show(cluster.experiment)}")
     exp = load_experiment(cluster.experiment, theirs)
     _check_against_experiment(cluster, exp, ctx)
+    _check_local_cpus(cluster, ctx)
     cluster.experiment_config = exp
     return cluster
 
@@ -1188,6 +1264,41 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
                     f"expected {_plural(p.count * exp.engine.tp_size, 'GPU id')} (count x "
                     f"engine.tp_size: SGLang runs on GPUs), got {_show(p.gpus)}",
                 )
+
+
+def _check_local_cpus(cluster: ClusterConfig, ctx: _Context) -> None:
+    """`cpus` on a host that is this machine (and `launcher_cpus`, unless the launcher runs in a
+    Slurm allocation) must name CPUs it has, now; SSH hosts and Slurm nodes are checked by each
+    process as it starts (rollmesh.cpus)."""
+    from rollmesh.cpus import available_cpus, missing_problem, supported
+    from rollmesh.hosts import is_local_address  # hosts imports this module
+
+    checks: list[tuple[str, str, str]] = []  # key, where, cpulist
+    if cluster.launcher_cpus is not None and cluster.slurm is None:
+        checks.append(("launcher_cpus", "this machine", cluster.launcher_cpus))
+    for role in ROLES:
+        placements = getattr(cluster.roles, role)
+        for i, p in enumerate(placements):
+            host = cluster.hosts[p.host]
+            local = host.launch == "local" or (host.launch == "auto"
+                                               and is_local_address(host.address))
+            if p.cpus is None or not local:
+                continue
+            key = f"roles.{_placement_key(role, i, len(placements))}.cpus"
+            where = f"host {p.host!r} ({host.address}, this machine)"
+            if isinstance(p.cpus, list):
+                checks += [(f"{key}[{j}]", where, text) for j, text in enumerate(p.cpus)]
+            else:
+                checks.append((key, where, p.cpus))
+    if not checks:
+        return
+    if not supported():
+        ctx.fail(checks[0][0], "CPU placement needs Linux (sched_setaffinity)")
+    available = available_cpus()
+    for key, where, text in checks:
+        problem = missing_problem(parse_cpulist(text), available, where)
+        if problem:
+            ctx.fail(key, f"{problem}, got {_show(text)}")
 
 
 def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
