@@ -118,6 +118,39 @@ def test_gae_skips_unmasked_tokens_and_padding():
     close(ret_w, ret)  # returns are not whitened
 
 
+@pytest.mark.parametrize("score", [0.1, 0.7, 0.3, 1 / 3])
+def test_whitening_a_batch_without_signal_gives_zero_advantages(score):
+    """Every masked return equal (all samples scored 0.1, gamma 1, no KL): no signal, so no
+    update. float32, as the trainer runs it; the float32 mean of n copies of 0.1 is not 0.1, and
+    dividing that residue by a std of ~0 used to give advantages of order 1 with random signs."""
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        mask = (torch.rand(16, 40, generator=gen) > 0.2).float()
+        mask[3] = 0  # a fully masked row
+        rewards = torch.full((16,), score, dtype=torch.float32)
+        adv = reinforce_pp_advantages(rewards, mask)
+        assert adv.dtype == torch.float32 and (adv == 0).all(), seed
+        adv, _ = compute_advantages("reinforce_pp", rewards=rewards, mask=mask)
+        assert (adv == 0).all(), seed
+        # GAE with a constant critic and no reward, gamma = lam = 1: A_t = -V everywhere
+        adv, ret = gae_advantages(torch.zeros(16, 40), torch.full((16, 40), score), mask)
+        assert (adv == 0).all(), seed
+        close(ret, torch.zeros(16, 40))
+
+
+def test_whitening_a_nearly_constant_batch_stays_small():
+    """Returns that differ by one rounding unit are scaled by at most 1/sqrt(eps), as verl's
+    (x - mean) * rsqrt(var + eps): |A| <= spread / sqrt(eps), not spread / eps."""
+    x = torch.full((4, 8), 0.7, dtype=torch.float32)
+    x[0, 0] = torch.nextafter(torch.tensor(0.7), torch.tensor(1.0))
+    spread = float(x.max() - x.min())
+    adv, _ = gae_advantages(x, torch.zeros(4, 8), torch.ones(4, 8), whiten=True, lam=0.0)
+    assert 0 < float(adv.abs().max()) <= spread / math.sqrt(1e-8)
+    # and the peer's form on the same float32 input agrees
+    mean, var = x.mean(), x.var()
+    close(adv, (x - mean) * torch.rsqrt(var + 1e-8), atol=1e-7)
+
+
 def test_compute_advantages_dispatch():
     rewards, group, mask = f32(1.0, 0.0, 2.0, 2.0), torch.tensor([0, 0, 1, 1]), torch.ones(4, 2)
     adv, ret = compute_advantages("grpo", rewards=rewards, group_index=group, mask=mask)
@@ -455,6 +488,21 @@ def test_value_loss_clipped():
     close(unclipped, 0.5 * (0.25 + 0.81 + 0.25 + 0.25) / 4)
 
 
+def test_value_clip_fraction_counts_only_values_the_clip_moved():
+    """|V - old V| < clip everywhere: nothing is clipped. old + (V - old) is not V in float32
+    (here for 1.4% of the tokens), and comparing errors after that round trip counted tokens the
+    clip never touched (0.3% here); V_clip = clamp(V, old - c, old + c) is V exactly inside."""
+    gen = torch.Generator().manual_seed(0)
+    old = torch.rand(64, 256, generator=gen) * 0.01
+    values = (torch.rand(64, 256, generator=gen) * 0.4 + 0.05).requires_grad_(True)
+    returns = torch.randn(64, 256, generator=gen)
+    mask = torch.ones(64, 256)
+    loss, metrics = value_loss(values, old, returns, mask, clip=0.5)
+    assert float(metrics["clip_frac"]) == 0.0
+    unclipped, _ = value_loss(values, old, returns, mask, clip=None)
+    assert float(loss.detach()) == float(unclipped.detach())
+
+
 # ---------------------------------------------------------------- logits
 
 
@@ -498,6 +546,24 @@ def test_entropy_uniform_is_log_vocab():
         close(entropy_from_logits(uniform), torch.full((2, 3), math.log(7)))
     # two equal logits and one banned (-inf): log 2, not NaN; a peaked distribution: ~0
     close(entropy_from_logits(f32([0.0, 0.0, -math.inf], [1000.0, 0.0, 0.0])), [math.log(2), 0.0])
+
+
+@pytest.mark.parametrize("scale", [60.0, 245.0])
+def test_entropy_at_large_logits_matches_float64(scale):
+    """|logits / T| up to 60 and 245: entropy and its gradient within 1e-5 of float64 (the
+    unshifted lse(z) - sum p z was off by 1e-4 and 1e-3 here)."""
+    gen = torch.Generator().manual_seed(int(scale))
+    z = (torch.randn(64, 1000, generator=gen, dtype=torch.float64) * scale / 3).clamp(-scale, scale)
+    z[:, 0] = scale  # a row maximum at the bound
+    z64 = z.clone().requires_grad_(True)
+    want = -(torch.softmax(z64, -1) * torch.log_softmax(z64, -1)).sum(-1)
+    weights = torch.randn(64, generator=gen, dtype=torch.float64)
+    (g_want,) = torch.autograd.grad((want * weights).sum(), z64)
+    z32 = (z * 0.5).float().requires_grad_(True)  # temperature 0.5: z = logits / 0.5
+    got = entropy_from_logits(z32, temperature=0.5, chunk_tokens=24)
+    (g_got,) = torch.autograd.grad((got * weights.float()).sum(), z32)
+    torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(g_got.double() * 0.5, g_want, atol=1e-5, rtol=0)
 
 
 def test_entropy_gradient_matches_naive():

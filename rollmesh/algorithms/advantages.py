@@ -87,12 +87,22 @@ def rloo_advantages(rewards: Tensor, group_index: Tensor, mask: Tensor) -> Tenso
 
 
 def _masked_whiten(x: Tensor, mask: Tensor, eps: float) -> Tensor:
-    """(x - mean) / (std + eps) over the masked entries of the whole batch (unbiased std)."""
+    """(x - mean) * rsqrt(var + eps) over the masked entries of the whole batch (unbiased var).
+
+    A batch whose masked entries are all equal has no signal and gets exactly 0. Without that
+    guard the float32 mean of n equal values that are not a power-of-two fraction (0.1, 0.7)
+    is off by a rounding unit, and that residue, divided by a standard deviation of ~0, came back
+    as advantages of order 1 with random signs. eps goes under the square root (verl's
+    masked_whiten), so a nearly constant batch is scaled by at most 1/sqrt(eps), not 1/eps.
+    """
     m = mask.float()
     count = m.sum()
     mean = (x * m).sum() / count.clamp(min=1)
     var = (((x - mean) * m) ** 2).sum() / (count - 1).clamp(min=1)
-    return torch.where(m > 0, (x - mean) / (var.sqrt() + eps), 0.0)
+    hi = torch.where(m > 0, x, -torch.inf).max() if x.numel() else x.new_zeros(())
+    lo = torch.where(m > 0, x, torch.inf).min() if x.numel() else x.new_zeros(())
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    return torch.where((m > 0) & (hi > lo), whitened, 0.0)
 
 
 def _last_masked_token(per_sequence: Tensor, mask: Tensor) -> Tensor:

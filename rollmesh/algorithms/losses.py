@@ -274,10 +274,13 @@ def value_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss for the GAE critic (PPO2 / verl form).
 
-        V_clip = old_V + clip(V - old_V, -clip, clip)
+        V_clip = clip(V, old_V - clip, old_V + clip)
         l_t    = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)      (clip=None: 0.5 * (V_t - R_t)^2)
         loss   = aggregate(l, mask, agg)
 
+    V_clip is V itself, bit for bit, wherever |V - old_V| <= clip (verl's clip_by_value), so
+    clip_frac counts only tokens the clip moved; old_V + clip(V - old_V) would round-trip V
+    through a float32 difference and count some of the others.
     Metrics: clip_frac (share of masked tokens where the clipped error is strictly larger),
     value_mean, value_error (mean |V - R|).
     """
@@ -287,7 +290,7 @@ def value_loss(
     clip_active = torch.zeros_like(loss_t, dtype=torch.bool)
     if clip is not None:
         old = old_values.detach().float()
-        clipped_t = (old + (v - old).clamp(-clip, clip) - target).square()
+        clipped_t = (torch.clamp(v, old - clip, old + clip) - target).square()
         clip_active = clipped_t > loss_t
         loss_t = torch.where(clip_active, clipped_t, loss_t)
     loss = aggregate(0.5 * loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
