@@ -226,36 +226,85 @@ class StalenessConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     advantage: Literal["grpo", "grpo_mean_only", "rloo", "reinforce_pp", "gae"] = _field(
-        "advantage estimator", "grpo"
+        "advantage estimator (formulas: README, Algorithms)", "grpo"
     )
-    loss: Literal["ppo", "decoupled_ppo", "tis"] = _field(
-        "policy loss: clipped PPO, decoupled PPO (AReaL, for stale samples), or truncated "
-        "importance sampling",
+    loss: Literal["ppo", "decoupled_ppo", "tis", "gspo", "cispo"] = _field(
+        "policy loss: clipped PPO, decoupled PPO (AReaL, for stale samples), truncated "
+        "importance sampling, GSPO (one clipped ratio per sequence) or CISPO (the clipped ratio "
+        "as a stop-gradient weight of the REINFORCE term)",
         "ppo",
     )
-    clip_low: float = _field("PPO ratio clip below 1 (ratio >= 1 - clip_low)", 0.2, gt=0)
-    clip_high: float = _field("PPO ratio clip above 1 (0.28 = DAPO clip-higher)", 0.2, gt=0)
+    clip_low: float = _field(
+        "ratio clip below 1 (ratio >= 1 - clip_low): PPO's, and CISPO's weight clip (>= 1: no "
+        "lower bound, as MiniMax-M1)", 0.2, gt=0)
+    clip_high: float = _field(
+        "ratio clip above 1 (0.28 = DAPO clip-higher): PPO's, and CISPO's weight clip", 0.2, gt=0)
+    gspo_clip_low: float = _field(
+        "gspo: clip of the sequence ratio below 1 (the GSPO paper: 3e-4; it is the exp of a mean "
+        "log-ratio, far narrower than a token ratio)", 3e-4, gt=0)
+    gspo_clip_high: float = _field("gspo: clip of the sequence ratio above 1 (the GSPO paper: "
+                                   "4e-4)", 4e-4, gt=0)
     dual_clip: float | None = _field(
-        "dual-clip bound for negative advantages (e.g. 3.0)", None, gt=1
+        "dual-clip bound for negative advantages (e.g. 3.0; ppo, decoupled_ppo, tis)", None, gt=1
     )
     tis_cap: float = _field("upper bound of the truncated importance weight", 2.0, gt=0)
+    tis_surrogate: Literal["ppo", "pg"] = _field(
+        "tis: the surrogate the truncated weight multiplies: `ppo` (the clipped PPO term) or `pg` "
+        "(vanilla policy gradient, -w * A * log p)", "ppo")
     behaviour_cap: float | None = _field(
         "decoupled_ppo: upper bound of the behaviour importance weight exp(proximal - behaviour) "
         "(none = uncapped)",
         None,
         gt=0,
     )
+    behaviour_cap_mode: Literal["truncate", "mask"] = _field(
+        "decoupled_ppo: a behaviour weight above behaviour_cap is cut to the cap (`truncate`) or "
+        "its token dropped from the loss sum (`mask`, AReaL's recommendation, e.g. cap 5)",
+        "truncate")
     old_logprobs: Literal["recompute", "bypass"] = _field(
         "old log-probs: recomputed by the trainer, or the engine's behaviour log-probs as-is",
         "recompute",
     )
     kl_coef: float = _field("weight of the KL penalty to the reference model (0 = off)", 0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = _field("KL estimator (k3 = low-variance)", "k3")
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = _field(
+        "KL estimator (k3 = low-variance; k3+ = k3's value with k2's gradient, straight-through, "
+        "as verl: the gradient of KL, bounded, for the KL loss; k3 in the reward)", "k3")
+    kl_clamp: float | None = _field(
+        "bound on each token's k3 / k3+ KL value, [-kl_clamp, kl_clamp]; verl and AReaL clamp at "
+        "10, which also zeroes k3's gradient of a token beyond it (log ratio < -2.6); none (the "
+        "default) keeps every token's full k3 value and gradient", None, gt=0)
     kl_in_reward: bool = _field("apply the KL penalty to the reward instead of the loss", False)
     entropy_coef: float = _field("weight of the entropy bonus", 0.0, ge=0)
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = _field(
-        "how per-token losses are averaged over a batch", "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = _field(
+        "how per-token losses are averaged over a batch; seq-mean-token-sum-norm = Dr. GRPO's: "
+        "each sequence's token sum over the constant loss_norm_tokens, then the mean over "
+        "sequences", "token-mean"
     )
+    loss_norm_tokens: int | None = _field(
+        "seq-mean-token-sum-norm: the constant each sequence's token sum is divided by (none = "
+        "rollout.max_new_tokens)", None, gt=0)
+    reward_scale: float = _field("multiplies every reward before the advantage", 1.0, gt=0)
+    reward_clip: float | None = _field(
+        "bound on the shaped reward, [-reward_clip, reward_clip], after scale and overlong "
+        "penalty (none = unbounded)", None, gt=0)
+    overlong_buffer: int = _field(
+        "DAPO soft overlong penalty: over the last overlong_buffer tokens before "
+        "overlong_max_tokens the reward falls linearly by up to overlong_penalty (0 = off)",
+        0, ge=0)
+    overlong_penalty: float = _field(
+        "the overlong penalty at overlong_max_tokens generated tokens (DAPO: 1.0)", 1.0, ge=0)
+    overlong_max_tokens: int | None = _field(
+        "the response length the overlong penalty reaches its full size at (none = "
+        "rollout.max_new_tokens)", None, gt=0)
+    mask_truncated: bool = _field(
+        "drop responses cut off by the length limit (finish reason `length`: no EOS) from the "
+        "loss (DAPO overlong filtering); their rewards still count in their group's baseline",
+        False)
+    bootstrap_truncated: bool = _field(
+        "gae: a response cut off by the length limit did not end: its last token's return "
+        "bootstraps with gamma x the critic's value of the state after it instead of 0",
+        False)
     gamma: float = _field("discount factor (gae, reinforce_pp)", 1.0, ge=0, le=1)
     lam: float = _field("GAE lambda", 1.0, ge=0, le=1)
     critic_lr: float | None = _field(
@@ -288,6 +337,16 @@ class AlgorithmConfig:
             raise _Invalid(
                 "old_logprobs", f"expected 'recompute' with loss = '{self.loss}', got 'bypass'"
             )
+        if self.behaviour_cap_mode == "mask" and self.behaviour_cap is None:
+            raise _Invalid("behaviour_cap", "missing required value (expected float > 0, as "
+                           "behaviour_cap_mode = 'mask' drops tokens above it)")
+        if self.bootstrap_truncated and self.advantage != "gae":
+            raise _Invalid("bootstrap_truncated", f"expected false with advantage = "
+                           f"'{self.advantage}' (only gae has a critic's value to bootstrap "
+                           "with), got true")
+        if self.bootstrap_truncated and self.mask_truncated:
+            raise _Invalid("bootstrap_truncated", "expected false with mask_truncated = true "
+                           "(truncated responses are not trained on), got true")
 
 
 @dataclass(kw_only=True)
@@ -426,6 +485,11 @@ class ExperimentConfig:
             self.data.seed = self.seed
         if self.trainer.seed is None:
             self.trainer.seed = self.seed
+        # The generation budget is the default length of these two (see their help).
+        if self.algorithm.loss_norm_tokens is None:
+            self.algorithm.loss_norm_tokens = self.rollout.max_new_tokens
+        if self.algorithm.overlong_max_tokens is None:
+            self.algorithm.overlong_max_tokens = self.rollout.max_new_tokens
 
     def validate(self) -> None:
         needed = self.data.max_prompt_tokens + self.rollout.max_new_tokens
@@ -447,6 +511,13 @@ class ExperimentConfig:
                 raise _Invalid(
                     "data.group_size", f"expected int >= 2 with {why}, got {self.data.group_size}"
                 )
+        algo = self.algorithm
+        if algo.overlong_buffer and algo.overlong_buffer > (algo.overlong_max_tokens or 0):
+            raise _Invalid(
+                "algorithm.overlong_buffer",
+                f"expected int <= {algo.overlong_max_tokens} (algorithm.overlong_max_tokens, by "
+                f"default rollout.max_new_tokens), got {algo.overlong_buffer}",
+            )
         if self.sync.sync_every > self.staleness.max_staleness + 1:
             # Just before a sync the trainer is sync_every - 1 versions ahead of the engines.
             raise _Invalid(

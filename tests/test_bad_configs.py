@@ -144,6 +144,18 @@ EXPERIMENTS = [
     ("kl_without_reference", exp(add="\n[algorithm]\nkl_coef = 0.1\n"),
      "{file}: algorithm.use_reference: expected true when kl_coef > 0 (the KL term needs "
      "reference log-probs), got false"),
+    ("cap_mode_mask_without_cap", exp(add='\n[algorithm]\nbehaviour_cap_mode = "mask"\n'),
+     "{file}: algorithm.behaviour_cap: missing required value (expected float > 0, as "
+     "behaviour_cap_mode = 'mask' drops tokens above it)"),
+    ("overlong_buffer_past_budget", exp(add="\n[algorithm]\noverlong_buffer = 17\n"),
+     "{file}: algorithm.overlong_buffer: expected int <= 16 (algorithm.overlong_max_tokens, by "
+     "default rollout.max_new_tokens), got 17"),
+    ("bootstrap_and_mask_truncated", exp(add='\n[algorithm]\nadvantage = "gae"\ncritic_lr = 1e-5\n'
+                                            "bootstrap_truncated = true\nmask_truncated = true\n"),
+     "{file}: algorithm.bootstrap_truncated: expected false with mask_truncated = true "
+     "(truncated responses are not trained on), got true"),
+    ("kl_estimator_unknown", exp(add='\n[algorithm]\nkl_estimator = "k4"\n'),
+     "{file}: algorithm.kl_estimator: expected one of 'k1', 'k2', 'k3', 'k3+', got 'k4'"),
     ("betas_length", exp(add="\n[trainer]\nbetas = [0.9]\n"),
      "{file}: trainer.betas: expected a list of 2 floats, got [0.9]"),
     ("betas_range", exp(add="\n[trainer]\nbetas = [0.9, 1.0]\n"),
