@@ -415,6 +415,15 @@ class SyncConfig:
         "built-in engine take both",
         "tensor",
     )
+    overlap: bool = _field(
+        "send the weights while the trainer computes its next step: at a sync, trainer rank 0 "
+        "copies them into a snapshot (one more copy of the model in the engines' dtype: on the "
+        "GPU when it fits there, else in pinned host memory; on CPU, host memory) and sends "
+        "that from a background thread; the next sync or checkpoint waits for it, and the "
+        "engines receive exactly the snapshot under its version. false: the trainer waits "
+        "for each broadcast (no extra memory)",
+        False,
+    )
 
 
 @dataclass(kw_only=True)

@@ -33,7 +33,8 @@ and computes what is cheap on it (advantages, normalisers, every rank's micro-ba
 forward and backward passes run only on its share of the sequences. Old and reference log-probs
 (and the critic's old values) are computed on the shares and summed across ranks, so every rank
 has them for the whole batch.
-Weight syncs: `rollmesh.publish`; checkpoints: `rollmesh.checkpoint`.
+Weight syncs: `rollmesh.publish` (blocking, or with `sync.overlap` sent from a snapshot while
+the next step computes); checkpoints: `rollmesh.checkpoint`.
 
 Gradient accumulation: each micro-batch's loss is normalised by the token (or sequence) count
 of its whole mini-batch over all ranks (`global_tokens`), so summing micro-batches gives the
@@ -84,7 +85,7 @@ from rollmesh.metrics_sink import MetricsSinks, require_extras
 from rollmesh.metrics_sink import tensorboard_writer as _tensorboard  # noqa: F401 - tests
 from rollmesh.packing import BatchData
 from rollmesh.protocol import Batch, GetBatch, Metrics, StatsRequest
-from rollmesh.publish import Publisher, sync_weights
+from rollmesh.publish import Publisher, finish_sync, sync_weights
 from rollmesh.ranks import Ranks, close_ranks, full_tensor, init_ranks
 from rollmesh.runtime import RoleContext
 from rollmesh.sharded_load import UnsupportedCheckpoint, load_causal_lm
@@ -770,7 +771,10 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
         if ctx.stopping.is_set() or state.step >= exp.trainer.total_steps:
             await run(ranks.share, {"op": "stop"})
             return None
-        if link.publisher is not None and await link.engines_behind():
+        # (not while an overlapped sync is in flight: the engines are behind on purpose, and
+        # one that restarts is sent the weights by its retry or the next sync)
+        if (link.publisher is not None and not link.publisher.pending()
+                and await link.engines_behind()):
             await run(ranks.share, {"op": "republish"})
             await link.republish()
         # The queue keeps each batch it hands out until a checkpoint covers its step, and hands
@@ -850,8 +854,11 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
         # after the step's row: a checkpoint never holds a step whose row was not written
         # (killed in between, the step is trained again and its row written again)
         if ckpt_dir and every and state.step % every == 0:
+            # (overlapped: the sync in flight first, so that a checkpoint's version was sent)
+            await finish_sync(state, link.publisher if link else None)
             await save_checkpoint(ctx, state, link, ckpt_dir)
             saved_at = state.step
+    await finish_sync(state, link.publisher if link else None)  # overlapped: the last one
     if ckpt_dir and state.step != saved_at:
         await save_checkpoint(ctx, state, link, ckpt_dir)
     if config.get("final_export_dir"):  # the policy the run ends with, in Hugging Face format
