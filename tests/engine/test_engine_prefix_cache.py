@@ -219,3 +219,20 @@ def test_radix_tree_shares_prefixes_splits_and_evicts_least_recently_used():
     assert cache.tokens == 0 and cache.match(d, limit=15) == (0, None)
     with pytest.raises(ValueError, match="prefix cache size"):
         PrefixCache(-1)
+
+
+def test_disable_radix_cache_is_sglangs_flag_and_turns_sharing_off(tiny):
+    from rollmesh.engine.server import EngineServer, _parser
+    from rollmesh.engine.sglang import check_builtin_args
+    from rollmesh.log import get_logger
+
+    model, tok = tiny
+    check_builtin_args(["--disable-radix-cache"])  # engine.extra_args, as for SGLang
+    check_builtin_args(["--prefix-cache-max-tokens", "0"])
+    for argv, cache in ([], 65536), (["--disable-radix-cache"], None), \
+            (["--prefix-cache-max-tokens", "512"], 512):
+        args = _parser().parse_args(["--model", "tiny", "--port", "1", *argv])
+        s = EngineServer(args, model, tok, get_logger("test")).scheduler
+        assert (s.prefix_cache and s.prefix_cache.max_tokens) == cache
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--model", "tiny", "--port", "1", "--prefix-cache-max-tokens", "-1"])
