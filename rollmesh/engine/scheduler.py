@@ -12,7 +12,9 @@ token ids (the n samples of one `n` > 1 request, admitted whole through their `p
 separate requests) get one row of the prefill forward, its KV copied into each one's batch row;
 and every prefilled prompt's KV goes into the prefix cache (kvcache.PrefixCache), where a later
 request finds its longest cached prefix and prefills only the rest (at least its last token,
-whose logits it samples from), over that prefix as past. Input log-probs (`logprob_start`) come
+whose logits it samples from), over that prefix as past; when the rest is that last token
+alone (a GRPO group's later samples), the request joins the batch with the cached KV and the
+next decode step runs the token, no prefill forward at all. Input log-probs (`logprob_start`) come
 from the same prefill forward: it keeps the logits of the positions they need, and a request
 asking them matches no further than `logprob_start`.
 
@@ -361,8 +363,14 @@ class Scheduler:
         if not admitted:
             return
         by_suffix: dict[int, list[_Prompt]] = {}
+        joining: list[_Prompt] = []
         for p in self._prompts(admitted):
-            by_suffix.setdefault(p.suffix, []).append(p)
+            if p.suffix == 1 and p.cached:
+                joining.append(p)  # all but the last token cached: no prefill forward at all
+            else:
+                by_suffix.setdefault(p.suffix, []).append(p)
+        if joining:
+            self._join_cached(joining)
         for suffix, prompts in by_suffix.items():
             per_forward = max(1, PREFILL_TOKEN_BUDGET // suffix)  # distinct prompts
             for i in range(0, len(prompts), per_forward):
@@ -456,6 +464,33 @@ class Scheduler:
         self._sample_and_advance(logits[:, -1, :].index_select(0, index),
                                  first_row=len(self.running) - len(requests))
 
+    def _join_cached(self, prompts: list[_Prompt]) -> None:
+        """Prompts cached but for their last token join the batch with the cached KV as their
+        rows: the next decode step runs that token (as every row's newest token) and samples
+        their first output token from its logits. (A forward of its own would cost a whole
+        pass over the weights for one token per row.)"""
+        start = time.perf_counter()
+        cache = past_cache([p.kv for p in prompts], [p.cached for p in prompts])
+        rows = [u for u, p in enumerate(prompts) for _ in p.requests]
+        requests = [r for p in prompts for r in p.requests]
+        if len(rows) != len(prompts):
+            select_rows(cache, torch.tensor(rows, device=self.device))
+        for p in prompts:
+            p.kv = None
+            for r in p.requests:
+                r.length = p.cached
+                r.cached_tokens = p.cached
+                self.prompt_tokens += len(p.ids)
+                self.cached_prompt_tokens += p.cached
+                self.prefill_tokens += 1  # its last prompt token, in the decode step
+                if r.logprob_start is not None:  # == len - 1 (the match stops there): no values
+                    r.input_logprobs = [None]
+                    if r.top_logprobs_num > 0:
+                        r.input_top_logprobs = [None]
+        self.kv.merge(cache)
+        self.running.extend(requests)
+        self.prefill_seconds += time.perf_counter() - start
+
     def _score(self, r: Request) -> None:
         """A request with max_new_tokens 0 generates nothing; with input log-probs asked (a
         prompt scored, as SGLang's prefill-only requests) one forward computes them."""
@@ -494,7 +529,10 @@ class Scheduler:
     def _decode_step(self) -> None:
         rows = self.running
         seq_len = self.kv.seq_len
-        last = torch.tensor([[r.output_ids[-1]] for r in rows], device=self.device)
+        # A row's newest token: its last output token, or its prompt's last one when it
+        # joined with the rest of its prompt cached (_join_cached).
+        last = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]]
+                             for r in rows], device=self.device)
         lengths = torch.tensor([r.length for r in rows], device=self.device)
         # Row r's tokens sit in the last length_r slots (plus the new one): left padding masked.
         slots = torch.arange(seq_len + 1, device=self.device)

@@ -77,6 +77,8 @@ def _same_generation(shared: list[Request], alone: list[Request]) -> None:
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=LOGPROB_TOL), a.rid
         assert len(a.input_logprobs) == len(b.input_logprobs), a.rid
         assert a.input_logprobs[1:] == pytest.approx(b.input_logprobs[1:], abs=LOGPROB_TOL)
+        assert len(a.input_top_logprobs) == len(b.input_top_logprobs), a.rid
+        assert [len(t) for t in a.output_top_logprobs] == [len(t) for t in b.output_top_logprobs]
         for x, y in zip(a.input_top_logprobs[1:], b.input_top_logprobs[1:]):
             assert [t for _, t in x] == [t for _, t in y]
 
@@ -87,7 +89,7 @@ def _grpo_waves(prompt: list[int]) -> tuple[list[Request], list[Request]]:
     first = [_request("g0", prompt, seed=0), _request("g1", prompt, seed=1),
              _request("g2", prompt, greedy=True)]
     later = [_request(f"g{k}", prompt, seed=k) for k in range(3, 7)]
-    later.append(_request("g7", prompt, greedy=True, logprob_start=len(prompt) - 1))
+    later.append(_request("g7", prompt, greedy=True, logprob_start=len(prompt) - 1, top=2))
     return first, later
 
 
@@ -103,8 +105,9 @@ def test_a_group_is_prefilled_once_and_generates_what_it_does_alone(schedulers, 
     s, a = shared_engine.s.stats(), alone_engine.s.stats()
     assert a["prefill_tokens"] == 8 * len(prompt) and a["cached_prompt_tokens"] == 0
     assert [r.cached_tokens for r in alone] == [0] * 8
-    if budget:  # the later five found the prompt cached: one row prefilled its last token
-        assert s["prefill_tokens"] == len(prompt) + 1
+    if budget:  # the later five found all but the last token cached: they joined the batch
+        # with the cached KV, their last prompt token run by the next decode step
+        assert s["prefill_tokens"] == len(prompt) + 5 and s["prefill_forwards"] == 1
         assert [r.cached_tokens for r in shared] == [0] + [len(prompt) - 1] * 7
         assert s["prefix_cache_tokens"] == len(prompt)
     else:  # no cache: each wave prefilled the prompt once
