@@ -16,8 +16,8 @@ keeps requests and their KV in place like `in_place` (same results, no memory is
 the prefix cache (SGLang's radix cache: `--disable-radix-cache` turns it off) is a token-count
 budget of its own, not a share of one KV pool, and every weight update clears it, whatever the
 update's `flush_cache` says (SGLang keeps its cache when `flush_cache` is false, and so hands
-out KV the old weights made); constrained decoding and the other request fields api.py lists as refused get a 400
-naming the field; a streamed response sends the whole response so far in each event (cumulative
+out KV the old weights made); constrained decoding and the other request fields api.py lists
+as refused get a 400 naming the field; a streamed response sends the whole response so far in each event (cumulative
 `text` and `output_ids`); the n samples of one prompt get ids `<rid>_<k>`, not fresh uuids.
 """
 
