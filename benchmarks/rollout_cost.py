@@ -26,9 +26,10 @@ them saturates.
    its cost per
    token carried and per put, which the stack above cannot resolve (its engine makes long
    samples slow, and idle ticking then weighs as much as the signal).
-3. In this process, on the real code: the rollouter's choice of a worker
-   (`Rollouter._free_worker`, run for every Assign and every Score) scans every worker of the
-   kind: its cost per worker; and the codec's encode + decode of a trajectory at 39 and 8,192
+3. In this process, on the real code: the rollouter's choice of a worker (run for every Assign
+   and every Score): the index it keeps (`WorkerPool`: the freest worker, give, take back; a
+   cost per dispatch that hardly grows with the workers) and, beside it, the scan of every
+   worker of the kind it replaced (a cost per worker); and the codec's encode + decode of a trajectory at 39 and 8,192
    tokens (what carrying a longer response costs the rollouter per message).
 
 Measured per run: the CPU time of the process's main thread (the one Python thread that
@@ -49,6 +50,7 @@ import sys
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import tempfile
@@ -74,7 +76,7 @@ from rollmesh.protocol import (  # noqa: E402
     Batch, GetBatch, Group, Pause, PutGroup, Resume, Returned, StatsRequest, Trajectory,
     WeightVersion, decode, encode,
 )
-from rollmesh.rollouter import Rollouter, Worker  # noqa: E402
+from rollmesh.rollouter import Worker, WorkerPool  # noqa: E402
 from rollmesh.runtime import Supervisor  # noqa: E402
 from rollmesh.transport import RpcClient, Transport, free_port  # noqa: E402
 
@@ -325,16 +327,41 @@ def codec_us(tokens: int) -> float:
 
 
 def worker_scan_ns(workers: int, repeat: int = 15) -> float:
-    """Nanoseconds per worker of one `Rollouter._free_worker` call over `workers` agent workers."""
+    """Nanoseconds per worker of the scan the rollouter used to choose a worker (before its
+    WorkerPool index): the freest of every registered worker of the kind."""
     pool = {bytes([i % 256, i // 256 % 256, i // 65536]):
             Worker(peer=b"", name=f"agent-{i}", kind="agent", credits=64) for i in range(workers)}
-    holder = types.SimpleNamespace(workers=pool)  # the one attribute the method reads
+
+    def scan() -> Worker | None:
+        return max((w for w in pool.values() if w.kind == "agent" and w.free > 0),
+                   key=lambda w: w.free, default=None)
+
     n = max(1, 20_000 // workers)
     # CPU time, not wall; the median of the repeats, as the stack's figures are means under
     # whatever load the machine has
-    mid = statistics.median(timeit.repeat(lambda: Rollouter._free_worker(holder, "agent"),
-                                          number=n, repeat=repeat, timer=time.thread_time))
+    mid = statistics.median(timeit.repeat(scan, number=n, repeat=repeat, timer=time.thread_time))
     return 1e9 * mid / n / workers
+
+
+def worker_index_ns(workers: int, repeat: int = 7) -> float:
+    """Nanoseconds per dispatch of the rollouter's WorkerPool over `workers` agent workers:
+    the freest worker, a trajectory given to it and taken back (the result's return)."""
+    pool = WorkerPool()
+    for i in range(workers):
+        pool.add(Worker(peer=i.to_bytes(4, "big"), name=f"agent-{i}", kind="agent", credits=64))
+    trajs = [types.SimpleNamespace(sample_id=f"s{i}") for i in range(64)]
+    turn = itertools.count()
+
+    def dispatch() -> None:
+        worker = pool.freest("agent")
+        traj = trajs[next(turn) % len(trajs)]
+        pool.give(worker, traj)
+        pool.take_back(worker, traj.sample_id)
+
+    n = 5000
+    mid = statistics.median(timeit.repeat(dispatch, number=n, repeat=repeat,
+                                          timer=time.thread_time))
+    return 1e9 * mid / n
 
 
 def median_runs(runs: list[dict], keys: tuple[str, ...]) -> list[dict]:
@@ -413,8 +440,11 @@ def main() -> int:
     runs = {"stack": stack, "queue_alone": alone}
     stack = median_runs(stack, ("prompt_tokens", "group_size", "sync"))
     alone = median_runs(alone, ("tokens", "group_size"))
+    index = {w: worker_index_ns(w) for w in (16, 256, 4096)}
+    print("the rollouter's worker index (WorkerPool), per dispatch: " +
+          ", ".join(f"{w} workers {ns:.0f} ns" for w, ns in index.items()))
     scan = {w: worker_scan_ns(w) for w in (16, 256, 4096)}
-    print("Rollouter._free_worker, per worker scanned: " +
+    print("the scan it replaced, per worker scanned: " +
           ", ".join(f"{w} workers {ns:.0f} ns" for w, ns in scan.items()))
     codec = {n: codec_us(n) for n in (39, 8192)}
     codec_ns = 1e3 * (codec[8192] - codec[39]) / (8192 - 39)
@@ -424,6 +454,7 @@ def main() -> int:
     # a slope within the noise of zero (the codec moves arrays as frames, not element by
     # element) is written as 0
     costs: dict[str, Any] = {"worker_scan_ns": statistics.median(scan.values()),
+                             "worker_index_ns": max(index.values()),
                              "codec_per_token_ns": max(0.0, codec_ns)}
     base = [r for r in stack if not r["sync"]]
     ref = next((r for r in base if r["group_size"] == 16 and r["prompt_tokens"] == 32), None)
@@ -489,7 +520,7 @@ def main() -> int:
                              f"model on the built-in engine"))
     write(args.json, rows)
     print(json.dumps({"runs": runs, "costs": costs,
-                      "worker_scan_ns": scan, "codec_us": codec}, indent=1, default=str))
+                      "worker_scan_ns": scan, "worker_index_ns": index, "codec_us": codec}, indent=1, default=str))
     return 0
 
 

@@ -472,9 +472,10 @@ class ProcessCosts:
                per prompt token (the chat template's tokenisation per group, the arrays of each
                new trajectory; from 39- vs 1,029-token prompts); per resume (Assign + Returned
                again, and the syncs' Pause/Resume handling; from a sync after every batch); per
-               token carried and message (the codec: encode or decode, one copy); and
-               `_free_worker`, run for every Assign and every Score, which scans every worker
-               of the kind (`worker_scan_ns` per worker).
+               token carried and message (the codec: encode or decode, one copy); and the
+               choice of a worker, run for every Assign and every Score: the rollouter's index
+               (`worker_index_ns` per dispatch, at 4,096 workers) or, as before it, a scan of
+               every worker of the kind (`worker_scan_ns` per worker; `scan=True`).
     queue      per put (request, reply, one durable-log record: `queue_per_put_us`, from groups
                of 1 vs 16), per sample (its share of a put record and of the GetBatch reply,
                the accounting), per token (the durable log's crc32 and write, copies; from
@@ -492,6 +493,7 @@ class ProcessCosts:
     rollouter_per_resume_us: float = 424.0
     codec_per_token_ns: float = 1.25
     worker_scan_ns: float = 347.0
+    worker_index_ns: float = 3045.0   # `rollout_cost.worker_index_ns(4096)`, 2026-11-25
     queue_per_sample_us: float = 119.0
     queue_per_put_us: float = 641.0
     queue_per_token_ns: float = 23.4
@@ -530,7 +532,7 @@ class Load:
     agent_workers: int           # per rollouter
     reward_workers: int          # per rollouter
     rollouter: float             # per rollouter
-    rollouter_scan: float        # the part of `rollouter` spent in _free_worker scans
+    rollouter_scan: float        # the part of `rollouter` spent choosing workers
     queue: float                 # per queue shard
     put_loop: float              # per rollouter: one PutGroup in flight at a time
 
@@ -543,7 +545,7 @@ def weak_scaled(c: Costs, m: float) -> Costs:
 
 
 def rollouter_seconds_per_sample(w: Workload, p: ProcessCosts, agent_workers: int,
-                                 reward_workers: int, scan: bool = True) -> float:
+                                 reward_workers: int, scan: bool = False) -> float:
     """Main-thread seconds the rollouter spends per sample it queues."""
     r = w.resumes_per_sample
     us = (p.rollouter_per_sample_us + p.rollouter_per_group_us / w.group_size
@@ -552,8 +554,11 @@ def rollouter_seconds_per_sample(w: Workload, p: ProcessCosts, agent_workers: in
           # one side of the codec for each message: Assign, Returned, Score, Scored, the put,
           # and an Assign + Returned per resume
           + p.codec_per_token_ns / 2 * w.tokens_per_sample * (5 + 2 * r))
-    if scan:  # (1 + resumes) Assigns scan the agent workers, one Score the reward workers
+    # the choice of a worker for (1 + resumes) Assigns and one Score
+    if scan:  # before the index: each scans the agent (resp. reward) workers
         ns += p.worker_scan_ns * ((1 + r) * agent_workers + reward_workers)
+    else:
+        ns += p.worker_index_ns * (2 + r)
     return us * 1e-6 + ns * 1e-9
 
 
@@ -566,7 +571,7 @@ def queue_seconds_per_sample(w: Workload, p: ProcessCosts, groups_per_put: int =
 
 
 def load_at(w: Workload, p: ProcessCosts, gpus: float, *, rollouters: int = 1,
-            queues: int = 1, groups_per_put: int = 1, scan: bool = True) -> Load:
+            queues: int = 1, groups_per_put: int = 1, scan: bool = False) -> Load:
     """Each singleton's utilisation at `gpus` GPUs: samples/s grow with the cluster, and so
     does the number of workers each dispatch scans. Several rollouters split the workers and the
     samples evenly (a data shard each); several queue shards split the samples (by group id)."""
@@ -576,7 +581,9 @@ def load_at(w: Workload, p: ProcessCosts, gpus: float, *, rollouters: int = 1,
     rewards = math.ceil(rollout_gpus / p.gpus_per_reward_worker / rollouters)
     per_r = rate / rollouters
     full = rollouter_seconds_per_sample(w, p, agents, rewards, scan)
-    bare = rollouter_seconds_per_sample(w, p, agents, rewards, False)
+    bare = full
+    bare -= (p.worker_scan_ns * ((1 + w.resumes_per_sample) * agents + rewards) if scan
+             else p.worker_index_ns * (2 + w.resumes_per_sample)) * 1e-9
     q = queue_seconds_per_sample(w, p, groups_per_put)
     # the put loop waits for each reply: a round trip plus the queue's work on the put
     put_period = (p.put_rtt_us * 1e-6 / (w.group_size * groups_per_put) + q)
@@ -656,15 +663,16 @@ def scale_report(args: argparse.Namespace, p: ProcessCosts, base: dict[str, Any]
                   f"{r.rollout_gpus}:{r.train_gpus}): {r.samples_per_s / g:.3f} samples/s per "
                   f"GPU, {r.samples_per_s / g / w.samples_per_gpu_s:.3f}x the cell's")
         print(f"  {'GPUs':>7s} {'samples/s':>10s} {'agent wkrs':>10s} {'rollouter':>10s} "
-              f"{'of it scans':>11s} {'put loop':>9s} {'queue':>7s}")
+              f"{'of it picks':>11s} {'put loop':>9s} {'queue':>7s}")
         for g in sizes:
             ld = load_at(w, p, g)
             print(f"  {g:7,d} {ld.samples_per_s:10,.0f} {ld.agent_workers:10,d} "
                   f"{ld.rollouter:9.0%} {ld.rollouter_scan / max(ld.rollouter, 1e-12):10.0%} "
                   f"{ld.put_loop:8.0%} {ld.queue:6.0%}")
         sat = {
-            "rollouter": saturation_gpus(w, p, "rollouter"),
-            "rollouter, worker index (no scan)": saturation_gpus(w, p, "rollouter", scan=False),
+            "rollouter (worker index)": saturation_gpus(w, p, "rollouter"),
+            "rollouter, scanning every worker (before)": saturation_gpus(w, p, "rollouter",
+                                                                         scan=True),
             "put loop (one PutGroup in flight)": saturation_gpus(w, p, "put_loop"),
             "queue": saturation_gpus(w, p, "queue"),
             "queue, 8 groups per put": saturation_gpus(w, p, "queue", groups_per_put=8),
@@ -672,13 +680,13 @@ def scale_report(args: argparse.Namespace, p: ProcessCosts, base: dict[str, Any]
         print("  saturated (thread at 100%) at: " +
               "; ".join(f"{k} {v:,.0f} GPUs" for k, v in sat.items()))
         for g in sizes:
-            r_now = shards_needed(w, p, g, "rollouter", args.scale_level)
-            r_idx = shards_needed(w, p, g, "rollouter", args.scale_level, scan=False)
+            r_scan = shards_needed(w, p, g, "rollouter", args.scale_level, scan=True)
+            r_idx = shards_needed(w, p, g, "rollouter", args.scale_level)
             q_now = shards_needed(w, p, g, "queue", args.scale_level)
             q_bat = shards_needed(w, p, g, "queue", args.scale_level, groups_per_put=8)
-            print(f"  at {g:,} GPUs, each under {args.scale_level:.0%}: rollouters {r_now} "
-                  f"(today) / {r_idx} (worker index); queue shards {q_now} (today) / {q_bat} "
-                  f"(8 groups per put)")
+            print(f"  at {g:,} GPUs, each under {args.scale_level:.0%}: rollouters {r_idx} "
+                  f"(worker index) / {r_scan} (scan, before); queue shards {q_now} (one group "
+                  f"per put) / {q_bat} (8 groups per put)")
         for k, v in sat.items():
             rows.append(row(f"GPUs at which one {k} saturates, {model}", v, 1024.0, "GPUs",
                             baseline_name="1,024 GPUs (the size the sharding decision is "

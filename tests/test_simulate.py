@@ -94,13 +94,15 @@ def test_weak_scaling_keeps_the_pipeline_step(m):
 def test_rollouter_cost_per_sample_adds_its_parts():
     p = dataclasses.replace(ZERO, rollouter_per_sample_us=100.0, rollouter_per_group_us=320.0,
                             rollouter_per_resume_us=40.0, rollouter_per_prompt_token_ns=10.0,
-                            codec_per_token_ns=2.0, worker_scan_ns=50.0)
+                            codec_per_token_ns=2.0, worker_scan_ns=50.0, worker_index_ns=700.0)
     # 100 + 320/16 + 0.25 * 40 us; 300 * 10 ns; 1 ns a token for 5 + 2 * 0.25 messages;
     # (1 + 0.25) * 100 agent workers + 10 reward workers scanned at 50 ns
     expected = (100 + 20 + 10) * 1e-6 + (3000 + 3300 * 5.5 + 50 * (125 + 10)) * 1e-9
-    assert rollouter_seconds_per_sample(W, p, 100, 10) == pytest.approx(expected, rel=1e-12)
-    no_scan = expected - 50 * 135 * 1e-9
-    assert rollouter_seconds_per_sample(W, p, 100, 10, scan=False) == pytest.approx(no_scan)
+    assert rollouter_seconds_per_sample(W, p, 100, 10, scan=True) == pytest.approx(expected,
+                                                                                  rel=1e-12)
+    # the worker index instead: 700 ns for each of 1 + 0.25 Assigns and one Score
+    indexed = expected - 50 * 135 * 1e-9 + 700 * 2.25 * 1e-9
+    assert rollouter_seconds_per_sample(W, p, 100, 10) == pytest.approx(indexed)
 
 
 def test_queue_cost_per_sample_batches_only_the_put():
@@ -124,7 +126,7 @@ def test_rates_and_workers_grow_with_the_cluster():
 
 def test_the_worker_scan_makes_the_rollouter_load_quadratic():
     p = dataclasses.replace(ZERO, worker_scan_ns=100.0)
-    a, b = load_at(W, p, 1000), load_at(W, p, 2000)
+    a, b = load_at(W, p, 1000, scan=True), load_at(W, p, 2000, scan=True)
     assert b.rollouter == pytest.approx(4 * a.rollouter, rel=1e-3)
     assert a.rollouter_scan == pytest.approx(a.rollouter)
 
@@ -136,23 +138,28 @@ def test_saturation_is_where_the_load_reaches_one():
     assert saturation_gpus(W, p, "queue") == pytest.approx(10_000, rel=1e-6)
     assert saturation_gpus(W, p, "rollouter", level=0.5) == pytest.approx(2000, rel=1e-6)
     scanned = dataclasses.replace(p, worker_scan_ns=300.0)
-    n = saturation_gpus(W, scanned, "rollouter")
-    assert n < 4000 and load_at(W, scanned, n).rollouter == pytest.approx(1.0, abs=1e-3)
+    n = saturation_gpus(W, scanned, "rollouter", scan=True)
+    assert n < 4000 and load_at(W, scanned, n, scan=True).rollouter == pytest.approx(1.0,
+                                                                                    abs=1e-3)
+    # the index costs the same per dispatch at any size: the load stays linear
+    indexed = dataclasses.replace(scanned, worker_index_ns=1000.0)
+    a, b = load_at(W, indexed, 1000), load_at(W, indexed, 2000)
+    assert b.rollouter == pytest.approx(2 * a.rollouter, rel=1e-9)
     assert saturation_gpus(W, ZERO, "queue") == float("inf")
 
 
 def test_shards_split_the_load_and_the_fewest_are_found():
     p = dataclasses.replace(ZERO, rollouter_per_sample_us=500.0, worker_scan_ns=300.0,
                             queue_per_sample_us=200.0)
-    one = load_at(W, p, 10_000)
-    four = load_at(W, p, 10_000, rollouters=4, queues=4)
+    one = load_at(W, p, 10_000, scan=True)
+    four = load_at(W, p, 10_000, rollouters=4, queues=4, scan=True)
     assert four.queue == pytest.approx(one.queue / 4)
     assert four.rollouter < one.rollouter / 4  # each also scans a quarter of the workers
     for which in ("rollouter", "queue"):
-        n = shards_needed(W, p, 10_000, which, 0.5)
+        n = shards_needed(W, p, 10_000, which, 0.5, scan=True)
         key = "rollouters" if which == "rollouter" else "queues"
-        assert getattr(load_at(W, p, 10_000, **{key: n}), which) <= 0.5
-        assert n == 1 or getattr(load_at(W, p, 10_000, **{key: n - 1}), which) > 0.5
+        assert getattr(load_at(W, p, 10_000, scan=True, **{key: n}), which) <= 0.5
+        assert n == 1 or getattr(load_at(W, p, 10_000, scan=True, **{key: n - 1}), which) > 0.5
 
 
 def test_workload_reads_the_best_run_of_the_cell():
