@@ -35,7 +35,7 @@ processes count against another's).
 The audit hook is a tripwire, not a security boundary: code using ctypes, or running another
 program, is not seen by it. The boundaries are the namespaces, the rlimits, the unprivileged uid
 and the supervisor's kill. Without a PID namespace and not as root, code that passes the hook
-can signal the worker's own processes (same uid).
+can signal (and, where ptrace is not restricted, trace) the worker's own processes: same uid.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ CODE_FILENAME = "<code>"
 
 # prctl(2)
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_SET_KEEPCAPS = 8
 PR_CAPBSET_READ = 23
 PR_CAPBSET_DROP = 24
@@ -511,6 +512,8 @@ def supervise(spec: dict, status_fd: int) -> dict:
     nproc = "uid of its own" if root else "uid-wide count"
     wanted = spec.get("namespaces", True)
     if not root:
+        # not inspectable by the code, which has the same uid (/proc/<pid>/fd: the status pipe)
+        _prctl(libc, PR_SET_DUMPABLE, 0)
         # RLIMIT_NPROC: this process and the code's, in a user namespace of their own where the
         # kernel counts per namespace; else the uid's tasks now plus max_processes (counted
         # before the namespace, whose /proc view shows other tasks' uids as unmapped)
