@@ -44,6 +44,7 @@ __all__ = [
     "Placement",
     "PortsConfig",
     "Process",
+    "PythonToolConfig",
     "ROLES",
     "RolesConfig",
     "RolloutConfig",
@@ -142,6 +143,29 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class PythonToolConfig:
+    cpu_s: int = _field(
+        "CPU seconds the code may use, per process (RLIMIT_CPU); more ends it with an error "
+        "naming the limit", 10, ge=1)
+    wall_s: float = _field(
+        "wall-clock seconds a call may run before all its processes are killed (never more "
+        "than rollout.tool_timeout_s less a second)", 20.0, gt=0)
+    memory_mb: int = _field(
+        "memory per process, MiB of data (RLIMIT_DATA; the address space is capped at 4 times "
+        "this)", 512, ge=32)
+    file_mb: int = _field("largest file the code may write, MiB (RLIMIT_FSIZE)", 16, ge=1)
+    max_processes: int = _field(
+        "processes and threads the code may run at once, itself included (RLIMIT_NPROC)", 8,
+        ge=1)
+    max_output: int = _field(
+        "bytes of output (stdout and stderr together) returned to the model; beyond that its "
+        "head and tail are kept, with a note of what was left out", 8192, ge=256)
+    site_packages: bool = _field(
+        "let the code import the packages installed beside rollmesh (numpy, sympy, ...); "
+        "otherwise the standard library only", False)
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     max_new_tokens: int = _field("tokens generated per turn at most", 1024, gt=0)
     temperature: float = _field("sampling temperature (0 = greedy)", 1.0, ge=0)
@@ -151,6 +175,8 @@ class RolloutConfig:
     batch_groups: int = _field("prompt groups per trainer step", 8, gt=0)
     max_turns: int = _field("assistant turns per trajectory in multi-turn agent loops", 8, ge=1)
     tool_timeout_s: float = _field("time limit for one tool call (seconds)", 30.0, gt=0)
+    python_tool: PythonToolConfig = _field(
+        "limits of the `python` tool (code execution)", factory=PythonToolConfig)
     max_retries: int = _field(
         "retries of a generation that failed (engine error) before the sample is dropped", 2, ge=0
     )

@@ -60,7 +60,7 @@ def registered(group: str, *builtin: str) -> str:
 
 EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics"
 ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, "
-                "max_turns, tool_timeout_s, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
+                "max_turns, tool_timeout_s, python_tool, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
                 "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
                 "eval_pass_threshold")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
