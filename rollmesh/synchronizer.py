@@ -1,7 +1,7 @@
 """The parameter synchronizer role (a singleton): one weight sync at a time, in order.
 
-The message flow of one sync (architecture.md, "One weight sync, step by step"); every arrow is
-a request that the callee answers, and nobody waits on a request to itself:
+The message flow of one sync (docs/architecture.md, "One weight sync, step by step"); every
+arrow is a request that the callee answers, and nobody waits on a request to itself:
 
     trainer rank 0                synchronizer                 rollouter       MessageQueue
     SyncRequest(v+1) ---------->  Pause(mode) ---------------> (drain)
