@@ -178,7 +178,7 @@ class RolloutConfig:
     python_tool: PythonToolConfig = _field(
         "limits of the `python` tool (code execution)", factory=PythonToolConfig)
     max_retries: int = _field(
-        "retries of a generation that failed (engine error) before the sample is dropped", 2, ge=0
+        "retries of a generation that failed (engine error) before its whole group is dropped", 2, ge=0
     )
     engine_wait_s: float = _field(
         "how long a generation waits through an engine outage (no engine healthy, or its engine "
