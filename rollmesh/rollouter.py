@@ -373,6 +373,11 @@ class Rollouter:
         self.changed = asyncio.Event()
         self.drained = asyncio.Event()
         self.announce_resume = False  # tell the agent workers at the next dispatch
+        # Trajectories agent workers hold through the sync in progress (`Held`), and those
+        # workers: a pause does not wait for them (kept as a count: _check_drained runs at
+        # every return, and must not scan the workers).
+        self.held_count = 0
+        self.holding: dict[bytes, Worker] = {}
         # The loop classes rows name, loaded as they come (`_loop_metadata`); None: unknown.
         self.loops: dict[str, type | None] = {}
         # Evaluation of the held-out set: outside the training accounting, one round per
@@ -603,6 +608,8 @@ class Rollouter:
             return
         self.liveness.forget(worker.peer.hex())
         back = list(worker.out.values())
+        self.held_count -= len(worker.held)
+        self.holding.pop(worker.peer, None)
         for traj in back:
             (self.cancel_queue if worker.kind == "agent" else self.to_score).appendleft(traj)
         self.counters["workers_lost"] += 1
@@ -615,7 +622,9 @@ class Rollouter:
         if self.workers.take_back(worker, traj.sample_id) is None:
             self.counters["unexpected_returns"] += 1  # e.g. from a worker declared dead earlier
             return
-        worker.held.discard(traj.sample_id)
+        if traj.sample_id in worker.held:
+            worker.held.discard(traj.sample_id)
+            self.held_count -= 1
         if self.is_eval(traj):
             self.eval_returned(traj)
         elif traj.group_id not in self.groups:  # its group was already given up
@@ -694,16 +703,18 @@ class Rollouter:
 
     def agent_draining(self) -> int:
         """Trajectories out with agent workers that a pause waits for: all but the held."""
-        return sum(len(w.out) - len(w.held) for w in self.workers.values() if w.kind == "agent")
+        return self.workers.out("agent") - self.held_count
 
     def held(self, worker: Worker, sample_ids: list[str]) -> None:
         """A worker holds these through the sync (`Held`): out with it, not draining."""
         if not self.paused:  # a Resume crossed it: they run already
             self.counters["late_holds"] += 1
             return
-        ids = {sid for sid in sample_ids if sid in worker.out}
-        self.counters["held_through_sync"] += len(ids - worker.held)
-        worker.held |= ids
+        new = {sid for sid in sample_ids if sid in worker.out} - worker.held
+        worker.held |= new
+        self.holding[worker.peer] = worker
+        self.held_count += len(new)
+        self.counters["held_through_sync"] += len(new)
         self._check_drained()
 
     def _check_drained(self) -> None:
@@ -740,9 +751,11 @@ class Rollouter:
         if self.journal is not None:
             self.journal.new_version(self.version)
         self.paused = False
-        held = sum(len(w.held) for w in self.workers.values())
-        for w in self.workers.values():
+        held = self.held_count
+        for w in self.holding.values():
             w.held.clear()  # they generate again
+        self.holding.clear()
+        self.held_count = 0
         self.announce_resume = True
         self.start_eval()
         self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue),
@@ -777,7 +790,7 @@ class Rollouter:
             "capacity": self.capacity(), "running_groups": self.running_groups,
             "in_flight": self.in_flight(), "pending": len(self.pending),
             "cancel_queue": len(self.cancel_queue), "to_score": len(self.to_score),
-            "held": sum(len(w.held) for w in self.workers.values()),
+            "held": self.held_count,
             "ready_groups": len(self.ready), "dropped": dict(self.dropped),
             "workers": {w.name: {"kind": w.kind, "credits": w.credits, "out": len(w.out)}
                         for w in self.workers.values()},

@@ -410,30 +410,41 @@ def test_tool_calls_are_parsed_and_the_tool_turn_rendered_by_the_template():
 # -- a weight sync during a call, through the real rollouter and agent worker -------------------
 
 
-async def _stack(engine_url: str, tmp_path: Path, agent: str):
-    """An in-process rollouter and agent worker over a real ZeroMQ channel."""
-    from rollmesh.agent_worker import AgentWorker
+SPEC = SimpleNamespace(role="agent", instance=0, host="local", heartbeat_s=60.0, liveness=5,
+                       restart=0)
+
+
+def _rollouter(tmp_path: Path, agent: str):
+    """An in-process rollouter on a real ZeroMQ channel (one row, groups of 2, one group per
+    version), with its transport and experiment."""
+    from rollmesh.agent_loops import load_tokenizer
     from rollmesh.data import PromptSource
     from rollmesh.rollouter import Rollouter
-    from rollmesh.agent_loops import load_tokenizer
-    from rollmesh.transport import Channel, ChannelClient, RpcClient, Transport
+    from rollmesh.transport import Channel, RpcClient, Transport
     from tests.rollout_stack import experiment, write_dataset
 
     rows = [{"prompt": "Tell me a story.", "label": "x", "agent_loop": "openai_agent",
              "openai_agent": f"{HERE}:{agent}"}]
     exp = experiment(write_dataset(tmp_path / "rows.jsonl", rows), "rollout.max_new_tokens=64",
                      "rollout.batch_groups=1", "staleness.max_staleness=0")
-    spec = SimpleNamespace(role="agent", instance=0, host="local", heartbeat_s=60.0,
-                           liveness=5, restart=0)
     t = Transport()
     channel = Channel(t, "tcp://127.0.0.1:*", name="rollouter")
-    r = Rollouter(SimpleNamespace(log=get_logger("rollouter"), spec=spec), exp,
+    r = Rollouter(SimpleNamespace(log=get_logger("rollouter"), spec=SPEC), exp,
                   PromptSource.from_config(exp.data), load_tokenizer(exp.model), channel,
                   RpcClient(t, "tcp://127.0.0.1:9", name="unused"), None)
     r.loops.update(LOOPS)
+    return t, r, exp
+
+
+async def _stack(engine_url: str, tmp_path: Path, agent: str):
+    """An in-process rollouter and agent worker over a real ZeroMQ channel."""
+    from rollmesh.agent_worker import AgentWorker
+    from rollmesh.transport import ChannelClient
+
+    t, r, exp = _rollouter(tmp_path, agent)
     client = await EngineClient([engine_url]).__aenter__()
-    worker = AgentWorker(SimpleNamespace(log=get_logger("agent"), spec=spec), exp, client,
-                         ChannelClient(t, channel.address, identity=b"agent-0"))
+    worker = AgentWorker(SimpleNamespace(log=get_logger("agent"), spec=SPEC), exp, client,
+                         ChannelClient(t, r.channel.address, identity=b"agent-0"))
     worker.loops.update(LOOPS)
     return t, r, worker, client
 
@@ -514,3 +525,47 @@ def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
         assert result["content"] == tok.decode(traj.token_ids[traj.prompt_len:].tolist(),
                                                skip_special_tokens=True)
         assert traj.prompt_len == len(traj.token_ids) - 48
+
+
+def test_held_trajectories_are_counted_once_whatever_happens_to_them(tmp_path):
+    """The rollouter's side of Held: a pause does not wait for held trajectories, they stay
+    in flight; one that comes back, or whose worker dies, leaves the held count; the accounting
+    identity holds at every step; the row's chat messages reach openai_agent trajectories."""
+    from rollmesh.protocol import WorkerHello
+    from rollmesh.rollouter import Worker
+    from rollmesh.transport import ChannelClient
+
+    async def body():
+        t, r, _ = _rollouter(tmp_path, "long_agent")
+        try:
+            peer = ChannelClient(t, r.channel.address, identity=b"worker-a")
+            await peer.send(WorkerHello(worker="agent-a", kind="agent", credits=4))
+            who, _ = await asyncio.wait_for(r.channel.recv(), 10)  # connected: routable
+            w = Worker(who, "agent-a", "agent", 4)
+            r.workers.add(w)
+            await r.dispatch()
+            out = sorted(w.out)
+            assert len(out) == 2 and accounted(r)
+            messages = w.out[out[0]].metadata["messages"]
+            pausing = asyncio.create_task(r.pause("abort"))
+            await asyncio.sleep(0.05)
+            assert not pausing.done()  # nothing held yet: the pause waits
+            r.held(w, [*out, "not-out-with-it"])
+            paused = await asyncio.wait_for(pausing, 5)
+            assert paused.in_flight == 2 and r.stats()["held"] == 2 and accounted(r)
+            traj = w.out[out[0]]
+            traj.status = "finished"
+            r.returned(w, traj)  # a held agent that finished during the sync
+            assert r.stats()["held"] == 1 and list(r.to_score) == [traj] and accounted(r)
+            await r.worker_lost(w, "silent")  # the worker died holding the other
+            assert r.stats()["held"] == 0 and len(r.cancel_queue) == 1 and accounted(r)
+            assert r.in_flight() == 2 and r.counters["held_through_sync"] == 2
+            r.resume(1)
+            r.held(w, out)  # a Held that crossed the Resume changes nothing
+            assert r.counters["late_holds"] == 1 and r.stats()["held"] == 0
+            return messages
+        finally:
+            t.close()
+
+    messages = asyncio.run(body())
+    assert messages == [{"role": "user", "content": "Tell me a story."}]
