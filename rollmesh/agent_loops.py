@@ -131,6 +131,14 @@ class LoopContext:
         self.cancelling = cancelling
         self.tools = configure_tools(tools if tools is not None else builtin_tools(), rollout)
         self.active: set[str] = set()  # rids in flight, so a cancel can abort them
+        # Loops whose trajectories stay on this worker through a weight sync (`openai_agent`:
+        # the user's coroutine cannot move) wait for `resumed` before they generate again; the
+        # worker clears it at a Cancel and sets it at the Resume. `stopping`: the worker is
+        # going away, such loops hand their trajectories back as they stand.
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.stopping = asyncio.Event()
+        self.endpoint: Any = None  # openai_agent's HTTP endpoint, started by its first run
         self.generated_tokens = 0  # what the engines produced for this worker, all told
         # Version stamping (module docstring): each engine's version as its last answer
         # reported it, and whether an engine reports per-token versions.
@@ -138,11 +146,15 @@ class LoopContext:
         self.per_token_versions = False
         self._version_probe: asyncio.Future[int | None] | None = None
 
-    def sampling_params(self, max_new_tokens: int, traj: Trajectory | None = None) -> dict[str, Any]:
-        """The rollout's sampling, with the trajectory's own overrides (e.g. greedy evaluation)."""
+    def sampling_params(self, max_new_tokens: int, traj: Trajectory | None = None,
+                        request: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The rollout's sampling, then a request's own (an agent's temperature, stop
+        strings...), then the trajectory's overrides (e.g. greedy evaluation), which win."""
         r = self.rollout
         params = {"max_new_tokens": max_new_tokens, "temperature": r.temperature,
                   "top_p": r.top_p, "top_k": r.top_k}
+        params.update(request or {})
+        params["max_new_tokens"] = max_new_tokens
         if traj is not None:
             params.update(traj.metadata.get("sampling") or {})
             # a row's max_new_tokens is its whole budget: what is asked now is what is left
@@ -155,8 +167,10 @@ class LoopContext:
         own = (traj.metadata.get("sampling") or {}).get("max_new_tokens")
         return int(own) if own is not None else self.rollout.max_new_tokens
 
-    async def generate(self, traj: Trajectory, max_new_tokens: int) -> GenerateOutput:
-        """Generate from everything the trajectory holds and append the result to it."""
+    async def generate(self, traj: Trajectory, max_new_tokens: int,
+                       sampling: dict[str, Any] | None = None) -> GenerateOutput:
+        """Generate from everything the trajectory holds and append the result to it;
+        `sampling`: a request's own sampling parameters (`sampling_params`)."""
         if self.cancelling.is_set():
             raise Interrupted()
         max_new_tokens = min(max_new_tokens, self.max_context - len(traj.token_ids) - 1)
@@ -170,7 +184,8 @@ class LoopContext:
             # and moves a request whose engine died to another; a cancel (weight sync) ends
             # that wait: the trajectory goes back as it stands, its partial tokens kept.
             out = await self.client.generate(traj.token_ids.tolist(),
-                                             self.sampling_params(max_new_tokens, traj), rid=rid,
+                                             self.sampling_params(max_new_tokens, traj,
+                                                                  sampling), rid=rid,
                                              wait_s=self.rollout.engine_wait_s,
                                              cancel=self.cancelling)
         except GenerationCancelled:
@@ -223,6 +238,12 @@ class LoopContext:
     async def abort_all(self) -> None:
         await asyncio.gather(*(self.client.abort(rid) for rid in list(self.active)),
                              return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop what the loops started on this worker (openai_agent's endpoint)."""
+        if self.endpoint is not None:
+            await self.endpoint.close()
+            self.endpoint = None
 
 
 class ContextFull(Exception):

@@ -10,6 +10,13 @@ Engine outages: a generation whose engine dies is sent again to another healthy 
 restarted one) from the trajectory's tokens so far; with no engine healthy it waits, up to
 `rollout.engine_wait_s`, and a Cancel meanwhile returns it interrupted with what it holds. Only
 an outage longer than the limit makes it `failed` (the rollouter's max_retries then apply).
+
+Loops that stay on their worker (`stays_on_worker`, e.g. `openai_agent`, whose user coroutine
+cannot move): at a Cancel their generations are aborted too (partial tokens kept), but the
+trajectories stay here, waiting for the Resume; once none of them generates the worker sends
+`Held` with their ids, so the rollouter counts them as out with this worker without waiting for
+them. At the rollouter's Resume (or its next Assign) they go on. A worker that stops hands them
+back interrupted (they start over elsewhere).
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.protocol import (
-    Assign, Cancel, Heartbeat, Metrics, Returned, StatsRequest, Trajectory, WorkerHello,
+    Assign, Cancel, Heartbeat, Held, Metrics, Resume, Returned, StatsRequest, Trajectory,
+    WorkerHello,
 )
 from rollmesh.runtime import RoleContext, rejoin_when_silent
 from rollmesh.transport import ChannelClient
@@ -41,6 +49,7 @@ class AgentWorker:
         self.loop_ctx = LoopContext(client, load_tokenizer(exp.model), exp.rollout,
                                     max_context=exp.model.max_context, cancelling=self.cancelling)
         self.running: dict[str, asyncio.Task] = {}
+        self.pinned: set[str] = set()  # running trajectories whose loop stays on this worker
         self.counts = {"finished": 0, "interrupted": 0, "failed": 0}
         self.name = f"{ctx.spec.role}-{ctx.spec.instance}"
 
@@ -58,21 +67,41 @@ class AgentWorker:
                              trace=traceback.format_exc(limit=3))
         finally:
             self.running.pop(traj.sample_id, None)
+            self.pinned.discard(traj.sample_id)
         self.counts[traj.status] += 1
         await self.channel.send(Returned(trajectory=traj))
 
-    async def cancel(self, reason: str) -> None:
-        """Abort everything in flight; each loop returns its trajectory as it stands."""
+    def start(self, traj: Trajectory) -> None:
+        """Run `traj` (known as pinned at once: a Cancel may come before its task starts)."""
+        if getattr(self.loops.get(traj.agent_loop), "stays_on_worker", False):
+            self.pinned.add(traj.sample_id)
+        self.running[traj.sample_id] = asyncio.create_task(self.run_one(traj))
+
+    async def cancel(self, reason: str, *, final: bool = False) -> None:
+        """Abort everything in flight; each loop returns its trajectory as it stands, but for
+        loops that stay on this worker: once their generations are stopped, the rollouter is
+        told they are held (module docstring). `final`: the worker is stopping, every
+        trajectory goes back."""
+        self.loop_ctx.resumed.clear()  # before `cancelling`: no held call starts again
+        if final:
+            self.loop_ctx.stopping.set()
         self.cancelling.set()
         n = len(self.running)
         await self.loop_ctx.abort_all()
-        await asyncio.gather(*self.running.values(), return_exceptions=True)
-        self.log.info("cancelled", reason=reason, trajectories=n)
+        moving = [t for sid, t in self.running.items() if final or sid not in self.pinned]
+        await asyncio.gather(*moving, return_exceptions=True)
+        if self.loop_ctx.endpoint is not None:
+            await self.loop_ctx.endpoint.quiesced()
+        held = sorted(sid for sid in self.running if sid in self.pinned)
         self.cancelling.clear()
+        if held:
+            await self.channel.send(Held(sample_ids=held))
+        self.log.info("cancelled", reason=reason, trajectories=n, held=len(held))
 
     def stats(self) -> dict[str, Any]:
         client = self.loop_ctx.client
-        return {"running": len(self.running), **self.counts,
+        held = 0 if self.loop_ctx.resumed.is_set() else len(self.pinned)
+        return {"running": len(self.running), "held": held, **self.counts,
                 "generated_tokens": self.loop_ctx.generated_tokens,
                 "engines_healthy": getattr(client, "healthy_count", None)}
 
@@ -94,9 +123,14 @@ class AgentWorker:
                     traj = msg.trajectory
                     if cancelling is not None and not cancelling.done():
                         await cancelling  # a resume after a cancel: ship the partials first
-                    self.running[traj.sample_id] = asyncio.create_task(self.run_one(traj))
+                    self.loop_ctx.resumed.set()  # an Assign comes only when not paused
+                    self.start(traj)
                 elif isinstance(msg, Cancel):
                     cancelling = asyncio.create_task(self.cancel(msg.reason))
+                elif isinstance(msg, Resume):
+                    if cancelling is not None and not cancelling.done():
+                        await cancelling
+                    self.loop_ctx.resumed.set()  # held trajectories go on
                 elif isinstance(msg, Heartbeat):
                     await self.channel.send(Heartbeat(sender=self.name, seq=msg.seq))
                 elif isinstance(msg, StatsRequest):
@@ -128,6 +162,7 @@ async def main(ctx: RoleContext) -> None:
         serving.cancel()
         # Stopping: hand back what runs, so nothing is lost with this process.
         if worker.running:
-            await worker.cancel("worker stopping")
+            await worker.cancel("worker stopping", final=True)
+        await worker.loop_ctx.close()
         ctx.log.info("stats", **worker.stats())
     channel.close()

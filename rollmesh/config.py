@@ -177,6 +177,10 @@ class RolloutConfig:
     tool_timeout_s: float = _field("time limit for one tool call (seconds)", 30.0, gt=0)
     python_tool: PythonToolConfig = _field(
         "limits of the `python` tool (code execution)", factory=PythonToolConfig)
+    openai_agent: str = _field(
+        "the agent of the `openai_agent` loop, 'package.module:function': an async function "
+        "called as `await fn(client, row)` with an `openai.AsyncOpenAI` client (a row's own "
+        "`openai_agent` field wins; '' = rows must name theirs)", "")
     max_retries: int = _field(
         "retries of a generation that failed (engine error) before its whole group is dropped", 2, ge=0
     )
@@ -214,6 +218,10 @@ class RolloutConfig:
     def validate(self) -> None:
         if self.top_k != -1 and self.top_k < 1:
             raise _Invalid("top_k", f"expected -1 (whole vocabulary) or int >= 1, got {self.top_k}")
+        module, _, function = self.openai_agent.partition(":")
+        if self.openai_agent and not (module and function):
+            raise _Invalid("openai_agent", f"expected 'package.module:function' (or ''), got "
+                                           f"{self.openai_agent!r}")
         if ":" not in self.reward:  # "module:function" is imported by the reward worker
             _check_registered("reward", self.reward, "rollmesh.rewards", extra=" or 'module:function'")
         _check_registered("group_filter", self.group_filter, "rollmesh.group_filters",

@@ -577,6 +577,15 @@ class PromptSource:
 # ---------------------------------------------------------------------------------------------
 
 
+def chat_messages(row: PromptRow, system_prompt: str | None = None) -> Messages:
+    """The row's prompt as chat messages (`system_prompt` applied): a text prompt is the
+    user's message. What `render_prompt` renders, for loops that send it themselves."""
+    prompt = with_system_prompt(row.prompt, system_prompt)
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
 def render_prompt(row: PromptRow, tokenizer: Any, system_prompt: str | None = None) -> list[int]:
     """Prompt token ids, through the tokenizer's own chat template (with the generation prompt
     and the row's tools): a text prompt is the user's message (after `system_prompt`, when

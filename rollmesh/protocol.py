@@ -242,6 +242,16 @@ class Returned:
 
 
 @record
+class Held:
+    """Agent worker -> rollouter, answering a Cancel: these trajectories stay on the worker
+    through the sync (their loop's own code cannot move, e.g. `openai_agent`'s user coroutine).
+    Their generations are stopped (partial tokens kept); each goes on after the Resume and comes
+    back finished or failed. The rollouter counts them as out with the worker, not as draining."""
+
+    sample_ids: list[str]
+
+
+@record
 class Score:
     """Rollouter -> reward worker: score this finished trajectory."""
 
@@ -273,7 +283,8 @@ class Paused:
 
 @record
 class Resume:
-    """Weights of `version` are live: resume, cancel queue first."""
+    """Weights of `version` are live: resume, cancel queue first. Synchronizer -> rollouter;
+    and rollouter -> agent workers, whose held trajectories (`Held`) then go on."""
 
     version: int
 

@@ -27,8 +27,11 @@ rollout.eval_n answers per prompt and ends in one summary (stats `eval`, the `ev
 mean reward, pass@k and the same per data_source (rollmesh.evaluation).
 
 Pause (from the synchronizer): stop dispatching, send Cancel to every agent worker, answer
-Paused once no trajectory is out with a worker; with `sync.pause_mode = "in_place"` send no
-Cancel and answer Paused at once (the engines keep the requests through the sync). Resume(version): dispatch the cancel queue
+Paused once no trajectory is out with a worker, but for those a worker holds (`Held`: loops
+whose own code cannot move, e.g. openai_agent; their generations are stopped, they stay counted
+as out with that worker and come back after the Resume); with `sync.pause_mode = "in_place"`
+send no Cancel and answer Paused at once (the engines keep the requests through the sync).
+Resume(version): tell the agent workers (held trajectories go on), dispatch the cancel queue
 first, then new prompts. A worker that dies (silent for `liveness` heartbeats, or unreachable)
 has its trajectories re-queued as they were when dispatched. A rollouter restarted between a
 Pause and its Resume comes back paused (the journal records both) and waits for the Resume.
@@ -50,13 +53,15 @@ import msgpack
 
 from rollmesh.agent_loops import load_tokenizer, new_trajectory
 from rollmesh.config import ExperimentConfig, parse_config
-from rollmesh.data import Dataset, PromptGroup, PromptSource, render_prompt
+from rollmesh.data import (
+    Dataset, PromptGroup, PromptRow, PromptSource, chat_messages, render_prompt,
+)
 from rollmesh.durable_log import DurableLog
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.evaluation import eval_summary
 from rollmesh.protocol import (
-    Assign, Cancel, Group, Heartbeat, Metrics, Ok, Pause, Paused, PutGroup, Resume, Returned,
-    Score, Scored, StatsRequest, Trajectory, WorkerHello,
+    Assign, Cancel, Group, Heartbeat, Held, Metrics, Ok, Pause, Paused, PutGroup, Resume,
+    Returned, Score, Scored, StatsRequest, Trajectory, WorkerHello,
 )
 from rollmesh.runtime import RoleContext
 from rollmesh.transport import Channel, Liveness, PeerTimeout, RemoteError, RpcClient, RpcServer
@@ -253,6 +258,7 @@ class Worker:
     kind: str
     credits: int
     out: dict[str, Trajectory] = field(default_factory=dict)  # sample id -> as dispatched
+    held: set[str] = field(default_factory=set)  # of `out`: held by the worker through a sync
 
     @property
     def free(self) -> int:
@@ -366,6 +372,14 @@ class Rollouter:
         self.dropped: collections.Counter[str] = collections.Counter()  # reason -> samples
         self.changed = asyncio.Event()
         self.drained = asyncio.Event()
+        self.announce_resume = False  # tell the agent workers at the next dispatch
+        # Trajectories agent workers hold through the sync in progress (`Held`), and those
+        # workers: a pause does not wait for them (kept as a count: _check_drained runs at
+        # every return, and must not scan the workers).
+        self.held_count = 0
+        self.holding: dict[bytes, Worker] = {}
+        # The loop classes rows name, loaded as they come (`_loop_metadata`); None: unknown.
+        self.loops: dict[str, type | None] = {}
         # Evaluation of the held-out set: outside the training accounting, one round per
         # eval_every versions, dispatched after the cancel queue and before new prompts.
         self.eval_rows = (Dataset.from_config(exp.data, eval=True).rows
@@ -437,11 +451,12 @@ class Rollouter:
         for i, row in enumerate(self.eval_rows):
             prompt = render_prompt(row, self.tokenizer, self.exp.data.system_prompt)
             for j in range(eval_n):
+                loop = row.agent_loop or self.exp.data.default_agent_loop
                 self.eval_queue.append(new_trajectory(
                     f"eval-v{v:06d}-{i:04d}-{j:02d}", f"eval-v{v:06d}", i * eval_n + j, prompt,
-                    agent_loop=row.agent_loop or self.exp.data.default_agent_loop,
-                    label=row.label,
-                    metadata={**row.metadata, "eval_version": v, "eval_prompt": i,
+                    agent_loop=loop, label=row.label,
+                    metadata={**row.metadata, **self._loop_metadata(row, loop),
+                              "eval_version": v, "eval_prompt": i,
                               "sampling": {"temperature": self.exp.rollout.eval_temperature}}))
 
     @staticmethod
@@ -498,7 +513,8 @@ class Rollouter:
 
     def _start_group(self, group: PromptGroup, prompt: list[int], version: int) -> None:
         loop = group.row.agent_loop or self.exp.data.default_agent_loop
-        meta = {**group.row.metadata, "row": group.row.index}
+        meta = {**group.row.metadata, "row": group.row.index,
+                **self._loop_metadata(group.row, loop)}
         if group.row.tools is not None:
             meta["tools"] = group.row.tools
         for i in range(group.group_size):
@@ -506,6 +522,20 @@ class Rollouter:
                 f"{group.group_id}-{i:03d}", group.group_id, i, prompt, agent_loop=loop,
                 label=group.row.label, metadata=meta))
         self.groups[group.group_id] = GroupState(group.group_size, version)
+
+    def _loop_metadata(self, row: PromptRow, loop: str) -> dict[str, Any]:
+        """What the row's loop needs besides the prompt's tokens: the row's chat messages (the
+        system prompt applied) for loops with `takes_messages` (openai_agent)."""
+        if loop not in self.loops:  # only the loops rows name; one that fails to load fails
+            try:  # on the workers, where it runs, not here
+                eps = importlib.metadata.entry_points(group="rollmesh.agent_loops", name=loop)
+                self.loops[loop] = next(iter(eps)).load() if eps else None
+            except Exception as e:
+                self.log.warning("agent_loop_not_loaded", loop=loop, error=str(e))
+                self.loops[loop] = None
+        if getattr(self.loops[loop], "takes_messages", False):
+            return {"messages": chat_messages(row, self.exp.data.system_prompt)}
+        return {}
 
     def restore(self) -> None:
         """Go on from the journal of a previous rollouter of this run, if there is one."""
@@ -546,6 +576,12 @@ class Rollouter:
         return self.workers.freest(kind)
 
     async def dispatch(self) -> None:
+        if self.announce_resume and not self.paused:
+            self.announce_resume = False
+            for w in list(self.workers.values()):
+                if w.kind == "agent" and not await self.channel.send(
+                        w.peer, Resume(version=self.version)):
+                    await self.worker_lost(w, "unreachable")
         self.admit()
         while not self.paused and (self.cancel_queue or self.eval_queue or self.pending):
             worker = self._free_worker("agent")
@@ -572,6 +608,8 @@ class Rollouter:
             return
         self.liveness.forget(worker.peer.hex())
         back = list(worker.out.values())
+        self.held_count -= len(worker.held)
+        self.holding.pop(worker.peer, None)
         for traj in back:
             (self.cancel_queue if worker.kind == "agent" else self.to_score).appendleft(traj)
         self.counters["workers_lost"] += 1
@@ -584,6 +622,9 @@ class Rollouter:
         if self.workers.take_back(worker, traj.sample_id) is None:
             self.counters["unexpected_returns"] += 1  # e.g. from a worker declared dead earlier
             return
+        if traj.sample_id in worker.held:
+            worker.held.discard(traj.sample_id)
+            self.held_count -= 1
         if self.is_eval(traj):
             self.eval_returned(traj)
         elif traj.group_id not in self.groups:  # its group was already given up
@@ -660,8 +701,24 @@ class Rollouter:
     def agent_out(self) -> int:
         return self.workers.out("agent")
 
+    def agent_draining(self) -> int:
+        """Trajectories out with agent workers that a pause waits for: all but the held."""
+        return self.workers.out("agent") - self.held_count
+
+    def held(self, worker: Worker, sample_ids: list[str]) -> None:
+        """A worker holds these through the sync (`Held`): out with it, not draining."""
+        if not self.paused:  # a Resume crossed it: they run already
+            self.counters["late_holds"] += 1
+            return
+        new = {sid for sid in sample_ids if sid in worker.out} - worker.held
+        worker.held |= new
+        self.holding[worker.peer] = worker
+        self.held_count += len(new)
+        self.counters["held_through_sync"] += len(new)
+        self._check_drained()
+
     def _check_drained(self) -> None:
-        if self.paused and self.agent_out() == 0:
+        if self.paused and self.agent_draining() == 0:
             self.drained.set()
         self.changed.set()
 
@@ -685,7 +742,7 @@ class Rollouter:
         self._check_drained()
         await self.drained.wait()
         self.log.info("paused", mode=mode, cancel_queue=len(self.cancel_queue),
-                      drain_s=round(time.monotonic() - started, 3))
+                      held=self.agent_out(), drain_s=round(time.monotonic() - started, 3))
         return Paused(in_flight=self.agent_out(), cancel_queue=len(self.cancel_queue))
 
     def resume(self, version: int) -> None:
@@ -694,8 +751,15 @@ class Rollouter:
         if self.journal is not None:
             self.journal.new_version(self.version)
         self.paused = False
+        held = self.held_count
+        for w in self.holding.values():
+            w.held.clear()  # they generate again
+        self.holding.clear()
+        self.held_count = 0
+        self.announce_resume = True
         self.start_eval()
-        self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue))
+        self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue),
+                      held=held)
         self.changed.set()
 
     async def resume_if_forgotten(self, after_s: float) -> None:
@@ -726,6 +790,7 @@ class Rollouter:
             "capacity": self.capacity(), "running_groups": self.running_groups,
             "in_flight": self.in_flight(), "pending": len(self.pending),
             "cancel_queue": len(self.cancel_queue), "to_score": len(self.to_score),
+            "held": self.held_count,
             "ready_groups": len(self.ready), "dropped": dict(self.dropped),
             "workers": {w.name: {"kind": w.kind, "credits": w.credits, "out": len(w.out)}
                         for w in self.workers.values()},
@@ -807,6 +872,10 @@ class Rollouter:
                 self.workers.add(Worker(peer, msg.worker, msg.kind, max(1, msg.credits)))
                 self.log.info("worker_joined", worker=msg.worker, kind=msg.kind,
                               credits=msg.credits)
+                if msg.kind == "agent" and not self.paused:
+                    # not in a sync: what it may still hold from one (a restarted rollouter
+                    # never sends that sync's Resume) goes on
+                    await self.channel.send(peer, Resume(version=self.version))
             elif worker is None:
                 self.counters["messages_from_unknown_peers"] += 1
                 continue
@@ -816,6 +885,8 @@ class Rollouter:
                 try:
                     if isinstance(msg, Returned):
                         self.returned(worker, msg.trajectory)
+                    elif isinstance(msg, Held):
+                        self.held(worker, msg.sample_ids)
                     elif isinstance(msg, Scored):
                         self.scored(worker, msg.trajectory)
                     elif not isinstance(msg, (Heartbeat, Metrics)):

@@ -85,7 +85,7 @@ def test_calculator_evaluates_arithmetic_and_nothing_else():
 
 def test_builtin_loops_are_registered_as_entry_points():
     loops = load_agent_loops()
-    assert {"single_turn", "tool_agent"} <= set(loops)
+    assert {"single_turn", "tool_agent", "openai_agent"} <= set(loops)  # needs pip install -e .
 
 
 # -- tool responses through the chat template ----------------------------------------------

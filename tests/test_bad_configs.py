@@ -60,7 +60,7 @@ def registered(group: str, *builtin: str) -> str:
 
 EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics"
 ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, "
-                "max_turns, tool_timeout_s, python_tool, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
+                "max_turns, tool_timeout_s, python_tool, openai_agent, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
                 "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
                 "eval_pass_threshold")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
@@ -96,6 +96,8 @@ EXPERIMENTS = [
      "{file}: rollout.engine_wait_s: expected float > 0, got '5m'"),
     ("top_k_zero", exp(section="rollout", extra="top_k = 0\n"),
      "{file}: rollout.top_k: expected -1 (whole vocabulary) or int >= 1, got 0"),
+    ("openai_agent_without_function", exp(section="rollout", extra='openai_agent = "my_agents"\n'),
+     "{file}: rollout.openai_agent: expected 'package.module:function' (or ''), got 'my_agents'"),
     ("unknown_key_typo", exp(section="rollout", extra="max_new_token = 8\n"),
      f"{{file}}: rollout.max_new_token: unknown key (did you mean 'max_new_tokens'? expected one "
      f"of: {ROLLOUT_KEYS})"),
