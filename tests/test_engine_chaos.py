@@ -211,8 +211,9 @@ def test_an_engine_killed_at_a_sync_gets_the_current_weights_and_the_run_finishe
 
 
 # 10 kills take about 150 s here (each restart of the engine takes 5-15 s on 2 loaded cores);
-# the suite runs 6, CHAOS_KILLS=10 runs the 10.
-KILLS = int(os.environ.get("CHAOS_KILLS", 6))
+# the suite runs 4 (the second mid-broadcast; test_an_engine_killed_at_a_sync_... kills one at a
+# sync for certain), CHAOS_KILLS=10 runs the 10.
+KILLS = int(os.environ.get("CHAOS_KILLS", 4))
 
 
 def test_chaos_the_only_engine_killed_again_and_again_at_random_moments(tmp_path):
