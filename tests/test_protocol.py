@@ -236,8 +236,11 @@ def test_protocol_uses_no_pickle():
 
 
 def test_a_broker_forwards_received_frames_without_copying():
-    """Decoded from received ZeroMQ frames and encoded again (the MessageQueue's hand-out), each
-    array whole goes out as the very frame it came in; a slice or a new array does not."""
+    """Decoded from received ZeroMQ frames and encoded again (the MessageQueue's hand-out), a
+    group goes out as the very frames it came in, body included; a record made anew from it
+    sends each array whole as the frame it came in; a slice or a new array is copied."""
+    import dataclasses
+
     import zmq
 
     ctx = zmq.Context()
@@ -250,6 +253,11 @@ def test_a_broker_forwards_received_frames_without_copying():
         received = b.recv_multipart(copy=False)
         got = decode(received)
         out = encode(got)
+        assert [id(f) for f in out] == [id(f) for f in received]  # as received, whole
+        assert_same(decode([bytes(memoryview(f)) for f in out]), group)
+        got = dataclasses.replace(got)  # a new record: encoded again, its arrays are not
+        out = encode(got)
+        assert out[1] is not received[1]
         assert [id(f) for f in out[2:]] == [id(f) for f in received[2:]]
         assert_same(decode([bytes(memoryview(f)) for f in out]), group)
         # a part of an array, or an array reversed, is not the frame: copied as usual
