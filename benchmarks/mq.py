@@ -43,7 +43,7 @@ import sys
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import dataclasses  # noqa: E402
+import copy  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -183,6 +183,14 @@ def raw_forward(p: dict[str, Any]) -> None:
 # ---- rollmesh MessageQueue -------------------------------------------------------------------
 
 
+def fresh(tr: Trajectory, group_id: str, sent: float) -> Trajectory:
+    """A new trajectory record with these arrays (what a rollouter holds: records decoded from
+    its workers' messages, not copies made field by field)."""
+    out = copy.copy(tr)
+    out.group_id, out.metadata = group_id, {"t": sent}
+    return out
+
+
 async def mq_produce(p: dict[str, Any]) -> None:
     """The rollouter's put path (`message_queue.put_ready`): groups become ready (flat out, or
     paced) while at most `window` wait to be queued, and go to the queue as it puts them."""
@@ -208,8 +216,7 @@ async def mq_produce(p: dict[str, Any]) -> None:
             # a fresh record per group (sharing the arrays); ids are never reused
             gid, now = f"{p['phase']}-{i:08d}", time.time()
             ready.append(Group(group_id=gid, trajectories=[
-                dataclasses.replace(tr, group_id=gid, metadata={"t": now})
-                for tr in groups[i % len(groups)].trajectories]))
+                fresh(tr, gid, now) for tr in groups[i % len(groups)].trajectories]))
             added.set()
         while done[0] < p["groups"]:
             room.clear()

@@ -220,14 +220,15 @@ class DurableLog:
     def _write(self, pending: list[memoryview]) -> None:
         """writev everything at the end of the file, or nothing (cut back on a failure)."""
         try:
-            while pending:
-                n = os.writev(self._fd, pending[:1024])  # IOV_MAX
+            i = 0
+            while i < len(pending):
+                n = os.writev(self._fd, pending[i:i + 1024])  # IOV_MAX
                 while n:
-                    if n >= pending[0].nbytes:
-                        n -= pending[0].nbytes
-                        pending.pop(0)
+                    if n >= pending[i].nbytes:
+                        n -= pending[i].nbytes
+                        i += 1
                     else:
-                        pending[0] = pending[0][n:]
+                        pending[i] = pending[i][n:]
                         n = 0
         except BaseException as e:
             os.ftruncate(self._fd, self.size)  # never leave a half record before later ones

@@ -130,6 +130,9 @@ def oldest_version(group: Group) -> int | None:
 # -- log entries -------------------------------------------------------------------------------
 
 
+_SMALL_PART = 4096  # a put record's pieces smaller than this are copied into one
+
+
 def _array_header(n: int) -> bytes:
     return bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
                                               else b"\xdd" + n.to_bytes(4, "big"))
@@ -146,11 +149,21 @@ def entry_parts(entry: list[Any]) -> list[Any]:
     with it (`protocol.keep_frames`): the same bytes whenever its record is written again."""
     if entry[0] != "put":
         return [msgpack.packb(entry, use_bin_type=True)]
-    frames = [memoryview(f).cast("B") for f in protocol.keep_frames(entry[2])]
-    parts: list[Any] = [b"\x93" + msgpack.packb("put") + msgpack.packb(entry[1])
-                        + _array_header(len(frames))]
+    frames = protocol.keep_frames(entry[2])
+    parts: list[Any] = []
+    # small pieces (headers, the type name, the body) joined, arrays referenced: fewer
+    # pieces to checksum and to hand to writev
+    head = bytearray(b"\x93\xa3put" + msgpack.packb(entry[1]) + _array_header(len(frames)))
     for f in frames:
-        parts += [_bin_header(f.nbytes), f]
+        view = memoryview(f).cast("B")
+        head += _bin_header(view.nbytes)
+        if view.nbytes < _SMALL_PART:
+            head += view
+        else:
+            parts += [bytes(head), view]
+            head.clear()
+    if head:
+        parts.append(bytes(head))
     return parts
 
 

@@ -430,7 +430,9 @@ class RpcServer:
                 if not await self._reply(peer, corr, item):
                     break  # the peer is gone: nobody reads the rest
         finally:
-            await items.aclose()
+            close = getattr(items, "aclose", None)
+            if close is not None:
+                await close()
 
     def _protocol_error(self, reason: str) -> None:
         self.stats.protocol_errors += 1
