@@ -714,10 +714,11 @@ class BatchFeed:
     a batch is taken at the version it is trained at, so its staleness is exact), at most
     `STREAM_AHEAD` past `step`. So the next batch is already here, or on its way, when the
     trainer asks for it. Each get moves the credit on (BatchCredit) and says which step the
-    latest checkpoint holds. After a wait that came back empty, a dropped connection, or a
-    stream the queue no longer has (it restarted), the next get opens a new stream at `step`:
-    the queue hands out again, from its log, every batch it already took for the steps from
-    there on, so nothing is lost or trained twice (a batch that arrives twice is dropped)."""
+    latest checkpoint holds. After a dropped connection, a stream the queue no longer has (it
+    restarted, or another replaced it), or a wait that came back empty although the queue had
+    sent the step's batch, the next get opens a new stream at `step`: the queue hands out
+    again, from its log, every batch it already took for the steps from there on, so nothing
+    is lost or trained twice (a batch that arrives twice is dropped)."""
 
     def __init__(self, mq: RpcClient, groups: int, *, log: Any = None):
         self.mq, self.groups = mq, groups
@@ -725,7 +726,8 @@ class BatchFeed:
         self.stream: RpcStream | None = None
         self.stream_id = 0
         self.have: dict[int, Batch] = {}  # batches received for the steps ahead
-        self.credit: tuple[int, int, int] = (0, 0, 0)  # (version, through, committed) last sent
+        # (version, through, committed) last sent; None: send them again (a probe)
+        self.credit: tuple[int, int, int] | None = None
         self.opened = 0  # streams opened (1 when nothing went wrong)
 
     async def get(self, step: int, version: int, through_step: int, committed_step: int,
@@ -739,6 +741,7 @@ class BatchFeed:
         if self.stream is None or self.stream.broken:
             await self._open(step, version, through_step, committed_step)
         elif (version, through_step, committed_step) != self.credit:
+            probe = self.credit is None  # the last wait came back empty: is the stream whole?
             try:
                 state = await self.mq.request(BatchCredit(
                     stream=self.stream_id, version=version, through_step=through_step,
@@ -750,7 +753,9 @@ class BatchFeed:
             if not isinstance(state, StreamState):
                 raise ProtocolError(f"BatchCredit answered with {type(state).__name__}")
             self.credit = (version, through_step, committed_step)
-            if not state.open:  # the queue restarted, or a stream replaced ours
+            if not state.open or (probe and state.next_step > step and step not in self.have):
+                # the queue restarted, or a stream replaced ours, or it sent this step's batch
+                # and, a whole wait later, nothing came: a new stream (it sends it again)
                 await self._open(step, version, through_step, committed_step)
         if step in self.have:
             return self.have.pop(step)
@@ -760,7 +765,7 @@ class BatchFeed:
             try:
                 batch = await self.stream.next(max(0.0, deadline - time.monotonic()))
             except PeerTimeout:
-                self._close()  # a push may be lost (the queue restarted): a new stream next time
+                self.credit = None  # the next get asks the queue how the stream stands
                 return None
             except StreamBroken as e:
                 self.log.warning("batch_stream_broken", step=step, error=str(e))

@@ -357,3 +357,25 @@ def test_a_nested_group_is_checked_as_strictly_as_any_record():
     with pytest.raises(protocol.ProtocolError,
                        match="nested record in frames 0..9: array frame 1 has 92 bytes"):
         protocol.decode(bad)
+
+
+def test_the_feed_opens_a_new_stream_when_a_pushed_batch_never_came(tmp_path):
+    async def body(t, sup):
+        mq, address, producer = await queue_and_clients(t, sup, tmp_path, n=4)
+        client = RpcClient(t, address, timeout_s=10)
+        feed = BatchFeed(client, groups=2)
+        first = await feed.get(1, 0, 1, committed_step=0, timeout_s=10)
+        feed.stream.close()  # what the queue sends on it from now on is lost on the way
+        lost = await feed.get(2, 0, 2, committed_step=0, timeout_s=1)
+        again = await feed.get(2, 0, 2, committed_step=0, timeout_s=10)  # asks, then anew
+        end = await stats(producer)
+        opened = feed.opened
+        feed.close()
+        client.close()
+        producer.close()
+        return first, lost, again, opened, end
+
+    first, lost, again, opened, end = with_supervisor(tmp_path, body)
+    assert ids(first.groups) == ["g-00000", "g-00001"] and lost is None
+    assert ids(again.groups) == ["g-00002", "g-00003"] and again.redelivered and opened == 2
+    assert end["consumed_samples"] == 8 and end["redelivered_batches"] == 1
