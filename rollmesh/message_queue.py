@@ -817,6 +817,7 @@ class _Stream:
     version: int
     cursor: int  # the step it hands out next
     through: int  # the last step it may hand out (the consumer's credit)
+    committed: int = 0  # the consumer's latest checkpoint, committed with the next hand-out
 
 
 async def main(ctx: RoleContext) -> None:
@@ -873,10 +874,19 @@ async def main(ctx: RoleContext) -> None:
                 changed.notify_all()
         return PutGroupsReply(accepted=accepted, depth=depth)
 
-    async def hand_out(step: int, n: int, version: int) -> Batch | None:
+    def commit_and_hand_out(committed: int, step: int, n: int,
+                            version: int) -> tuple[list[Group], int, bool] | None:
+        queue.commit(committed)
+        return queue.hand_out(step, n, version)
+
+    async def hand_out(step: int, n: int, version: int, committed: int = 0) -> Batch | None:
         """The batch for `step` (the one handed out before, if any), or None: too few groups.
+        `committed`: a checkpoint to commit first (in the same call to the queue's thread).
         Called holding `changed`."""
-        out = await q(queue.hand_out, step, n, version)
+        if committed <= queue.committed_step and step not in queue.pending \
+                and len(queue.queued) < n:
+            return None  # nothing to do there (reads of the thread's state: never too low)
+        out = await q(commit_and_hand_out, committed, step, n, version)
         if out is None:
             return None
         groups, version, redelivered = out
@@ -893,7 +903,8 @@ async def main(ctx: RoleContext) -> None:
         if not 0 <= msg.timeout_s <= MAX_WAIT_S:  # a waiting request holds a server slot
             raise ValueError(f"GetBatch: timeout_s must be in [0, {MAX_WAIT_S:g}], "
                              f"got {msg.timeout_s}")
-        await q(queue.commit, msg.committed_step)
+        if msg.committed_step > queue.committed_step:
+            await q(queue.commit, msg.committed_step)
         deadline = time.monotonic() + msg.timeout_s
         async with changed:
             while True:
@@ -914,9 +925,10 @@ async def main(ctx: RoleContext) -> None:
                              f"capacity), next_step >= 1 and steps >= 0, got groups={msg.groups}, "
                              f"next_step={msg.next_step}, through_step={msg.through_step}, "
                              f"committed_step={msg.committed_step}")
-        await q(queue.commit, msg.committed_step)
+        if msg.committed_step > queue.committed_step:
+            await q(queue.commit, msg.committed_step)
         stream = _Stream(msg.stream, peer, msg.groups, msg.version, msg.next_step,
-                         msg.through_step)
+                         msg.through_step, msg.committed_step)
         before, consumer[0] = consumer[0], stream
         if before is not None:
             ctx.log.info("batch_stream_replaced", next_step=before.cursor,
@@ -932,7 +944,8 @@ async def main(ctx: RoleContext) -> None:
                     while True:
                         if consumer[0] is not stream:
                             return  # replaced
-                        batch = (await hand_out(stream.cursor, stream.groups, stream.version)
+                        batch = (await hand_out(stream.cursor, stream.groups, stream.version,
+                                                stream.committed)
                                  if stream.cursor <= stream.through else None)
                         if batch is not None:
                             break
@@ -947,10 +960,14 @@ async def main(ctx: RoleContext) -> None:
         if msg.through_step < 0 or msg.committed_step < 0:
             raise ValueError(f"BatchCredit: steps must be >= 0, got through_step="
                              f"{msg.through_step}, committed_step={msg.committed_step}")
-        await q(queue.commit, msg.committed_step)
         stream = consumer[0]
         if stream is None or stream.id != msg.stream or stream.peer != peer:
+            if msg.committed_step > queue.committed_step:
+                await q(queue.commit, msg.committed_step)
             return StreamState(open=False, next_step=0)
+        # committed with the stream's next hand-out (one call to the queue's thread for both;
+        # a commit lost with a crash is sent again by the trainer's next credit)
+        stream.committed = max(stream.committed, msg.committed_step)
         stream.version = max(stream.version, msg.version)
         stream.through = max(stream.through, msg.through_step)
         async with changed:
