@@ -27,8 +27,10 @@ Two phases per system:
   samples/s is counted at the consumer after `--warmup` samples, from the last warm-up batch's
   arrival to the last batch's. Latency here is mostly time spent waiting in full buffers.
 - latency: the producer is paced at `--latency-rate` samples/s (well below every system's
-  capacity) and the consumer asks for one group at a time: p50/p99 of the time from the
-  producer's send to the consumer's receipt (one clock: the same machine). The JSON latency
+  capacity) and the consumer takes one group at a time (the MessageQueue's stream with its
+  `--prefetch` steps of credit ahead, as a trainer's; Ray's one get at a time): p50/p99 of
+  the time from the producer's send to the consumer's receipt (one clock: the same machine;
+  the MessageQueue's producer stamps a group when it is ready to put). The JSON latency
   rows are this phase's p99.
 Systems run interleaved, `--repeat` times; samples/s is the median run, percentiles pool the
 runs, and the MessageQueue's ratio to each baseline is also printed round by round (a busy
@@ -280,7 +282,10 @@ def phases(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
                           "rate": 0.0, "groups": whole(a.samples, a.batch_groups),
                           "warmup": whole(a.warmup, a.batch_groups)}}
     if a.latency_samples > 0:
-        out["latency"] = {"bg": 1, "prefetch": 0, "window": a.window, "rate": a.latency_rate,
+        # one group per batch; the MessageQueue's consumer keeps its stream's credit ahead
+        # (what the trainer's does), Ray's asks for one batch at a time (as before)
+        out["latency"] = {"bg": 1, "prefetch": a.prefetch, "window": a.window,
+                          "rate": a.latency_rate,
                           "groups": whole(a.latency_samples, 1),
                           "warmup": whole(a.latency_warmup, 1)}
     return out

@@ -288,8 +288,8 @@ def deep_group(levels):
     """A Group whose only trajectory is a nested Group, `levels` deep."""
     frames = EMPTY_GROUP
     for _ in range(levels):
-        frames = [b"Group", msgpack.packb({"group_id": "g", "trajectories": [nested_ext(0, len(frames))]}),
-                  *frames]
+        body = {"group_id": "g", "trajectories": [nested_ext(0, len(frames))]}
+        frames = [b"Group", msgpack.packb(body), *frames]
     return frames
 
 
