@@ -771,6 +771,9 @@ class BatchFeed:
                 self.log.warning("batch_stream_broken", step=step, error=str(e))
                 self._close()
                 return None
+            except RemoteError:  # the queue ended the stream with an error (its log, say)
+                self._close()  # the next get opens another
+                raise
             if not isinstance(batch, Batch):
                 self._close()
                 raise ProtocolError(f"the batch stream sent a {type(batch).__name__}")
@@ -944,11 +947,15 @@ async def main(ctx: RoleContext) -> None:
                     while True:
                         if consumer[0] is not stream:
                             return  # replaced
-                        batch = (await hand_out(stream.cursor, stream.groups, stream.version,
-                                                stream.committed)
-                                 if stream.cursor <= stream.through else None)
-                        if batch is not None:
-                            break
+                        if stream.cursor <= stream.through:
+                            batch = await hand_out(stream.cursor, stream.groups, stream.version,
+                                                   stream.committed)
+                            if batch is not None:
+                                break
+                        elif stream.committed > queue.committed_step:
+                            # no hand-out to commit it with (the credit is used up: the last
+                            # step of a run, or of a weight version): committed on its own
+                            await q(queue.commit, stream.committed)
                         await changed.wait()
                 stream.cursor += 1  # handed out (and kept): a stream opened later gets it again
                 yield batch
