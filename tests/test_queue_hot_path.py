@@ -65,6 +65,39 @@ def test_a_malformed_group_in_a_put_changes_nothing(tmp_path):
     q.close()
 
 
+def test_put_many_returns_once_its_groups_are_in_the_log_and_a_failed_write_queues_none(
+        tmp_path, monkeypatch):
+    import os
+
+    from rollmesh.message_queue import QueueDiskError
+
+    q = MessageQueue(10, 1, state_dir=tmp_path, fsync_interval_s=3600)
+    assert q.put_many([group(0), group(1)]) == 2
+    # acknowledged: in the file (the kernel) already, with no fsync and no close (a kill -9
+    # of the queue now loses nothing): a replay of the file as it stands has both
+    entries = [decode_entry(p) for p in DurableLog.open(tmp_path / LOG_NAME)[1]]
+    assert [e[2].group_id for e in entries] == ["g-00000", "g-00001"]
+    assert q.journal.fsyncs == 0
+    size = (tmp_path / LOG_NAME).stat().st_size
+
+    def full(fd, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full)
+    with pytest.raises(QueueDiskError, match="cannot write its log .*No space left"):
+        q.put_many([group(2), group(3)])
+    s = q.stats()
+    assert s["depth_groups"] == 2 and s["put_samples"] == 4 and s["log_error"] is not None
+    assert (tmp_path / LOG_NAME).stat().st_size == size  # nothing of the failed put
+    monkeypatch.undo()
+    assert q.put_many([group(2), group(3)]) == 2  # the retry: queued once
+    assert q.stats()["log_error"] is None and balance(q.stats()) == 0
+    again = MessageQueue(10, 1, state_dir=tmp_path)  # as a restart would see the file
+    assert ids(again.take(4, 0)) == [f"g-0000{i}" for i in range(4)]
+    again.close()
+    q.close()
+
+
 def test_a_received_group_goes_to_the_log_and_out_again_as_the_frames_it_came_in(tmp_path):
     import zmq
 
@@ -161,7 +194,15 @@ def test_a_stream_hands_out_each_step_once_in_order_within_its_credit(tmp_path):
         await nothing_for(stream)  # credit for step 4, but no group left: it waits for more
         await producer.request(PutGroups(groups=[group(6), group(7)]))
         got.append(await stream.next(10))
-        end = await stats(producer)
+        # the credit is used up (through step 4, handed out): a checkpoint at step 3 is
+        # committed all the same (the last step of a run has no hand-out to go with)
+        await trainer.request(BatchCredit(stream=7, version=0, through_step=4,
+                                          committed_step=3))
+        for _ in range(100):
+            end = await stats(producer)
+            if end["committed_step"] == 3:
+                break
+            await asyncio.sleep(0.05)
         stream.close()
         trainer.close()
         producer.close()
@@ -174,8 +215,8 @@ def test_a_stream_hands_out_each_step_once_in_order_within_its_credit(tmp_path):
     # step 3 was not taken before its credit came: the queue held its groups
     assert mid["consumed_samples"] == 8 and mid["depth_groups"] == 2
     assert mid["pending_batches"] == 2
-    assert end["consumed_samples"] == 16 and end["committed_step"] == 1
-    assert end["pending_batches"] == 3 and balance(end) == 0
+    assert end["consumed_samples"] == 16 and end["committed_step"] == 3
+    assert end["pending_batches"] == 1 and balance(end) == 0
 
 
 def test_a_consumer_that_drops_mid_stream_and_the_next_one_get_each_step_once(tmp_path):
