@@ -14,7 +14,7 @@ Systems, each moving the same frames (an encoded PutGroups of one group of n sam
 - rollmesh MessageQueue: the real MessageQueue role (spawned by the Supervisor) between the
   rollouter's put path and the trainer's get path, the very code the roles run: the producer's
   groups become ready (at most `--window` waiting) and `message_queue.put_ready` sends what is
-  ready in one PutGroups, one put out at a time; the consumer reads a `message_queue.BatchFeed`
+  ready in one PutGroups, two puts out at once; the consumer reads a `message_queue.BatchFeed`
   stream of batches of `--batch-groups` groups, one per step, with `--prefetch` steps of
   credit ahead, committing each step at the next (a trainer checkpointing every step). The
   groups are checked (strict decode, staleness, accounting) and written to the log (with

@@ -244,6 +244,9 @@ class MessageQueue:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self._consumed_times: collections.deque[tuple[float, int]] = collections.deque()
+        # seq -> the oldest version of a group being put, computed once by `put_many` (which
+        # checks it before the write) for `_apply`; a replay computes it again
+        self._put_oldest: dict[int, int | None] = {}
         self._live_ids: dict[str, int] = {}  # group_id -> seq, queued or pending
         # every group id ever put: a group the rollouter generated again after a crash (it
         # could not know its first copy was accepted) is recognised even once trained on
@@ -318,7 +321,8 @@ class MessageQueue:
         if kind == "put":
             _, seq, group = entry
             k = len(group.trajectories)
-            oldest = oldest_version(group)
+            oldest = (self._put_oldest.pop(seq) if seq in self._put_oldest
+                      else oldest_version(group))
             self.queued[seq] = (oldest, group)
             if self.staleness(oldest, self._clean_at) > self.max_staleness:
                 self._clean_at = -1  # already past the bound at the last scan: scan again
@@ -486,19 +490,26 @@ class MessageQueue:
         new_ids: set[str] = set()
         duplicates = accepted = 0
         room = self.capacity - len(self.queued)
+        oldest: dict[int, int | None] = {}
         for group in groups:
-            oldest_version(group)  # integer versions, checked before anything is written
+            version = oldest_version(group)  # integer versions, checked before any write
             if group.group_id in self._seen_ids or group.group_id in new_ids:
                 duplicates += 1
             elif room <= 0:
                 break
             else:
-                entries.append(["put", self.next_seq + len(entries), group])
+                seq = self.next_seq + len(entries)
+                entries.append(["put", seq, group])
+                oldest[seq] = version
                 new_ids.add(group.group_id)
                 room -= 1
             accepted += 1
         if entries:
-            self._record_many(entries)
+            self._put_oldest = oldest
+            try:
+                self._record_many(entries)
+            finally:
+                self._put_oldest = {}
         self.duplicate_puts += duplicates
         self.rejected_puts += accepted < len(groups)  # one back-pressure event per refused put
         return accepted
