@@ -1,7 +1,7 @@
 """End to end: asynchronous vs synchronous training, samples/s and the trainer's idle fraction.
 
-    .venv/bin/python benchmarks/e2e.py [--settings sync,1,2] [--steps 24] [--warmup 4]
-        [--engine-cpus 0] [--trainer-cpus 1] [--other-cpus engine]
+    .venv/bin/python benchmarks/e2e.py [--settings sync,1,2] [--overlap off|on|both]
+        [--steps 24] [--warmup 4] [--engine-cpus 0] [--trainer-cpus 1] [--other-cpus engine]
         [--median-len 32] [--sigma 1.3] [--max-len 512] [--min-len 4]
         [--batch-groups 4] [--group-size 8] [--keep] [--json PATH]
 
@@ -16,14 +16,19 @@ step), the only differences being the staleness setting:
 The same in every setting: model, engine, dataset and its order (same seed), batch size, number
 of trainer steps (so the same number of samples trained) and the response lengths.
 
-Placement. The cluster file (written per run) puts the engine on host "engine" and the trainer
-on host "trainer", both 127.0.0.1, whose `python` is a wrapper that sets the CPU affinity
-(os.sched_setaffinity) and then execs the virtualenv's Python: every thread of the engine
-(resp. trainer) runs on --engine-cpus (resp. --trainer-cpus) only, with OMP_NUM_THREADS set to
-that many cores. The light roles (rollouter, agent and reward workers, MessageQueue,
-synchronizer, and the launcher) run on --other-cpus (default: the engine's cpus, the rollout
-side: on a cluster they are CPU processes of the rollout hosts; '' leaves them unpinned). The
-affinity each process actually got is read back from /proc and printed.
+--overlap picks how the trainer syncs: `off` blocking (it waits for each broadcast), `on`
+overlapped (`sync.overlap = true`: it sends a snapshot of the weights while it computes the next
+step), `both` runs every setting twice, blocking then overlapped, and prints them side by side
+(samples/s, trainer idle per sync and its share of a step).
+
+Placement. The cluster file (written per run) places every role on this machine with the CPUs
+it may use (`cpus` per role, `launcher_cpus`: rollmesh's own CPU placement, README "CPU
+placement"): the engine on --engine-cpus, the trainer on --trainer-cpus, and the light roles
+(rollouter, agent and reward workers, MessageQueue, synchronizer) and the launcher on
+--other-cpus (default: the engine's cpus, the rollout side: on a cluster they are CPU processes
+of the rollout hosts; '' leaves them unpinned). Every thread of a process runs on its CPUs only,
+with OMP_NUM_THREADS (and the torch threads) set to that many. The affinity each process
+actually got is read back from /proc and printed.
 
 Long tail. Response lengths are drawn once per sample (seeded) from a lognormal (median
 --median-len, shape --sigma), clipped to [--min-len, --max-len], and stored in the dataset rows
@@ -41,6 +46,9 @@ step_s, tokens):
                 by the time between them (steady state: start-up and the first batches excluded)
     idle        time the trainer spent waiting for a batch (wait_s), over the same window
     sync idle   time the trainer spent in weight syncs (sync_idle_s) over the window
+    idle/sync   the mean sync_idle_s of a sync (blocking: the whole sync; overlapped: waiting
+                for the previous broadcast plus taking the snapshot), in seconds and as a share
+                of a step (the window's wall time per step)
     trainer tok/s  tokens trained per second of the trainer's own compute (step_s): the same
                 in every setting on a quiet machine; lower in async means the trainer's core was
                 shared while the engine ran (the script says so)
@@ -68,6 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import row, write  # noqa: E402
+from rollmesh.cpus import parse_cpulist  # noqa: E402
 
 PYTHON = ROOT / ".venv" / "bin" / "python"
 LOOP_NAME = "bench_long_tail"
@@ -91,22 +100,9 @@ class LongTail:
         traj.status = "finished"
 '''
 
-AFFINITY_WRAPPER = '''#!{python}
-import os, sys
-os.sched_setaffinity(0, {cpus!r})
-os.execv({python!r}, [{python!r}] + sys.argv[1:])
-'''
-
-
-def parse_cpus(text: str) -> set[int] | None:
-    """'0', '0,1', '0-3' -> a set; '' -> None (unpinned)."""
-    if not text.strip():
-        return None
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
+def parse_cpus(text: str) -> tuple[int, ...] | None:
+    """'0', '0,1', '0-3' -> the CPUs; '' -> None (unpinned)."""
+    return parse_cpulist(text) if text.strip() else None
 
 
 def draw_lengths(rows: int, group_size: int, median: float, sigma: float, lo: int, hi: int,
@@ -139,30 +135,23 @@ def write_dataset(path: Path, lengths: np.ndarray) -> None:
                                 "sampling": {"ignore_eos": True}}) + "\n")
 
 
-def write_wrapper(path: Path, cpus: set[int] | None) -> str:
-    if cpus is None:
-        return str(PYTHON)
-    path.write_text(AFFINITY_WRAPPER.format(python=str(PYTHON), cpus=cpus))
-    path.chmod(0o755)
-    return str(path)
-
-
 def write_cluster(path: Path, work: Path, args: argparse.Namespace, port_base: int) -> None:
-    hosts = {"engine": parse_cpus(args.engine_cpus), "trainer": parse_cpus(args.trainer_cpus),
-             "other": parse_cpus(args.other_cpus)}
+    """Every role on this machine, each with its CPUs (rollmesh's `cpus`; '' leaves it out)."""
+    cpus = {"engine": args.engine_cpus, "trainer": args.trainer_cpus}
     lines = ['name = "bench-e2e"', f'experiment = "{ROOT / "configs/tiny_cpu.toml"}"',
-             f'run_dir = "{work}"', ""]
-    for name, cpus in hosts.items():
-        python = write_wrapper(work / f"python-{name}", cpus)
-        env = f'{{ OMP_NUM_THREADS = "{len(cpus)}" }}' if cpus else "{}"
-        lines += [f"[hosts.{name}]", 'address = "127.0.0.1"', f'python = "{python}"',
-                  f"workdir = \"{ROOT}\"", f"env = {env}", ""]
-    placement = {"engine": "engine", "trainer": "trainer", "rollouter": "other",
-                 "agent_worker": "other", "reward_worker": "other", "message_queue": "other",
-                 "synchronizer": "other"}
+             f'run_dir = "{work}"']
+    if args.other_cpus.strip():
+        lines.append(f'launcher_cpus = "{args.other_cpus}"')
+    lines += ["", "[hosts.local]", 'address = "127.0.0.1"', f'python = "{PYTHON}"',
+              f'workdir = "{ROOT}"', ""]
     counts = {"agent_worker": 2}
-    for role, host in placement.items():
-        lines += [f"[roles.{role}]", f'host = "{host}"', f"count = {counts.get(role, 1)}", ""]
+    for role in ("engine", "trainer", "rollouter", "agent_worker", "reward_worker",
+                 "message_queue", "synchronizer"):
+        lines += [f"[roles.{role}]", 'host = "local"', f"count = {counts.get(role, 1)}"]
+        text = cpus.get(role, args.other_cpus)
+        if text.strip():
+            lines.append(f'cpus = "{text}"')
+        lines.append("")
     lines += ["[ports]", f"base = {port_base}", ""]
     path.write_text("\n".join(lines))
 
@@ -182,9 +171,10 @@ def affinity_of(pid: int) -> str:
 
 
 def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
-                dataset: Path, port_base: int) -> dict:
-    run_dir = work / f"run-{name}"
-    cluster = work / f"cluster-{name}.toml"
+                dataset: Path, port_base: int, overlap: bool = False) -> dict:
+    tag = f"{name}-overlap" if overlap else name
+    run_dir = work / f"run-{tag}"
+    cluster = work / f"cluster-{tag}.toml"
     write_cluster(cluster, work, args, port_base)
     sets = {
         "data.train_path": str(dataset), "data.group_size": args.group_size,
@@ -196,17 +186,16 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
         "trainer.total_steps": args.steps, "trainer.checkpoint_every": 0,
         "staleness.sync_mode": "true" if name == "sync" else "false",
         "staleness.max_staleness": 0 if name == "sync" else int(name),
+        "sync.overlap": "true" if overlap else "false",
     }
     cmd = [str(PYTHON), "-m", "rollmesh", "launch", str(cluster), "--quiet",
            "--run-dir", str(run_dir)]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(ROOT)]))
-    other = parse_cpus(args.other_cpus)
     started = time.monotonic()
-    log = open(work / f"launcher-{name}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, other)) if other else None)
+    log = open(work / f"launcher-{tag}.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     placement: dict[str, str] = {}
     try:
         while proc.poll() is None:
@@ -216,7 +205,8 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
                 raise RuntimeError(f"setting {name}: no result within {args.timeout:g}s "
                                    f"(launcher log: {log.name})")
             status = run_dir / "status.json"
-            if status.exists() and len(placement) < 8:
+            if status.exists() and len(placement) < 9:
+                placement["launcher"] = affinity_of(proc.pid)  # launcher_cpus
                 try:
                     for p in json.loads(status.read_text())["processes"]:
                         if p.get("pid") and p["state"] != "exited":
@@ -245,10 +235,15 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
     compute = sum(s["step_s"] for s in window[1:])
     trained_tokens = sum(s["tokens"] for s in window[1:])
     sync = sum(s.get("sync_idle_s", 0.0) for s in window[1:])
+    syncs = [s["sync_idle_s"] for s in window[1:] if "sync_idle_s" in s]
+    step_wall = span / max(len(window) - 1, 1)
     summary = json.loads((run_dir / "summary.json").read_text())
     result = {
         "setting": name, "samples_per_s": samples / span, "idle": wait / span,
         "sync_idle": sync / span, "trainer_tok_s": trained_tokens / compute, "span_s": span,
+        "idle_per_sync_s": float(np.mean(syncs)) if syncs else 0.0,
+        "idle_per_sync_of_step": (float(np.mean(syncs)) if syncs else 0.0) / step_wall,
+        "step_wall_s": step_wall, "overlap": overlap,
         "samples": samples, "wall_s": wall,
         "steps": len(steps), "consumed": steps[-1]["samples_consumed"],
         "response_tokens_mean": float(np.mean([s["response_tokens_mean"] for s in steps])),
@@ -259,11 +254,19 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
     return result
 
 
+def label_of(setting: str, overlap: bool) -> str:
+    label = "sync (max_staleness 0)" if setting == "sync" else f"async (max_staleness {setting})"
+    return label + (", overlapped syncs" if overlap else "")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="sync,1,2",
                    help="comma-separated: sync and/or max_staleness values")
+    p.add_argument("--overlap", choices=["off", "on", "both"], default="off",
+                   help="weight syncs: blocking (off), overlapped with training (on: "
+                        "sync.overlap = true), or every setting both ways, side by side")
     p.add_argument("--steps", type=int, default=24, help="trainer steps per setting")
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the steady state")
     p.add_argument("--batch-groups", type=int, default=4)
@@ -289,6 +292,11 @@ def main() -> int:
     args = p.parse_args()
     if args.other_cpus == "engine":
         args.other_cpus = args.engine_cpus
+    for flag in ("engine_cpus", "trainer_cpus", "other_cpus"):
+        try:
+            parse_cpus(getattr(args, flag))
+        except ValueError as e:
+            p.error(f"--{flag.replace('_', '-')}: {e}")
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     for s in settings:
         if s != "sync" and not s.isdigit():
@@ -313,15 +321,16 @@ def main() -> int:
           f"{np.median(flat):.0f}, p90 {np.percentile(flat, 90):.0f}, p99 "
           f"{np.percentile(flat, 99):.0f}, max {flat.max()}; work dir {work}")
 
-    results: dict[str, dict] = {}
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    results: dict[tuple[str, bool], dict] = {}
     try:
-        for i, s in enumerate(settings):
-            r = run_setting(s, args, work, pkg, dataset, args.port_base + 100 * i)
-            results[s] = r
-            label = "sync (max_staleness 0)" if s == "sync" else f"async max_staleness {s}"
-            print(f"  {label:24s} {r['samples_per_s']:7.2f} samples/s  idle {r['idle']:6.1%}  "
-                  f"sync idle {r['sync_idle']:6.1%}  trainer {r['trainer_tok_s']:6.0f} tok/s  "
-                  f"({r['samples']} samples in "
+        for i, (s, overlap) in enumerate((s, o) for s in settings for o in modes):
+            r = run_setting(s, args, work, pkg, dataset, args.port_base + 100 * i, overlap)
+            results[(s, overlap)] = r
+            print(f"  {label_of(s, overlap):36s} {r['samples_per_s']:7.2f} samples/s  idle "
+                  f"{r['idle']:6.1%}  sync idle {r['sync_idle']:6.1%} ("
+                  f"{r['idle_per_sync_s']:.3f}s a sync, {r['idle_per_sync_of_step']:.1%} of a "
+                  f"step)  trainer {r['trainer_tok_s']:6.0f} tok/s  ({r['samples']} samples in "
                   f"{r['span_s']:.1f}s steady, run {r['wall_s']:.0f}s; mean response "
                   f"{r['response_tokens_mean']:.0f} tok; staleness max "
                   f"{r['staleness_max']:g}; dropped {r['dropped'] or 0})", flush=True)
@@ -332,34 +341,63 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     rows = []
-    print(f"\n{'setting':26s} {'samples/s':>10s} {'vs sync':>8s} {'idle':>7s} {'sync idle':>9s} "
-          f"{'trainer tok/s':>13s}")
-    base = results.get("sync")
-    for s, r in results.items():
+    print(f"\n{'setting':36s} {'samples/s':>10s} {'vs sync':>8s} {'idle':>7s} {'sync idle':>9s} "
+          f"{'idle/sync':>10s} {'of a step':>9s} {'trainer tok/s':>13s}")
+    for (s, overlap), r in results.items():
+        base = results.get(("sync", overlap))
         ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
-        label = "sync (max_staleness 0)" if s == "sync" else f"async (max_staleness {s})"
-        print(f"{label:26s} {r['samples_per_s']:10.2f} {ratio:>8s} {r['idle']:7.1%} "
-              f"{r['sync_idle']:9.1%} {r['trainer_tok_s']:13.0f}")
+        print(f"{label_of(s, overlap):36s} {r['samples_per_s']:10.2f} {ratio:>8s} "
+              f"{r['idle']:7.1%} {r['sync_idle']:9.1%} {r['idle_per_sync_s']:9.3f}s "
+              f"{r['idle_per_sync_of_step']:9.1%} {r['trainer_tok_s']:13.0f}")
+    if len(modes) == 2:
+        print(f"\noverlapped vs blocking syncs (same setting, same run):\n"
+              f"{'setting':26s} {'samples/s':>20s} {'ratio':>6s} {'idle per sync':>22s} "
+              f"{'of a step':>16s}")
+        for s in settings:
+            b, o = results[(s, False)], results[(s, True)]
+            print(f"{label_of(s, False)[:26]:26s} {b['samples_per_s']:9.2f} -> "
+                  f"{o['samples_per_s']:7.2f} {o['samples_per_s'] / b['samples_per_s']:5.2f}x "
+                  f"{b['idle_per_sync_s']:9.3f}s -> {o['idle_per_sync_s']:7.3f}s "
+                  f"{b['idle_per_sync_of_step']:6.1%} -> {o['idle_per_sync_of_step']:6.1%}")
+    first = modes[0]  # the async vs sync comparisons: blocking syncs unless only overlapped
+    suffix = ", overlapped syncs" if first else ""
+    base = results.get(("sync", first))
     if base and any(r["trainer_tok_s"] < 0.85 * base["trainer_tok_s"]
-                    for k, r in results.items() if k != "sync"):
+                    for (k, o), r in results.items() if k != "sync" and o == first):
         print("note: the trainer computed >15% slower while the engine ran beside it than in "
               "sync mode: its core was shared (other processes on the machine, or the cores "
               "are siblings); the async figures are then pessimistic")
     common = (f"tiny model, built-in engine (cpus {args.engine_cpus or 'any'}), trainer (cpus "
               f"{args.trainer_cpus or 'any'}), lognormal lengths median {args.median_len:g} "
               f"sigma {args.sigma:g} max {args.max_len}, {args.steps} steps x {batch} samples")
-    for s, r in results.items():
-        if s == "sync" or base is None:
+    for (s, overlap), r in results.items():
+        if s == "sync" or base is None or overlap != first:
             continue
-        rows.append(row(f"e2e samples/s, async (max_staleness {s}) vs sync", r["samples_per_s"],
-                        base["samples_per_s"], "samples/s", baseline_name="sync mode",
-                        higher_is_better=True, target=1.6, note=common))
-    for s, r in results.items():
+        rows.append(row(f"e2e samples/s, async (max_staleness {s}) vs sync{suffix}",
+                        r["samples_per_s"], base["samples_per_s"], "samples/s",
+                        baseline_name="sync mode", higher_is_better=True, target=1.6,
+                        note=common))
+    for (s, overlap), r in results.items():
+        if overlap != first:
+            continue
         label = "sync" if s == "sync" else f"async (max_staleness {s})"
-        rows.append(row(f"e2e trainer idle fraction, {label}", r["idle"],
+        rows.append(row(f"e2e trainer idle fraction, {label}{suffix}", r["idle"],
                         base["idle"] if base else float("nan"), "fraction of wall",
                         baseline_name="sync mode", higher_is_better=False,
                         note="time waiting for a batch / steady-state wall; " + common))
+    if len(modes) == 2:
+        for s in settings:
+            b, o = results[(s, False)], results[(s, True)]
+            label = "sync mode" if s == "sync" else f"max_staleness {s}"
+            rows.append(row(f"e2e samples/s, overlapped vs blocking syncs ({label})",
+                            o["samples_per_s"], b["samples_per_s"], "samples/s",
+                            baseline_name="blocking syncs", higher_is_better=True, note=common))
+            rows.append(row(f"e2e trainer idle per sync / step, overlapped vs blocking ({label})",
+                            o["idle_per_sync_of_step"], b["idle_per_sync_of_step"],
+                            "fraction of a step", baseline_name="blocking syncs",
+                            higher_is_better=False,
+                            note="mean sync_idle_s / steady-state wall per step (goal: < 5%); "
+                                 + common))
     write(args.json, rows)
     return 0
 

@@ -49,17 +49,39 @@ Returned, Score, Scored, plus one Assign/Returned pair per resume). Needed rates
 are printed beside --mq-capacity, the measured MessageQueue samples/s (default 758/s:
 benchmarks/mq.py with 8,192-token samples on the 2-core development VM, commit b61b464; pass
 the figure measured on the target machine).
+
+The scale study, 1,024 and 10,000 GPUs (benchmarks/README.md, "Scaling on paper"):
+
+    .venv/bin/python benchmarks/simulate.py --scale [--scale-models 7b,32b]
+        [--scale-gpus 128,1024,10000] [--scale-cell 128] [--scale-staleness 2]
+        [--scale-splits 0.25,0.3125,0.375,0.5,0.625]
+        [--scale-level 0.5] [--scale-check-gpus 1024] [--process-costs COSTS.json]
+
+  For each model preset (MODELS: the calibrated 7B above, and a 32B-class model derived from
+  it), the cell (--scale-cell GPUs, every split of --scale-splits) is simulated and its fastest run
+  gives what one GPU asks of rollmesh's processes: samples/s, tokens per sample, resumes per
+  sample, engine slots. Weak scaling: a cluster m times larger trains a batch m times larger,
+  so these hold per GPU at any size (`--scale-check-gpus` simulates such a size whole to show
+  it). The per-message costs of the rollouter and the MessageQueue (ProcessCosts: main-thread
+  CPU per sample, per group or put, per token, per resume, per worker scanned; measured by
+  benchmarks/rollout_cost.py, whose `--costs FILE` output `--process-costs` reads) turn the
+  rates into the load of each one's thread, and the size where it reaches 100% is where one
+  saturates; printed beside: the remedies (an index of free workers instead of the scan, puts
+  of several groups, several rollouters, queue shards) and how many of each keep every thread
+  under --scale-level at each size.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -408,6 +430,274 @@ def analytic_pipeline_step(c: Costs, rollout_gpus: int, train_gpus: int, length:
 
 
 # --------------------------------------------------------------------------------------------
+# Scale on paper: the cluster size at which one rollouter or one MessageQueue saturates
+# --------------------------------------------------------------------------------------------
+
+# Model presets: changes to Costs(). "7b" is the calibrated default above. "32b" is derived
+# from it for a Qwen2.5-32B-class model (32.8B parameters, 64 layers, 8 KV heads of 128; the
+# 7B: 7.6B, 28 layers, 4 KV heads of 128), same GPUs, same lengths, rollout at TP 4:
+#   decode_base_ms     16.4 GB of bf16 weights read per GPU and step (7B at TP 1: 15.2 GB):
+#                      9.0 x 16.4 / 15.2 = 9.7 ms, plus 2 all-reduces per layer x 64 layers at
+#                      ~18 us = 2.3 ms -> 12 ms
+#   decode_per_seq_ms  16.4 GFLOP per token per GPU (7B: 15.2) -> 0.05 x 1.08 = 0.054
+#   decode_per_ctx_ms  KV 262 KB per token, 65.5 KB per GPU at TP 4 (7B: 57.3 KB) -> 1.6e-5
+#   prefill, train, logprob tokens/s per GPU: the 7B's / 4.3 (FLOPs per token)
+#   sync_s, switch_s   the 7B's x 4.3 (bytes of weights to move)
+#   max_batch          256 sequences per engine of 4 GPUs: 318 GB of KV room per engine /
+#                      262 KB per token holds 256 sequences of ~4.7k tokens (the mean is ~3.2k)
+MODELS: dict[str, dict[str, Any]] = {
+    "7b": {},
+    "32b": dict(tp=4, decode_base_ms=12.0, decode_per_seq_ms=0.054, decode_per_ctx_ms=1.6e-5,
+                prefill_tok_s=1860.0, train_tok_s=735.0, logprob_tok_s=1550.0, sync_s=17.0,
+                switch_s=43.0),
+}
+
+
+@dataclass
+class ProcessCosts:
+    """Main-thread CPU of rollmesh's two singletons per unit of work (each is one asyncio thread:
+    one core is its ceiling), as `benchmarks/rollout_cost.py` measures them on real role
+    processes; `--process-costs FILE` reads the JSON its `--costs FILE` writes. The defaults are
+    its runs of 2026-11-25 on the 2-core development VM while other sessions' tests and
+    benchmarks ran (1-minute load average 5-12 on 2 cores: every figure is an upper bound of
+    what a quiet core costs):
+      rollouter figures   `rollout_cost.py --repeat 3` (medians of 3; the stack settings
+                          32:16:0, 1024:16:0, 32:4:0, 32:16:1)
+      queue, scan, codec  `rollout_cost.py --settings "" --repeat 5` (medians of 5)
+
+    rollouter  per sample: Assign, Returned, Score, Scored, its share of the journal, the
+               admission and the bookkeeping (`rollouter_per_sample_us`); per group: the
+               prompt's chat template, the journal's admit/queued records, the PutGroup and
+               its reply, the group filter (`rollouter_per_group_us`, from groups of 4 vs 16);
+               per prompt token (the chat template's tokenisation per group, the arrays of each
+               new trajectory; from 39- vs 1,029-token prompts); per resume (Assign + Returned
+               again, and the syncs' Pause/Resume handling; from a sync after every batch); per
+               token carried and message (the codec: encode or decode, one copy); and the
+               choice of a worker, run for every Assign and every Score: the rollouter's index
+               (`worker_index_ns` per dispatch, at 4,096 workers) or, as before it, a scan of
+               every worker of the kind (`worker_scan_ns` per worker; `scan=True`).
+    queue      per put (request, reply, one durable-log record: `queue_per_put_us`, from groups
+               of 1 vs 16), per sample (its share of a put record and of the GetBatch reply,
+               the accounting), per token (the durable log's crc32 and write, copies; from
+               43-, 1,033- and 3,227-token samples).
+    Assumptions, not measured here: `put_rtt_us` is benchmarks/wire.py's request-reply round
+    trip (p50, 539 us in RESULTS.md: a 8,192-token sample each way); `credits` is what an
+    agent worker takes (64: the agent worker's default, which `rollmesh launch` does not
+    change); one reward worker per `gpus_per_reward_worker` rollout GPUs (one per 8-GPU node);
+    the queue's fsync (once a second, on its event loop) blocks it for the bytes written since
+    the last one at `disk_mb_s`."""
+
+    rollouter_per_sample_us: float = 416.0
+    rollouter_per_group_us: float = 2362.0
+    rollouter_per_prompt_token_ns: float = 319.0
+    rollouter_per_resume_us: float = 424.0
+    codec_per_token_ns: float = 1.25
+    worker_scan_ns: float = 347.0
+    worker_index_ns: float = 3045.0   # `rollout_cost.worker_index_ns(4096)`, 2026-11-25
+    queue_per_sample_us: float = 119.0
+    queue_per_put_us: float = 641.0
+    queue_per_token_ns: float = 23.4
+    put_rtt_us: float = 539.0
+    credits: int = 64
+    gpus_per_reward_worker: int = 8
+    disk_mb_s: float = 1000.0
+    bytes_per_token: int = 13     # token id int32, log-prob float32, version int32, mask uint8
+
+
+@dataclass
+class Workload:
+    """What one GPU of a simulated cluster asks of the rollouter and the MessageQueue. Weak
+    scaling: a cluster m times larger trains a batch m times larger (the same samples per GPU
+    and step), so these per-GPU figures hold at any size (`weak_scaled` and the
+    `--scale-check` run show it); a trainer that scales worse only lowers the rates."""
+
+    model: str
+    cell_gpus: int
+    label: str                   # the best run of the cell, e.g. "async s=2 64:64"
+    samples_per_gpu_s: float
+    rollout_fraction: float
+    seqs_per_rollout_gpu: float  # engine slots: max_batch / tp
+    prompt_tokens: float
+    tokens_per_sample: float     # prompt + mean response
+    resumes_per_sample: float
+    group_size: int = 16
+
+
+@dataclass
+class Load:
+    """Utilisation of each singleton's thread at one size (1.0: saturated)."""
+
+    gpus: int
+    samples_per_s: float
+    agent_workers: int           # per rollouter
+    reward_workers: int          # per rollouter
+    rollouter: float             # per rollouter
+    rollouter_scan: float        # the part of `rollouter` spent choosing workers
+    queue: float                 # per queue shard
+    put_loop: float              # per rollouter: one PutGroup in flight at a time
+
+
+def weak_scaled(c: Costs, m: float) -> Costs:
+    """The cell's costs for a cluster m times larger: a batch m times larger and the trainer's
+    reference size (n_ref) m times larger, so each trainer GPU does the work it did in the cell
+    (its throughput fit keeps its shape)."""
+    return dataclasses.replace(c, batch=int(round(c.batch * m)), n_ref=int(round(c.n_ref * m)))
+
+
+def rollouter_seconds_per_sample(w: Workload, p: ProcessCosts, agent_workers: int,
+                                 reward_workers: int, scan: bool = False) -> float:
+    """Main-thread seconds the rollouter spends per sample it queues."""
+    r = w.resumes_per_sample
+    us = (p.rollouter_per_sample_us + p.rollouter_per_group_us / w.group_size
+          + p.rollouter_per_resume_us * r)
+    ns = (p.rollouter_per_prompt_token_ns * w.prompt_tokens
+          # one side of the codec for each message: Assign, Returned, Score, Scored, the put,
+          # and an Assign + Returned per resume
+          + p.codec_per_token_ns / 2 * w.tokens_per_sample * (5 + 2 * r))
+    # the choice of a worker for (1 + resumes) Assigns and one Score
+    if scan:  # before the index: each scans the agent (resp. reward) workers
+        ns += p.worker_scan_ns * ((1 + r) * agent_workers + reward_workers)
+    else:
+        ns += p.worker_index_ns * (2 + r)
+    return us * 1e-6 + ns * 1e-9
+
+
+def queue_seconds_per_sample(w: Workload, p: ProcessCosts, groups_per_put: int = 1) -> float:
+    """Main-thread seconds the MessageQueue spends per sample (put in, handed out), its fsync
+    included (it runs on the event loop)."""
+    fsync = w.tokens_per_sample * p.bytes_per_token / (p.disk_mb_s * 1e6)
+    return (1e-6 * (p.queue_per_sample_us + p.queue_per_put_us / (w.group_size * groups_per_put))
+            + 1e-9 * p.queue_per_token_ns * w.tokens_per_sample + fsync)
+
+
+def load_at(w: Workload, p: ProcessCosts, gpus: float, *, rollouters: int = 1,
+            queues: int = 1, groups_per_put: int = 1, scan: bool = False) -> Load:
+    """Each singleton's utilisation at `gpus` GPUs: samples/s grow with the cluster, and so
+    does the number of workers each dispatch scans. Several rollouters split the workers and the
+    samples evenly (a data shard each); several queue shards split the samples (by group id)."""
+    rate = w.samples_per_gpu_s * gpus
+    rollout_gpus = w.rollout_fraction * gpus
+    agents = math.ceil(rollout_gpus * w.seqs_per_rollout_gpu / p.credits / rollouters)
+    rewards = math.ceil(rollout_gpus / p.gpus_per_reward_worker / rollouters)
+    per_r = rate / rollouters
+    full = rollouter_seconds_per_sample(w, p, agents, rewards, scan)
+    bare = full
+    bare -= (p.worker_scan_ns * ((1 + w.resumes_per_sample) * agents + rewards) if scan
+             else p.worker_index_ns * (2 + w.resumes_per_sample)) * 1e-9
+    q = queue_seconds_per_sample(w, p, groups_per_put)
+    # the put loop waits for each reply: a round trip plus the queue's work on the put
+    put_period = (p.put_rtt_us * 1e-6 / (w.group_size * groups_per_put) + q)
+    return Load(int(round(gpus)), rate, agents, rewards, per_r * full, per_r * (full - bare),
+                rate / queues * q, per_r * put_period)
+
+
+def saturation_gpus(w: Workload, p: ProcessCosts, which: str, level: float = 1.0,
+                    **kw: Any) -> float:
+    """The cluster size (GPUs) at which `which` (rollouter | queue | put_loop) reaches `level`
+    of its thread: the load grows monotonically with the size, so bisect."""
+    def f(g: float) -> float:
+        return getattr(load_at(w, p, g, **kw), which)
+
+    lo, hi = 1.0, 1.0
+    while f(hi) < level:
+        lo, hi = hi, hi * 2
+        if hi > 1e9:
+            return math.inf
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < level else (lo, mid)
+    return hi
+
+
+def shards_needed(w: Workload, p: ProcessCosts, gpus: int, which: str, level: float,
+                  **kw: Any) -> int:
+    """The fewest rollouters (which="rollouter") or queue shards ("queue") that keep each at or
+    below `level` at `gpus` GPUs."""
+    for n in range(1, 100_000):
+        key = "rollouters" if which == "rollouter" else "queues"
+        if getattr(load_at(w, p, gpus, **{**kw, key: n}), which) <= level:
+            return n
+    raise ValueError(f"no shard count up to 100,000 keeps the {which} under {level}")
+
+
+def workload(c: Costs, model: str, cell_gpus: int, staleness: float | None,
+             splits: list[float], **kw: Any) -> tuple[Workload, Result]:
+    """Simulate the cell (every split), keep the fastest run, and read the per-GPU figures."""
+    runs = sweep(c, cell_gpus, staleness, splits, **kw)
+    if not runs:
+        raise ValueError(f"no split of {cell_gpus} GPUs in {splits} leaves both sides GPUs")
+    best = min(runs, key=lambda r: r.step_s)
+    lengths = draw_lengths(c, 100_000, np.random.default_rng(kw.get("seed", 0)))
+    resumes = best.interruptions / (len(best.step_times) * c.batch)
+    return Workload(model, cell_gpus, best.label, best.samples_per_s / cell_gpus,
+                    best.rollout_gpus / cell_gpus, c.max_batch / c.tp, float(c.prompt_len),
+                    float(c.prompt_len + lengths.mean()), resumes), best
+
+
+def scale_report(args: argparse.Namespace, p: ProcessCosts, base: dict[str, Any]) -> list:
+    """The table of the scale study: per model, the needed rates and each singleton's load at
+    every size, the sizes at which they saturate, and what it takes to stay below half load."""
+    rows = []
+    sizes = [int(g) for g in args.scale_gpus.split(",")]
+    splits = [float(f) for f in args.scale_splits.split(",")]
+    stale = None if args.scale_staleness in ("inf", "none") else float(args.scale_staleness)
+    kw = dict(steps=args.steps, warmup=args.warmup, seed=args.seed)
+    print(f"\nScale on paper (weak scaling from a {args.scale_cell}-GPU cell; async "
+          f"max_staleness {args.scale_staleness}; per-process costs: "
+          f"{args.process_costs or 'the defaults of ProcessCosts'})")
+    for model in args.scale_models.split(","):
+        if model not in MODELS:
+            raise SystemExit(f"--scale-models: unknown model {model!r} (known: "
+                             f"{', '.join(MODELS)})")
+        c = Costs(**{**base, **MODELS[model]})
+        w, best = workload(c, model, args.scale_cell, stale, splits, **kw)
+        print(f"\n{model}: cell {args.scale_cell} GPUs, best {w.label}: "
+              f"{w.samples_per_gpu_s:.3f} samples/s per GPU, {w.tokens_per_sample:.0f} tokens "
+              f"per sample, {w.resumes_per_sample:.2f} resumes per sample, "
+              f"{w.seqs_per_rollout_gpu:.0f} engine slots per rollout GPU")
+        for g in [int(x) for x in args.scale_check_gpus.split(",") if x.strip()]:
+            big = weak_scaled(c, g / args.scale_cell)
+            r = simulate(big, g, int(round(best.rollout_gpus * g / args.scale_cell / c.tp))
+                         * c.tp, stale, **kw)
+            print(f"  check: the simulation itself at {g:,} GPUs (batch {big.batch:,}, split "
+                  f"{r.rollout_gpus}:{r.train_gpus}): {r.samples_per_s / g:.3f} samples/s per "
+                  f"GPU, {r.samples_per_s / g / w.samples_per_gpu_s:.3f}x the cell's")
+        print(f"  {'GPUs':>7s} {'samples/s':>10s} {'agent wkrs':>10s} {'rollouter':>10s} "
+              f"{'of it picks':>11s} {'put loop':>9s} {'queue':>7s}")
+        for g in sizes:
+            ld = load_at(w, p, g)
+            print(f"  {g:7,d} {ld.samples_per_s:10,.0f} {ld.agent_workers:10,d} "
+                  f"{ld.rollouter:9.0%} {ld.rollouter_scan / max(ld.rollouter, 1e-12):10.0%} "
+                  f"{ld.put_loop:8.0%} {ld.queue:6.0%}")
+        sat = {
+            "rollouter (worker index)": saturation_gpus(w, p, "rollouter"),
+            "rollouter, scanning every worker (before)": saturation_gpus(w, p, "rollouter",
+                                                                         scan=True),
+            "put loop (one PutGroup in flight)": saturation_gpus(w, p, "put_loop"),
+            "queue": saturation_gpus(w, p, "queue"),
+            "queue, 8 groups per put": saturation_gpus(w, p, "queue", groups_per_put=8),
+        }
+        print("  saturated (thread at 100%) at: " +
+              "; ".join(f"{k} {v:,.0f} GPUs" for k, v in sat.items()))
+        for g in sizes:
+            r_scan = shards_needed(w, p, g, "rollouter", args.scale_level, scan=True)
+            r_idx = shards_needed(w, p, g, "rollouter", args.scale_level)
+            q_now = shards_needed(w, p, g, "queue", args.scale_level)
+            q_bat = shards_needed(w, p, g, "queue", args.scale_level, groups_per_put=8)
+            print(f"  at {g:,} GPUs, each under {args.scale_level:.0%}: rollouters {r_idx} "
+                  f"(worker index) / {r_scan} (scan, before); queue shards {q_now} (one group "
+                  f"per put) / {q_bat} (8 groups per put)")
+        for k, v in sat.items():
+            rows.append(row(f"GPUs at which one {k} saturates, {model}", v, 1024.0, "GPUs",
+                            baseline_name="1,024 GPUs (the size the sharding decision is "
+                                          "made at)", higher_is_better=True,
+                            note=f"weak scaling from a {args.scale_cell}-GPU simulated cell "
+                                 f"({w.label}, {w.samples_per_gpu_s:.3f} samples/s per GPU); "
+                                 f"costs from benchmarks/rollout_cost.py"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
 
@@ -427,6 +717,23 @@ def main() -> int:
                    help="measured MessageQueue samples/s (default: benchmarks/mq.py, "
                         "8,192-token samples, 2-core dev VM)")
     p.add_argument("--json", help="write result rows (benchmarks/results.py) here")
+    p.add_argument("--scale", action="store_true",
+                   help="the scale study instead (README 'Scaling on paper'): at what size one "
+                        "rollouter or one MessageQueue saturates")
+    p.add_argument("--scale-models", default="7b,32b", help=f"presets: {', '.join(MODELS)}")
+    p.add_argument("--scale-gpus", default="128,1024,10000")
+    p.add_argument("--scale-cell", type=int, default=128,
+                   help="GPUs of the simulated cell the per-GPU rates come from")
+    p.add_argument("--scale-staleness", default="2")
+    p.add_argument("--scale-splits", default="0.25,0.3125,0.375,0.5,0.625",
+                   help="fractions of the cell's GPUs given to rollout, swept")
+    p.add_argument("--scale-check-gpus", default="",
+                   help="also simulate these sizes whole, weak-scaled (1,024: about a minute)")
+    p.add_argument("--scale-level", type=float, default=0.5,
+                   help="the load each rollouter / queue shard is planned for (headroom for "
+                        "the burst of re-dispatches after a sync)")
+    p.add_argument("--process-costs",
+                   help="JSON of ProcessCosts fields (benchmarks/rollout_cost.py --costs)")
     defaults = Costs()
     for name, value in vars(defaults).items():
         flag = "--" + name.replace("_", "-")
@@ -446,6 +753,17 @@ def main() -> int:
     if values["resume_prefill"] not in ("none", "full"):
         p.error("--resume-prefill: expected none or full")
     c = Costs(**values)
+    if args.scale:
+        pc = ProcessCosts()
+        if args.process_costs:
+            measured = json.loads(Path(args.process_costs).read_text())
+            known = {f.name for f in dataclasses.fields(ProcessCosts)}
+            if set(measured) - known:
+                p.error(f"--process-costs: unknown keys {sorted(set(measured) - known)} "
+                        f"(known: {sorted(known)})")
+            pc = dataclasses.replace(pc, **measured)
+        write(args.json, scale_report(args, pc, values))
+        return 0
     gpus_list = [int(g) for g in args.gpus.split(",")]
     stales = [float(s) if s not in ("inf", "none") else None for s in args.staleness.split(",")]
     splits = [float(f) for f in args.splits.split(",")]

@@ -25,6 +25,10 @@
    dropped). Each run ends with a barrier, so the time is until
    every receiver holds every tensor. Reported: median seconds over --repeats, GB/s of payload,
    and the ratio to the floor. `--json PATH` writes the rows of benchmarks/results.py.
+   snapshot  what an overlapped sync (`sync.overlap`) costs the trainer instead: copying the
+               same tensors into rank 0's snapshot (`rollmesh.weight_buckets.Snapshot`, host
+               memory, kept from sync to sync), beside the best flattened broadcast (what a
+               blocking sync costs it, pause and verification left out).
 2. The rollout pause window: the real rollout side (built-in engine with the tiny model,
    MessageQueue, rollouter, agent and reward workers, as tests/rollout_stack.py starts them)
    generating long responses; the time from Pause sent to Paused received (every in-flight
@@ -53,7 +57,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.results import row, write  # noqa: E402
 from rollmesh.weight_buckets import (  # noqa: E402
-    BucketSender, WeightSpec, plan_buckets, receive_bucket, receive_bucket_into, send_buckets,
+    BucketSender, Snapshot, WeightSpec, plan_buckets, receive_bucket, receive_bucket_into,
+    send_buckets,
 )
 from rollmesh.weights import (  # noqa: E402
     destroy_weight_update_group, dtype_from_name, init_weight_update_group,
@@ -208,6 +213,21 @@ def sender(args: argparse.Namespace) -> list[dict]:
     for p in procs:
         if p.wait(120) != 0:
             raise RuntimeError(f"receiver exited with {p.returncode}")
+    snapshot, times = Snapshot(specs), []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        snapshot.fill(params[s.name] for s in specs)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    results.append({"mode": "snapshot", "bucket_mb": 0.0, "seconds": seconds,
+                    "gb_per_s": total / seconds / 1e9, "broadcasts": 0, "times": times})
+    best = min((r for r in results if r["mode"] == "flattened_bucket"),
+               key=lambda r: r["seconds"], default=None)
+    print(f"  {'snapshot copy (overlapped)':32s} {seconds:8.3f} s  {total / seconds / 1e9:6.2f} "
+          f"GB/s  the trainer's wait at an overlapped sync"
+          + (f", x{seconds / best['seconds']:.2f} of the best flattened broadcast (a blocking "
+             f"sync's)" if best else "")
+          + f"  (runs: {', '.join(f'{t:.3f}' for t in times)})", flush=True)
     return results
 
 
@@ -297,7 +317,18 @@ def main() -> int:
 def rows(args: argparse.Namespace, results: list[dict], pauses: list[dict]) -> list[dict]:
     floor = next(r for r in results if r["mode"] == "floor")
     flattened = [r for r in results if r["mode"] == "flattened_bucket"]
+    snapshot = next((r for r in results if r["mode"] == "snapshot"), None)
     out = []
+    if flattened and snapshot:
+        best = min(flattened, key=lambda r: r["seconds"])
+        out.append(row(
+            "weight sync, trainer's wait: overlapped (snapshot copy) vs blocking (broadcast)",
+            snapshot["seconds"], best["seconds"], "s",
+            baseline_name="the best flattened broadcast of the same bytes (a blocking sync)",
+            higher_is_better=False,
+            note=f"{args.layers} layers {args.dtype}, median of {args.repeats}; the snapshot is "
+                 f"a copy into host memory kept between syncs; {args.receivers} receivers over "
+                 "gloo for the broadcast; pause and verification (both modes) left out"))
     if flattened:
         best = min(flattened, key=lambda r: r["seconds"])
         out.append(row(

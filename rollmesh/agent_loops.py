@@ -129,7 +129,7 @@ class LoopContext:
         self.rollout = rollout
         self.max_context = max_context
         self.cancelling = cancelling
-        self.tools = tools if tools is not None else builtin_tools()
+        self.tools = configure_tools(tools if tools is not None else builtin_tools(), rollout)
         self.active: set[str] = set()  # rids in flight, so a cancel can abort them
         self.generated_tokens = 0  # what the engines produced for this worker, all told
         # Version stamping (module docstring): each engine's version as its last answer
@@ -337,7 +337,8 @@ async def run_tool(tools: dict[str, Callable[..., Any]], call: dict[str, Any],
     if fn is None:
         return f"unknown tool {call['name']!r} (available: {', '.join(sorted(tools)) or 'none'})"
     try:
-        if inspect.iscoroutinefunction(fn):
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+                getattr(fn, "__call__", None)):  # an object with an async __call__
             result = await asyncio.wait_for(fn(**call["arguments"]), timeout_s)
         else:
             result = await asyncio.wait_for(asyncio.to_thread(fn, **call["arguments"]),
@@ -434,6 +435,14 @@ def builtin_tools() -> dict[str, Callable[..., Any]]:
     for ep in importlib.metadata.entry_points(group="rollmesh.tools"):
         tools[ep.name] = ep.load()
     return tools
+
+
+def configure_tools(tools: dict[str, Callable[..., Any]],
+                    rollout: RolloutConfig) -> dict[str, Callable[..., Any]]:
+    """Each tool with a `configured(rollout)` method (the `python` tool: its limits) as the
+    rollout configures it; the others as they are."""
+    return {name: fn.configured(rollout) if callable(getattr(fn, "configured", None)) else fn
+            for name, fn in tools.items()}
 
 
 def load_agent_loops() -> dict[str, type]:

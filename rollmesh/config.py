@@ -30,6 +30,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Literal, NamedTuple, NoReturn, Union, get_args, get_origin, get_type_hints
 
+from rollmesh.cpus import CpuListError, parse_cpulist
+
 __all__ = [
     "AlgorithmConfig",
     "ClusterConfig",
@@ -42,6 +44,7 @@ __all__ = [
     "Placement",
     "PortsConfig",
     "Process",
+    "PythonToolConfig",
     "ROLES",
     "RolesConfig",
     "RolloutConfig",
@@ -140,6 +143,29 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class PythonToolConfig:
+    cpu_s: int = _field(
+        "CPU seconds the code may use, per process (RLIMIT_CPU); more ends it with an error "
+        "naming the limit", 10, ge=1)
+    wall_s: float = _field(
+        "wall-clock seconds a call may run before all its processes are killed (never more "
+        "than rollout.tool_timeout_s less a second)", 20.0, gt=0)
+    memory_mb: int = _field(
+        "memory per process, MiB of data (RLIMIT_DATA; the address space is capped at 4 times "
+        "this)", 512, ge=32)
+    file_mb: int = _field("largest file the code may write, MiB (RLIMIT_FSIZE)", 16, ge=1)
+    max_processes: int = _field(
+        "processes and threads the code may run at once, itself included (RLIMIT_NPROC)", 8,
+        ge=1)
+    max_output: int = _field(
+        "bytes of output (stdout and stderr together) returned to the model; beyond that its "
+        "head and tail are kept, with a note of what was left out", 8192, ge=256)
+    site_packages: bool = _field(
+        "let the code import the packages installed beside rollmesh (numpy, sympy, ...); "
+        "otherwise the standard library only", False)
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     max_new_tokens: int = _field("tokens generated per turn at most", 1024, gt=0)
     temperature: float = _field("sampling temperature (0 = greedy)", 1.0, ge=0)
@@ -149,8 +175,10 @@ class RolloutConfig:
     batch_groups: int = _field("prompt groups per trainer step", 8, gt=0)
     max_turns: int = _field("assistant turns per trajectory in multi-turn agent loops", 8, ge=1)
     tool_timeout_s: float = _field("time limit for one tool call (seconds)", 30.0, gt=0)
+    python_tool: PythonToolConfig = _field(
+        "limits of the `python` tool (code execution)", factory=PythonToolConfig)
     max_retries: int = _field(
-        "retries of a generation that failed (engine error) before the sample is dropped", 2, ge=0
+        "retries of a generation that failed (engine error) before its whole group is dropped", 2, ge=0
     )
     engine_wait_s: float = _field(
         "how long a generation waits through an engine outage (no engine healthy, or its engine "
@@ -224,36 +252,85 @@ class StalenessConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     advantage: Literal["grpo", "grpo_mean_only", "rloo", "reinforce_pp", "gae"] = _field(
-        "advantage estimator", "grpo"
+        "advantage estimator (formulas: README, Algorithms)", "grpo"
     )
-    loss: Literal["ppo", "decoupled_ppo", "tis"] = _field(
-        "policy loss: clipped PPO, decoupled PPO (AReaL, for stale samples), or truncated "
-        "importance sampling",
+    loss: Literal["ppo", "decoupled_ppo", "tis", "gspo", "cispo"] = _field(
+        "policy loss: clipped PPO, decoupled PPO (AReaL, for stale samples), truncated "
+        "importance sampling, GSPO (one clipped ratio per sequence) or CISPO (the clipped ratio "
+        "as a stop-gradient weight of the REINFORCE term)",
         "ppo",
     )
-    clip_low: float = _field("PPO ratio clip below 1 (ratio >= 1 - clip_low)", 0.2, gt=0)
-    clip_high: float = _field("PPO ratio clip above 1 (0.28 = DAPO clip-higher)", 0.2, gt=0)
+    clip_low: float = _field(
+        "ratio clip below 1 (ratio >= 1 - clip_low): PPO's, and CISPO's weight clip (>= 1: no "
+        "lower bound, as MiniMax-M1)", 0.2, gt=0)
+    clip_high: float = _field(
+        "ratio clip above 1 (0.28 = DAPO clip-higher): PPO's, and CISPO's weight clip", 0.2, gt=0)
+    gspo_clip_low: float = _field(
+        "gspo: clip of the sequence ratio below 1 (the GSPO paper: 3e-4; it is the exp of a mean "
+        "log-ratio, far narrower than a token ratio)", 3e-4, gt=0)
+    gspo_clip_high: float = _field("gspo: clip of the sequence ratio above 1 (the GSPO paper: "
+                                   "4e-4)", 4e-4, gt=0)
     dual_clip: float | None = _field(
-        "dual-clip bound for negative advantages (e.g. 3.0)", None, gt=1
+        "dual-clip bound for negative advantages (e.g. 3.0; ppo, decoupled_ppo, tis)", None, gt=1
     )
     tis_cap: float = _field("upper bound of the truncated importance weight", 2.0, gt=0)
+    tis_surrogate: Literal["ppo", "pg"] = _field(
+        "tis: the surrogate the truncated weight multiplies: `ppo` (the clipped PPO term) or `pg` "
+        "(vanilla policy gradient, -w * A * log p)", "ppo")
     behaviour_cap: float | None = _field(
         "decoupled_ppo: upper bound of the behaviour importance weight exp(proximal - behaviour) "
         "(none = uncapped)",
         None,
         gt=0,
     )
+    behaviour_cap_mode: Literal["truncate", "mask"] = _field(
+        "decoupled_ppo: a behaviour weight above behaviour_cap is cut to the cap (`truncate`) or "
+        "its token dropped from the loss sum (`mask`, AReaL's recommendation, e.g. cap 5)",
+        "truncate")
     old_logprobs: Literal["recompute", "bypass"] = _field(
         "old log-probs: recomputed by the trainer, or the engine's behaviour log-probs as-is",
         "recompute",
     )
     kl_coef: float = _field("weight of the KL penalty to the reference model (0 = off)", 0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = _field("KL estimator (k3 = low-variance)", "k3")
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = _field(
+        "KL estimator (k3 = low-variance; k3+ = k3's value with k2's gradient, straight-through, "
+        "as verl: the gradient of KL, bounded, for the KL loss; k3 in the reward)", "k3")
+    kl_clamp: float | None = _field(
+        "bound on each token's k3 / k3+ KL value, [-kl_clamp, kl_clamp]; verl and AReaL clamp at "
+        "10, which also zeroes k3's gradient of a token beyond it (log ratio < -2.6); none (the "
+        "default) keeps every token's full k3 value and gradient", None, gt=0)
     kl_in_reward: bool = _field("apply the KL penalty to the reward instead of the loss", False)
     entropy_coef: float = _field("weight of the entropy bonus", 0.0, ge=0)
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = _field(
-        "how per-token losses are averaged over a batch", "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = _field(
+        "how per-token losses are averaged over a batch; seq-mean-token-sum-norm = Dr. GRPO's: "
+        "each sequence's token sum over the constant loss_norm_tokens, then the mean over "
+        "sequences", "token-mean"
     )
+    loss_norm_tokens: int | None = _field(
+        "seq-mean-token-sum-norm: the constant each sequence's token sum is divided by (none = "
+        "rollout.max_new_tokens)", None, gt=0)
+    reward_scale: float = _field("multiplies every reward before the advantage", 1.0, gt=0)
+    reward_clip: float | None = _field(
+        "bound on the shaped reward, [-reward_clip, reward_clip], after scale and overlong "
+        "penalty (none = unbounded)", None, gt=0)
+    overlong_buffer: int = _field(
+        "DAPO soft overlong penalty: over the last overlong_buffer tokens before "
+        "overlong_max_tokens the reward falls linearly by up to overlong_penalty (0 = off)",
+        0, ge=0)
+    overlong_penalty: float = _field(
+        "the overlong penalty at overlong_max_tokens generated tokens (DAPO: 1.0)", 1.0, ge=0)
+    overlong_max_tokens: int | None = _field(
+        "the response length the overlong penalty reaches its full size at (none = "
+        "rollout.max_new_tokens)", None, gt=0)
+    mask_truncated: bool = _field(
+        "drop responses cut off by the length limit (finish reason `length`: no EOS) from the "
+        "loss (DAPO overlong filtering); their rewards still count in their group's baseline",
+        False)
+    bootstrap_truncated: bool = _field(
+        "gae: a response cut off by the length limit did not end: its last token's return "
+        "bootstraps with gamma x the critic's value of the state after it instead of 0",
+        False)
     gamma: float = _field("discount factor (gae, reinforce_pp)", 1.0, ge=0, le=1)
     lam: float = _field("GAE lambda", 1.0, ge=0, le=1)
     critic_lr: float | None = _field(
@@ -286,6 +363,16 @@ class AlgorithmConfig:
             raise _Invalid(
                 "old_logprobs", f"expected 'recompute' with loss = '{self.loss}', got 'bypass'"
             )
+        if self.behaviour_cap_mode == "mask" and self.behaviour_cap is None:
+            raise _Invalid("behaviour_cap", "missing required value (expected float > 0, as "
+                           "behaviour_cap_mode = 'mask' drops tokens above it)")
+        if self.bootstrap_truncated and self.advantage != "gae":
+            raise _Invalid("bootstrap_truncated", f"expected false with advantage = "
+                           f"'{self.advantage}' (only gae has a critic's value to bootstrap "
+                           "with), got true")
+        if self.bootstrap_truncated and self.mask_truncated:
+            raise _Invalid("bootstrap_truncated", "expected false with mask_truncated = true "
+                           "(truncated responses are not trained on), got true")
 
 
 @dataclass(kw_only=True)
@@ -353,6 +440,15 @@ class SyncConfig:
         "load_format of that name; fewer, larger collectives, pipelined); SGLang and the "
         "built-in engine take both",
         "tensor",
+    )
+    overlap: bool = _field(
+        "send the weights while the trainer computes its next step: at a sync, trainer rank 0 "
+        "copies them into a snapshot (one more copy of the model in the engines' dtype: on the "
+        "GPU when it fits there, else in pinned host memory; on CPU, host memory) and sends "
+        "that from a background thread; the next sync or checkpoint waits for it, and the "
+        "engines receive exactly the snapshot under its version. false: the trainer waits "
+        "for each broadcast (no extra memory)",
+        False,
     )
 
 
@@ -424,6 +520,11 @@ class ExperimentConfig:
             self.data.seed = self.seed
         if self.trainer.seed is None:
             self.trainer.seed = self.seed
+        # The generation budget is the default length of these two (see their help).
+        if self.algorithm.loss_norm_tokens is None:
+            self.algorithm.loss_norm_tokens = self.rollout.max_new_tokens
+        if self.algorithm.overlong_max_tokens is None:
+            self.algorithm.overlong_max_tokens = self.rollout.max_new_tokens
 
     def validate(self) -> None:
         needed = self.data.max_prompt_tokens + self.rollout.max_new_tokens
@@ -445,6 +546,13 @@ class ExperimentConfig:
                 raise _Invalid(
                     "data.group_size", f"expected int >= 2 with {why}, got {self.data.group_size}"
                 )
+        algo = self.algorithm
+        if algo.overlong_buffer and algo.overlong_buffer > (algo.overlong_max_tokens or 0):
+            raise _Invalid(
+                "algorithm.overlong_buffer",
+                f"expected int <= {algo.overlong_max_tokens} (algorithm.overlong_max_tokens, by "
+                f"default rollout.max_new_tokens), got {algo.overlong_buffer}",
+            )
         if self.sync.sync_every > self.staleness.max_staleness + 1:
             # Just before a sync the trainer is sync_every - 1 versions ahead of the engines.
             raise _Invalid(
@@ -529,6 +637,36 @@ class Placement:
         factory=list,
         ge=0,
     )
+    cpus: str | list[str] | None = _field(
+        "CPUs the processes may use: a Linux cpulist of the host's CPU ids (\"0-3,8\") for "
+        "every process of this placement, or a list of one per process; OMP_NUM_THREADS, "
+        "MKL_NUM_THREADS and a trainer's torch threads follow (the number of CPUs) unless the "
+        "host's `env` sets OMP_NUM_THREADS. Unset: not pinned (README: CPU placement)",
+        None,
+    )
+
+    def validate(self) -> None:
+        if isinstance(self.cpus, list):
+            if len(self.cpus) != self.count:
+                raise _Invalid("cpus", f"expected one cpulist per process ({self.count}, as "
+                               f"count), or one string for all, got {_show(self.cpus)}")
+            for i, text in enumerate(self.cpus):
+                _check_cpulist(f"cpus[{i}]", text)
+        elif self.cpus is not None:
+            _check_cpulist("cpus", self.cpus)
+
+    def cpus_of(self, j: int) -> tuple[int, ...]:
+        """The CPUs of this placement's `j`-th process (empty: not pinned)."""
+        if self.cpus is None:
+            return ()
+        return parse_cpulist(self.cpus[j] if isinstance(self.cpus, list) else self.cpus)
+
+
+def _check_cpulist(key: str, text: str) -> None:
+    try:
+        parse_cpulist(text)
+    except CpuListError as e:
+        raise _Invalid(key, str(e)) from None
 
 
 @dataclass(kw_only=True)
@@ -604,6 +742,7 @@ class Process(NamedTuple):
     host: str  # a key of ClusterConfig.hosts
     gpus: tuple[int, ...]
     port: int  # the first of ports.per_process consecutive ports it may bind
+    cpus: tuple[int, ...] = ()  # the CPUs it may use (empty: not pinned)
 
     @property
     def name(self) -> str:
@@ -664,6 +803,12 @@ class ClusterConfig:
     slurm: SlurmConfig | None = _field(
         "run inside a Slurm allocation: hosts from it, processes as job steps (see below)", None
     )
+    launcher_cpus: str | None = _field(
+        "CPUs of the launching machine the launcher itself may use (a cpulist, \"0-1\"); the "
+        "processes it starts there without `cpus` of their own keep the launcher's affinity from "
+        "before. Unset: not pinned",
+        None,
+    )
     # Derived: filled by load_cluster, never read from the file, not compared or written out.
     experiment_config: ExperimentConfig | None = field(
         default=None,
@@ -689,7 +834,8 @@ class ClusterConfig:
                     else:
                         port, cursor = cursor, cursor + per
                     plan.append(
-                        Process(role, index, p.host, tuple(p.gpus[j * k : (j + 1) * k]), port)
+                        Process(role, index, p.host, tuple(p.gpus[j * k : (j + 1) * k]), port,
+                                p.cpus_of(j))
                     )
                     index += 1
         return plan
@@ -729,6 +875,8 @@ class ClusterConfig:
                         f"expected at most {_plural(p.count, 'GPU id')} (one per rank), "
                         f"got {_show(p.gpus)}",
                     )
+        if self.launcher_cpus is not None:
+            _check_cpulist("launcher_cpus", self.launcher_cpus)
         self._check_gpus_given_once()
         self._check_ports()
 
@@ -879,12 +1027,34 @@ def _bounds(meta: Mapping[str, Any]) -> str:
 
 
 def _optional_of(tp: Any) -> Any | None:
-    """X for `X | None`, else None."""
+    """X for `X | None` (`X | Y` for `X | Y | None`), else None."""
     if get_origin(tp) in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
-        assert len(args) == 1, f"only `X | None` unions are supported, not {tp}"
-        return args[0]
+        if len(args) == len(get_args(tp)):
+            return None  # a plain `X | Y`: not optional
+        return args[0] if len(args) == 1 else Union[tuple(args)]
     return None
+
+
+def _union_of(tp: Any) -> tuple[Any, ...]:
+    """The members of a plain `X | Y` (scalars and lists only: told apart by the value's
+    shape), else ()."""
+    if get_origin(tp) not in (Union, types.UnionType):
+        return ()
+    members = get_args(tp)
+    assert all(m in (str, int, float, bool) or get_origin(m) is list for m in members), (
+        f"only unions of scalars and lists are supported, not {tp}")
+    return members
+
+
+def _shape_fits(tp: Any, value: Any) -> bool:
+    if get_origin(tp) is list:
+        return isinstance(value, list)
+    if tp is bool or isinstance(value, bool):
+        return tp is bool and isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, tp)
 
 
 def _describe(tp: Any, meta: Mapping[str, Any] = types.MappingProxyType({})) -> str:
@@ -892,6 +1062,9 @@ def _describe(tp: Any, meta: Mapping[str, Any] = types.MappingProxyType({})) -> 
     inner = _optional_of(tp)
     if inner is not None:
         return _describe(inner, meta)  # TOML has no null: None is written by leaving the key out
+    members = _union_of(tp)
+    if members:
+        return " or ".join(_describe(m, meta) for m in members)
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return "a table"
@@ -945,6 +1118,14 @@ def _convert(tp: Any, meta: Mapping[str, Any], value: Any, path: str, ctx: _Cont
     inner = _optional_of(tp)
     if inner is not None:
         return None if value is None else _convert(inner, meta, value, path, ctx)
+    members = _union_of(tp)
+    if members:
+        if str in members and path in ctx.raw and not isinstance(value, (str, list, dict)):
+            value = ctx.raw[path]  # `--set roles.trainer.cpus=1`: the text as typed
+        fits = [m for m in members if _shape_fits(m, value)]
+        if not fits:
+            ctx.fail(path, f"expected {_describe(tp, meta)}, got {_show(value)}")
+        return _convert(fits[0], meta, value, path, ctx)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             ctx.fail(path, f"expected a table, got {_show(value)}")
@@ -1157,6 +1338,7 @@ def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = ()) ->
         ctx.fail("experiment", f"expected an existing file, got {_show(cluster.experiment)}")
     exp = load_experiment(cluster.experiment, theirs)
     _check_against_experiment(cluster, exp, ctx)
+    _check_local_cpus(cluster, ctx)
     cluster.experiment_config = exp
     return cluster
 
@@ -1188,6 +1370,41 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
                     f"expected {_plural(p.count * exp.engine.tp_size, 'GPU id')} (count x "
                     f"engine.tp_size: SGLang runs on GPUs), got {_show(p.gpus)}",
                 )
+
+
+def _check_local_cpus(cluster: ClusterConfig, ctx: _Context) -> None:
+    """`cpus` on a host that is this machine (and `launcher_cpus`, unless the launcher runs in a
+    Slurm allocation) must name CPUs it has, now; SSH hosts and Slurm nodes are checked by each
+    process as it starts (rollmesh.cpus)."""
+    from rollmesh.cpus import available_cpus, missing_problem, supported
+    from rollmesh.hosts import is_local_address  # hosts imports this module
+
+    checks: list[tuple[str, str, str]] = []  # key, where, cpulist
+    if cluster.launcher_cpus is not None and cluster.slurm is None:
+        checks.append(("launcher_cpus", "this machine", cluster.launcher_cpus))
+    for role in ROLES:
+        placements = getattr(cluster.roles, role)
+        for i, p in enumerate(placements):
+            host = cluster.hosts[p.host]
+            local = host.launch == "local" or (host.launch == "auto"
+                                               and is_local_address(host.address))
+            if p.cpus is None or not local:
+                continue
+            key = f"roles.{_placement_key(role, i, len(placements))}.cpus"
+            where = f"host {p.host!r} ({host.address}, this machine)"
+            if isinstance(p.cpus, list):
+                checks += [(f"{key}[{j}]", where, text) for j, text in enumerate(p.cpus)]
+            else:
+                checks.append((key, where, p.cpus))
+    if not checks:
+        return
+    if not supported():
+        ctx.fail(checks[0][0], "CPU placement needs Linux (sched_setaffinity)")
+    available = available_cpus()
+    for key, where, text in checks:
+        problem = missing_problem(parse_cpulist(text), available, where)
+        if problem:
+            ctx.fail(key, f"{problem}, got {_show(text)}")
 
 
 def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:

@@ -1,6 +1,6 @@
 """`rollmesh launch CLUSTER_TOML`: start every role on every host, supervise them, host the hub.
 
-    plan      every process of the cluster file: host, ports, its role config
+    plan      every process of the cluster file: host, ports, CPUs (rollmesh.cpus), its role config
     run dir   runs/<name>-<timestamp>: keys (CURVE, 0600), resolved configs, specs, logs,
               metrics.jsonl (mirrored from the trainer's host where it runs on another;
               its checkpoints and export stay there, under runs/<name>-<timestamp>)
@@ -43,6 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.console import Console, LogStream
+from rollmesh.cpus import (
+    available_cpus, format_cpulist, missing_problem, parse_cpulist, pin_self, pinned, thread_env,
+    threads_for,
+)
 from rollmesh.config import (
     ClusterConfig, ConfigError, ExperimentConfig, Process, load_cluster, to_dict, to_toml,
 )
@@ -101,10 +105,26 @@ class Planned:
     host: Host
     config: dict[str, Any] = field(default_factory=dict)
     engine: EngineLaunch | None = None
+    # The CPUs it is started on: its own (`cpus` in the cluster file), or, for a process on this
+    # machine without them while the launcher pins itself (launcher_cpus), the launcher's
+    # affinity from before (it would inherit the launcher's CPUs otherwise); empty: as it comes.
+    cpus: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
         return self.proc.name
+
+    @property
+    def who(self) -> str:
+        """How the CPU prelude names it in an error."""
+        return f"{self.name} on host {self.proc.host}"
+
+    def env(self) -> dict[str, str]:
+        """A role's environment beyond its host's: its GPUs, its CPUs' thread counts."""
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.proc.gpus))} if self.proc.gpus else {}
+        if self.proc.cpus:
+            env.update(thread_env(self.proc.cpus, self.host.cfg.env))
+        return env
 
 
 def _bind(host: Host, port: int) -> str:
@@ -123,13 +143,18 @@ def _make_hosts(cluster: ClusterConfig) -> dict[str, Host]:
 
 
 def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
-               engine_key: str | None = None) -> list[Planned]:
+               engine_key: str | None = None,
+               launcher_before: tuple[int, ...] = ()) -> list[Planned]:
     """Every process with the configuration it is handed. Ports: each process owns the block
-    `[port, port + ports.per_process)` (see config.ClusterConfig.processes)."""
+    `[port, port + ports.per_process)` (see config.ClusterConfig.processes). CPUs: its own, or
+    `launcher_before` (the launcher's affinity before launcher_cpus) for a process on this
+    machine without any."""
     exp = cluster.experiment_config
     assert exp is not None
     spec = to_dict(exp)
-    plan = [Planned(p, hosts[p.host]) for p in cluster.processes()]
+    plan = [Planned(p, hosts[p.host], cpus=p.cpus or (
+        launcher_before if cluster.launcher_cpus and hosts[p.host].same_machine else ()))
+        for p in cluster.processes()]
     by_role: dict[str, list[Planned]] = {}
     for p in plan:
         by_role.setdefault(p.proc.role, []).append(p)
@@ -147,6 +172,10 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
                                  seed=exp.seed, weight_version="0", python=p.host.python(),
                                  api_key=engine_key,
                                  api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None)
+        if p.cpus:  # the prelude sets its affinity, then execs the server
+            p.engine.argv = pinned(p.engine.argv, p.cpus, p.who, python=p.host.python())
+        if p.proc.cpus:  # the built-in engine's --threads (engine.extra_args) still wins
+            p.engine.env.update(thread_env(p.proc.cpus, p.host.cfg.env))
         engine_urls.append(f"http://{p.host.address}:{p.proc.port}")
     rollouter_channel = _connect(rollouter.host, rollouter.proc.port)
     for p in plan:
@@ -190,11 +219,48 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
                         else f"{run_here}/trainer/metrics.jsonl",
                         "final_export_dir": f"{run_here}/policy",
                         "checkpoint_dir": f"{run_here}/checkpoints"}
+            if p.proc.cpus:  # torch.set_num_threads in the rank
+                p.config["threads"] = threads_for(p.proc.cpus, host.cfg.env)
     return plan
+
+
+def launcher_affinity(cluster: ClusterConfig) -> tuple[int, ...]:
+    """With launcher_cpus: the launcher's affinity now (before it pins itself), for the
+    processes here that have no CPUs of their own; else ()."""
+    return tuple(sorted(os.sched_getaffinity(0))) if cluster.launcher_cpus else ()
+
+
+def pin_launcher(cluster: ClusterConfig, source: str) -> None:
+    """launcher_cpus: every thread of the launcher on those CPUs (the ones it starts later
+    inherit them), checked first (a Slurm allocation's launcher is checked only here)."""
+    if not cluster.launcher_cpus:
+        return
+    cpus = parse_cpulist(cluster.launcher_cpus)
+    problem = missing_problem(cpus, available_cpus(), f"this machine ({os.uname().nodename})")
+    if problem:
+        raise ConfigError(source, "launcher_cpus", f"{problem}, got {cluster.launcher_cpus!r}")
+    pin_self(cpus)
+
+
+def _cpus_note(p: Planned) -> str:
+    """What the plan says of a process's CPUs."""
+    if p.proc.cpus:
+        threads = threads_for(p.proc.cpus, p.host.cfg.env)
+        if p.engine is not None and any(a == "--threads" or a.startswith("--threads=")
+                                        for a in p.engine.argv):
+            threads_note = "threads: --threads"
+        else:
+            threads_note = f"threads={threads}"
+        return f" cpus={format_cpulist(p.proc.cpus)} {threads_note}"
+    if p.cpus:
+        return f" cpus={format_cpulist(p.cpus)} (the launcher's own, before launcher_cpus)"
+    return ""
 
 
 def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> None:
     print(f"run {cluster.name}: experiment {cluster.experiment}; run directory {run_dir}")
+    if cluster.launcher_cpus:
+        print(f"launcher: cpus={format_cpulist(parse_cpulist(cluster.launcher_cpus))}")
     for host_name in dict.fromkeys(p.proc.host for p in plan):
         host = next(p.host for p in plan if p.proc.host == host_name)
         how = ("Slurm job steps (srun)" if not host.same_machine and host.local
@@ -207,7 +273,8 @@ def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> Non
             if p.engine is not None:
                 args, env = p.engine.argv, p.engine.env
             else:
-                args, env = ["-m", "rollmesh", "role", "--spec", f"{specs}/specs/{p.name}.json"], {}
+                args = ["-m", "rollmesh", "role", "--spec", f"{specs}/specs/{p.name}.json"]
+                args, env = pinned(args, p.cpus, p.who) if p.cpus else args, p.env()
             argv = host.argv(args, env)
             if not host.same_machine and host.local:  # srun: the environment it hands on
                 from rollmesh.slurm import step_name
@@ -215,7 +282,10 @@ def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> Non
                 argv = host.argv(args, env, step_name(f"{host_name} {p.proc.role}/{p.proc.index}"))
                 argv = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv] if env else argv
             gpus = f" gpus={list(p.proc.gpus)}" if p.proc.gpus else ""
-            print(f"  {p.name:18s}{gpus}\n    {shlex.join(argv) if host.local else argv[-1]}")
+            if env and host.same_machine:  # (ssh and srun show theirs in the command)
+                argv = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
+            print(f"  {p.name:18s}{gpus}{_cpus_note(p)}\n"
+                  f"    {shlex.join(argv) if host.local else argv[-1]}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,7 +321,11 @@ class Launcher:
         key_file = run_dir / "keys" / API_KEY_FILE
         self.engine_key = (key_file.read_text().strip() if resume and key_file.exists()
                            else secrets.token_urlsafe(32))
-        self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()), self.engine_key)
+        # launcher_cpus: main() pins the launcher once the plan is made; the processes here
+        # without CPUs of their own get its affinity from before (not the launcher's CPUs)
+        self.launcher_before = launcher_affinity(cluster)
+        self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()), self.engine_key,
+                               launcher_before=self.launcher_before)
         self.engines: list[EngineProc] = []
         self.children: dict[str, Child] = {}
         self.state = "starting"
@@ -333,6 +407,9 @@ class Launcher:
                           file=self.run_dir / "logs" / "launcher.log")
         log.info("config", cluster=to_dict(self.cluster), experiment=to_dict(self.exp),
                  run_dir=str(self.run_dir))
+        if self.cluster.launcher_cpus:
+            log.info("launcher_cpus", cpus=format_cpulist(os.sched_getaffinity(0)),
+                     before=format_cpulist(self.launcher_before))
 
     async def run(self) -> int:
         if self.resume:  # its directory is there: "resuming" goes to its launcher.log too
@@ -445,8 +522,7 @@ class Launcher:
         child = self.sup.spawn(p.proc.role, ENTRIES[p.proc.role], instance=p.proc.index,
                                config=p.config, host=p.host, echo=self.echo,
                                keys_dir=self.keys_dir_for(p.host), spec_path=self.spec_path(p),
-                               env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, p.proc.gpus))}
-                               if p.proc.gpus else {})
+                               env=p.env(), cpus=p.cpus, cpus_for=p.who)
         self.children[p.name] = child
         return child
 
@@ -728,14 +804,18 @@ class Launcher:
             p = e.planned
             alive = e.process is not None and e.process.poll() is None
             procs.append({"name": p.name, "role": "engine", "instance": p.proc.index,
-                          "host": p.proc.host, "pid": e.process.pid if e.process else None,
+                          "host": p.proc.host, "cpus": format_cpulist(p.proc.cpus) or None,
+                          "pid": e.process.pid if e.process else None,
                           "state": e.state if alive else "exited", "restarts": e.restarts,
                           "exit_code": None if alive else e.process.returncode,
                           "log": str(e.log_path)})
         for name, c in self.children.items():
             code = c.process.poll()
+            planned = next((p for p in self.plan if p.name == name), None)
             procs.append({"name": name, "role": c.spec.role, "instance": c.spec.instance,
-                          "host": c.host.name if c.host else "local", "pid": c.pid,
+                          "host": c.host.name if c.host else "local",
+                          "cpus": format_cpulist(planned.proc.cpus) or None if planned else None,
+                          "pid": c.pid,
                           "state": c.state if code is None else "exited",
                           "restarts": c.restarts, "exit_code": code, "log": str(c.log_path)})
         return {"run": self.cluster.name, "state": self.state, "processes": procs,
@@ -919,7 +999,8 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         hosts = _make_hosts(cluster)
         print_plan(cluster, build_plan(cluster, hosts, str(run_dir),
-                                       engine_key="<the run's engine key>"), str(run_dir))
+                                       engine_key="<the run's engine key>",
+                                       launcher_before=launcher_affinity(cluster)), str(run_dir))
         if cluster.slurm is not None:
             print(slurm.plan_note(slurm.in_allocation()))
         return 0
@@ -928,7 +1009,12 @@ def main(argv: list[str]) -> int:
     console.info(f"rollmesh: run directory {run_dir}")
     launcher = Launcher(cluster, run_dir, resume=bool(args.resume), console=console)
     try:
+        pin_launcher(cluster, args.cluster or str(run_dir / "cluster.toml"))
         return asyncio.run(launcher.run())
+    except ConfigError as e:
+        console.stop()
+        print(f"rollmesh launch: {e}", file=sys.stderr)
+        return 2
     except (RuntimeError, OSError) as e:  # before any role: run directory, ports, SSH reach
         console.stop()
         print(f"rollmesh launch: {e}", file=sys.stderr)

@@ -43,6 +43,7 @@ class BatchData:
     old: Tensor | None = None  # float32 [B, T]: log-probs at the start of the step
     ref: Tensor | None = None  # float32 [B, T]: reference-model log-probs
     advantages: Tensor | None = None  # float32 [B, T]
+    truncated: Tensor | None = None  # bool [B]: cut off by the length limit (finish reason length)
 
     @property
     def size(self) -> int:
@@ -87,6 +88,7 @@ def from_groups(groups: list[Group]) -> BatchData:
         mask=torch.from_numpy(mask), behaviour=torch.from_numpy(behaviour),
         versions=torch.from_numpy(versions), rewards=torch.from_numpy(rewards),
         group_index=torch.tensor([gi for gi, _ in trajs]),
+        truncated=torch.tensor([t.finish_reason == "length" for _, t in trajs], dtype=torch.bool),
     )
 
 

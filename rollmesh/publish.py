@@ -35,6 +35,24 @@ any number of ranks: rank 0 finishes the gather loop in lock-step with the other
 after a failure (gathering, no longer sending), so every rank is back at `ranks.share` for the
 next order: "broadcast" (again), "done" or "abort". Attempts that failed because an engine died
 or restarted do not count towards SYNC_ATTEMPTS (up to SYNC_ATTEMPTS_WITH_RESTARTS in all).
+
+Overlapped (`sync.overlap = true`): at a sync every rank gathers the parameters once, in
+lock-step as for a broadcast, and rank 0 copies them, cast to the engines' dtype, into its
+snapshot (`rollmesh.weight_buckets.Snapshot`, kept from sync to sync); the trainer's version is
+the snapshot's from then on (the batches it asks for, its staleness, as after a blocking sync)
+and it goes on with its next step, while a background task on rank 0 runs the very same sync
+(SyncRequest, broadcast, verify, SyncDone, the retries and their group rebuilds) from the
+snapshot: the engines receive exactly the snapshot's bytes under its version, and rollout
+resumes only after every engine holds them (the synchronizer's SyncDone, as ever). The other
+ranks take no part in it (the snapshot is whole on rank 0). At most one is in flight: the next
+sync, a checkpoint and the end of training first wait for it (`finish_sync`); a failure of the
+background sync (after its retries) is raised there, on every rank, as a blocking sync would
+raise it; while one is in flight the engines are behind by design and the trainer does not
+re-publish (`Publisher.pending`). On a GPU the snapshot lies on the GPU when it fits (free
+memory beyond the snapshot >= SNAPSHOT_HEADROOM of the device), else in pinned host memory;
+it is copied on a side stream that first waits for the compute stream (an event recorded after
+the optimizer's update), the next optimizer step waits for the copy (a pre-step hook), and the
+background broadcast runs on that side stream once the copy is done.
 """
 
 from __future__ import annotations
@@ -57,7 +75,9 @@ from rollmesh.protocol import SyncDone, SyncGo, SyncRequest
 from rollmesh.ranks import full_tensor
 from rollmesh.synchronizer import engine_version
 from rollmesh.transport import RpcClient, Transport, free_port
-from rollmesh.weight_buckets import BucketSender, WeightSpec, plan_buckets, update_body
+from rollmesh.weight_buckets import (
+    BucketSender, Snapshot, WeightSpec, plan_buckets, update_body,
+)
 from rollmesh.weights import init_weight_update_group
 
 log = get_logger("publish")
@@ -68,6 +88,9 @@ SYNC_ATTEMPTS = 3  # broadcasts tried for one version before the trainer gives u
 # count towards SYNC_ATTEMPTS, up to this many attempts in all.
 SYNC_ATTEMPTS_WITH_RESTARTS = 10
 DESTROY_TIMEOUT_S = 30.0  # an engine that cannot drop its old group in this time is not waited for
+# An overlapped sync's snapshot goes on the GPU only if this share of the GPU's memory stays
+# free beside it (the next steps' activations), else into pinned host memory.
+SNAPSHOT_HEADROOM = 0.1
 
 
 def forget_frames(e: BaseException) -> None:
@@ -122,13 +145,28 @@ class Publisher:
         self.backend = sync.backend if sync.backend != "auto" else (
             "nccl" if device.type == "cuda" else "gloo")
         self.device = device if self.backend == "nccl" else torch.device("cpu")
+        self.model_device = device
         self.group = None
         self.sender: BucketSender | None = None
+        # Overlapped syncs (sync.overlap): rank 0's snapshot, the background sync sending it,
+        # and the timings of the last one finished, for the next metrics row.
+        self.snapshot: Snapshot | None = None
+        self.background: asyncio.Task | None = None
+        self.finished: dict[str, Any] = {}
+        self.stream: Any = None  # CUDA: the side stream snapshots are copied and sent on
+        self.copied: Any = None  # CUDA: the event recorded after the last snapshot's copies
+        self.hooked: Any = None  # the optimizer whose steps wait for `copied`
 
     async def open(self) -> None:
         await self.engines.__aenter__()
 
     async def close(self) -> None:
+        if self.background is not None and not self.background.done():
+            self.background.cancel()  # the trainer is failing: the sync reports itself failed
+        if self.background is not None:
+            with contextlib.suppress(BaseException):
+                await self.background
+            self.background = None
         if self.members is not None:
             await self.members.close()
         await self.engines.close()
@@ -241,6 +279,22 @@ class Publisher:
         i (the engines take the buckets in announcement order)."""
         specs = weight_specs(model, dtype)
         tensors = gathered(model, [s.name for s in specs])
+        try:
+            return await self._send(specs, version, tensors=tensors)
+        finally:
+            # the rest of the gather loop (nothing left after a success)
+            await asyncio.to_thread(lambda: [None for _ in tensors])
+
+    async def broadcast_snapshot(self, snapshot: Snapshot, version: int) -> int:
+        """As `broadcast`, from `snapshot` (rank 0 alone: nothing is gathered), on the side
+        stream on a GPU once the snapshot's copies are done."""
+        if self.copied is not None:  # the GPU's copies into the snapshot are finished
+            await asyncio.to_thread(self.copied.synchronize)
+        return await self._send(snapshot.specs, version, snapshot=snapshot)
+
+    async def _send(self, specs: list[WeightSpec], version: int, *,
+                    tensors: Iterator[torch.Tensor] | None = None,
+                    snapshot: Snapshot | None = None) -> int:
         in_place = self.sync.pause_mode == "in_place"
         try:
             if self.group is None:  # the group is built anew with the engines serving now
@@ -248,12 +302,109 @@ class Publisher:
             if in_place:  # the engines keep their requests (and KV) while the weights land
                 assert self.members is not None
                 await self.members.pause("in_place")
-            return await self._broadcast(specs, tensors, version)
+            return await self._broadcast(specs, tensors, version, snapshot)
         finally:
-            # the rest of the gather loop (nothing left after a success)
-            await asyncio.to_thread(lambda: [None for _ in tensors])
             if in_place:
                 await self.resume_engines()
+
+    # -- overlapped syncs (rank 0) ------------------------------------------------------------
+
+    def take_snapshot(self, model: torch.nn.Module, dtype: torch.dtype,
+                      optimizer: torch.optim.Optimizer | None = None) -> Snapshot:
+        """Every parameter gathered (in lock-step with the other ranks, whatever fails) and
+        copied, cast to `dtype`, into the snapshot (in a thread: it blocks). On a GPU the
+        copies are queued on the side stream and this returns before they are done: the
+        background broadcast and `optimizer`'s next step wait for them."""
+        specs = weight_specs(model, dtype)
+        tensors = gathered(model, [s.name for s in specs])
+        try:
+            snapshot = self._snapshot_for(specs)
+            if self.model_device.type != "cuda":
+                snapshot.fill(tensors)  # a plain copy
+                return snapshot
+            self._copy_on_side_stream(snapshot, tensors, optimizer)
+            return snapshot
+        finally:
+            for _ in tensors:  # the rest of the gather (nothing left after a success)
+                pass
+
+    def _snapshot_for(self, specs: list[WeightSpec]) -> Snapshot:
+        """The snapshot buffer for `specs`: the one of the last sync (placed once), else a new
+        one: on the GPU that sends (nccl) when it fits there beside SNAPSHOT_HEADROOM of its
+        memory, else in host memory, pinned when the model is on a GPU."""
+        if self.snapshot is not None and self.snapshot.specs == specs:
+            return self.snapshot
+        self.snapshot = None  # the old buffer goes before the new one comes
+        nbytes = sum(s.nbytes for s in specs)
+        device, pin = torch.device("cpu"), self.model_device.type == "cuda"
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            if nbytes <= free - SNAPSHOT_HEADROOM * total:
+                device, pin = self.device, False
+        self.snapshot = Snapshot(specs, device, pin_memory=pin)
+        log.info("sync_snapshot_buffer", device=str(device), pinned=pin,
+                 bytes=self.snapshot.nbytes)
+        return self.snapshot
+
+    def _copy_on_side_stream(self, snapshot: Snapshot, tensors: Iterator[torch.Tensor],
+                             optimizer: torch.optim.Optimizer | None) -> None:
+        """CUDA: each gathered tensor copied on the side stream, after an event recorded on
+        the compute stream once it is ready; the event `copied` closes the copies."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.model_device)
+        if optimizer is not None and self.hooked is not optimizer:
+            optimizer.register_step_pre_hook(self._before_update)
+            self.hooked = optimizer
+        compute, side = torch.cuda.current_stream(self.model_device), self.stream
+        for i, t in enumerate(tensors):  # gathered on the compute stream
+            ready = compute.record_event()  # the optimizer's update and the gather are queued
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                snapshot.put(i, t, non_blocking=True)
+            if t.is_cuda:  # not reused by the compute stream before the side stream read it
+                t.record_stream(side)
+        self.copied = side.record_event()
+
+    def _before_update(self, *_: Any) -> None:
+        """The optimizer's pre-step hook: its update waits (on the GPU) for the snapshot's
+        copies, which may read the parameters themselves."""
+        if self.copied is not None:
+            torch.cuda.current_stream(self.model_device).wait_event(self.copied)
+
+    def start_background(self, snapshot: Snapshot, version: int, step: int, old: int,
+                         ranks: int) -> None:
+        """The sync of `version` from `snapshot`, in a task; `finish` waits for it."""
+        assert self.background is None, "an overlapped sync is already in flight"
+
+        async def run() -> dict[str, Any]:
+            timings = await _attempts(self, version, step, old, ranks, republish=False,
+                                      send=lambda: self.broadcast_snapshot(snapshot, version))
+            log.info("sync_overlapped_done", **{k: (round(v, 4) if isinstance(v, float) else v)
+                                                for k, v in timings.items()})
+            return {"synced_version": version, **{k: v for k, v in timings.items()
+                                                  if k not in ("published_version",
+                                                               "sync_idle_s")},
+                    "sync_background_s": timings["sync_idle_s"]}
+
+        self.background = asyncio.create_task(run())
+
+    def pending(self) -> bool:
+        """An overlapped sync is in flight, or failed and not yet raised (`finish`): the
+        engines may be behind on purpose; nothing is re-published meanwhile."""
+        task = self.background
+        return task is not None and (not task.done() or task.cancelled()
+                                     or task.exception() is not None)
+
+    async def finish(self) -> None:
+        """Wait for the overlapped sync in flight (if any); raise its failure. Its timings
+        are kept for the next metrics row (`take_finished`)."""
+        task, self.background = self.background, None
+        if task is not None:
+            self.finished = await task
+
+    def take_finished(self) -> dict[str, Any]:
+        finished, self.finished = self.finished, {}
+        return finished
 
     async def resume_engines(self) -> None:
         """/continue_generation on every engine after an in-place pause, whatever the broadcast
@@ -267,8 +418,9 @@ class Publisher:
             except Exception as e:  # noqa: BLE001 - logged; SyncDone must still be sent
                 log.warning("engines_resume_failed", attempt=attempt, error=str(e)[:500])
 
-    async def _broadcast(self, specs: list[WeightSpec], tensors: Iterator[torch.Tensor],
-                         version: int) -> int:
+    async def _broadcast(self, specs: list[WeightSpec], tensors: Iterator[torch.Tensor] | None,
+                         version: int, snapshot: Snapshot | None = None) -> int:
+        """The buckets, from the gathered `tensors` or from `snapshot` (exactly one given)."""
         if self.group is None:
             await self.join_weight_group()
         bucket_bytes = int(self.sync.bucket_mb * 2**20)
@@ -283,9 +435,26 @@ class Publisher:
                 or sender.load_format != load_format):
             self.sender = None  # the old buffers go before the new ones come
             sender = self.sender = BucketSender(self.group, load_format, self.device, capacity)
+        # From a snapshot on a GPU, packing and broadcasts run on the side stream: the NCCL
+        # stream then waits for that one only, not for the training kernels queued meanwhile.
+        stream = self.stream if snapshot is not None else None
+        firsts = [0]
+        for bucket in buckets:
+            firsts.append(firsts[-1] + len(bucket))
+
+        def call(fn: Any, *args: Any) -> Any:
+            if stream is None:
+                return asyncio.to_thread(fn, *args)
+            return asyncio.to_thread(_on_stream, stream, fn, *args)
+
+        def pack(i: int) -> Any:
+            if snapshot is not None:
+                return call(sender.pack_from, snapshot, firsts[i], buckets[i])
+            assert tensors is not None
+            return call(sender.pack, buckets[i], islice(tensors, len(buckets[i])))
+
         sent = 0
-        packing = asyncio.create_task(asyncio.to_thread(
-            sender.pack, buckets[0], islice(tensors, len(buckets[0]))))
+        packing = asyncio.create_task(pack(0))
         try:
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
@@ -297,13 +466,11 @@ class Publisher:
                 packed = await packing
                 replies = self._start_update(body)
                 try:
-                    sent += await asyncio.to_thread(sender.start, packed)
+                    sent += await call(sender.start, packed)
                     del packed
                     if not last:  # packs while the engines receive
-                        nxt = buckets[i + 1]
-                        packing = asyncio.create_task(asyncio.to_thread(
-                            sender.pack, nxt, islice(tensors, len(nxt))))
-                    await asyncio.to_thread(sender.wait)
+                        packing = asyncio.create_task(pack(i + 1))
+                    await call(sender.wait)
                 finally:
                     await replies
         finally:
@@ -312,11 +479,80 @@ class Publisher:
         return sent
 
 
+def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
+    """`fn(*args)` with `stream` as this thread's current CUDA stream."""
+    with torch.cuda.stream(stream):
+        return fn(*args)
+
+
+async def _attempts(publisher: Publisher, version: int, step: int, old: int, ranks: int, *,
+                    republish: bool, send: Any, before_each: Any = None) -> dict[str, Any]:
+    """Rank 0: one sync, attempt after attempt (SyncRequest -> `before_each()` -> `send()` ->
+    verify -> SyncDone) until one works or the attempts are used up; returns its timings.
+    `old`: the version the engines held before (an engine at neither is one that restarted)."""
+    started = time.monotonic()
+    failures = 0  # failed attempts that no engine restart explains
+    for attempt in range(1, SYNC_ATTEMPTS_WITH_RESTARTS + 1):
+        go: SyncGo = await publisher.synchronizer.request(
+            SyncRequest(version=version, step=step, republish=republish))
+        if before_each is not None:
+            await before_each()
+        paused = time.monotonic()
+        if go.rebuild_group or attempt > 1:
+            publisher.reset_group()
+        try:
+            # Whatever fails, this returns (or raises) only after the whole gather loop,
+            # so the other ranks are back waiting for the next order.
+            sent = await send()
+            broadcast = time.monotonic()
+            # ok only if every serving engine holds the version (one that restarted
+            # during the sync has the initial weights): checked here, and again by the
+            # synchronizer before it publishes the version (it refuses SyncDone if not)
+            await publisher.verify(version)
+            await publisher.synchronizer.request(SyncDone(
+                version=version, broadcast_s=broadcast - paused, bytes=sent))
+            break
+        except BaseException as e:
+            # Drop the group now (the failed broadcast's frames hold it too): the engines
+            # still in it stop waiting for the rest of this broadcast.
+            forget_frames(e)
+            publisher.reset_group()
+            # An engine died or refused mid-sync (the launcher restarts a dead one): keep
+            # rollout paused, build the group anew once every engine answers, and send the
+            # whole weights again (blocking: on every rank, they gather again; overlapped: the
+            # same snapshot). After the last attempt rollout resumes at the old version and
+            # this trainer stops. An engine restart is what an attempt is retried for: it does
+            # not use up the attempts.
+            restarted = (isinstance(e, Exception)
+                         and await publisher.engine_restarted(old, version))
+            failures += not restarted
+            retrying = (failures < SYNC_ATTEMPTS and attempt < SYNC_ATTEMPTS_WITH_RESTARTS
+                        and isinstance(e, Exception))
+            log.warning("sync_broadcast_failed", version=version, attempt=attempt,
+                        retrying=retrying, engine_restarted=restarted, ranks=ranks,
+                        error=str(e)[:500])
+            await publisher.synchronizer.request(SyncDone(version=version, ok=False,
+                                                          error=str(e)[:2000],
+                                                          retrying=retrying))
+            if not retrying:
+                raise
+            await publisher.wait_serving()
+    done = time.monotonic()
+    return {"published_version": version, "sync_pause_s": go.pause_s,
+            "sync_wait_s": paused - started, "sync_broadcast_s": broadcast - paused,
+            "sync_resume_s": done - broadcast, "sync_idle_s": done - started, "sync_bytes": sent,
+            "sync_attempts": attempt}
+
+
 async def sync_weights(state: Any, publisher: Publisher | None, *,
                        republish: bool = False) -> dict[str, Any]:
     """Publish version + 1 (every rank calls; rank 0 talks, the others gather with it).
     `state` is the trainer's TrainState; returns rank 0's timings. `republish`: send the
-    current version again (a resumed trainer: the engines started from the initial weights)."""
+    current version again (a resumed trainer: the engines started from the initial weights),
+    always blocking. With `sync.overlap` a sync returns once the snapshot is taken
+    (`start_overlapped`)."""
+    if state.exp.sync.overlap and not republish:
+        return await start_overlapped(state, publisher)
     ranks = state.ranks
     version = state.version if republish else state.version + 1
     if not ranks.is_main:  # gather with rank 0 once per broadcast attempt, until it says done
@@ -334,54 +570,18 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
     if publisher is None:
         await asyncio.to_thread(ranks.share, {"op": "skip"})
         return {}
-    started = time.monotonic()
     told = False  # the other ranks have their last order ("done" or "abort")
-    old = state.version
-    failures = 0  # failed attempts that no engine restart explains
     try:
-        for attempt in range(1, SYNC_ATTEMPTS_WITH_RESTARTS + 1):
-            go: SyncGo = await publisher.synchronizer.request(
-                SyncRequest(version=version, step=state.step, republish=republish))
+        if publisher.pending():  # the trainer checks first: never two syncs at once
+            raise RuntimeError(f"version {version}: an overlapped sync is still in flight")
+
+        async def gather_along() -> None:
             await asyncio.to_thread(ranks.share, {"op": "broadcast"})
-            paused = time.monotonic()
-            if go.rebuild_group or attempt > 1:
-                publisher.reset_group()
-            try:
-                # Whatever fails, this returns (or raises) only after the whole gather loop,
-                # so the other ranks are back waiting for the next order.
-                sent = await publisher.broadcast(state.model, state.compute_dtype, version)
-                broadcast = time.monotonic()
-                # ok only if every serving engine holds the version (one that restarted
-                # during the sync has the initial weights): checked here, and again by the
-                # synchronizer before it publishes the version (it refuses SyncDone if not)
-                await publisher.verify(version)
-                await publisher.synchronizer.request(SyncDone(
-                    version=version, broadcast_s=broadcast - paused, bytes=sent))
-                break
-            except BaseException as e:
-                # Drop the group now (the failed broadcast's frames hold it too): the engines
-                # still in it stop waiting for the rest of this broadcast.
-                forget_frames(e)
-                publisher.reset_group()
-                # An engine died or refused mid-sync (the launcher restarts a dead one): keep
-                # rollout paused, build the group anew once every engine answers, and send the
-                # whole weights again, on every rank (they gather again). After the last
-                # attempt rollout resumes at the old version and this trainer stops. An engine
-                # restart is what an attempt is retried for: it does not use up the attempts.
-                restarted = (isinstance(e, Exception)
-                             and await publisher.engine_restarted(old, version))
-                failures += not restarted
-                retrying = (failures < SYNC_ATTEMPTS and attempt < SYNC_ATTEMPTS_WITH_RESTARTS
-                            and isinstance(e, Exception))
-                log.warning("sync_broadcast_failed", version=version, attempt=attempt,
-                            retrying=retrying, engine_restarted=restarted, ranks=ranks.world,
-                            error=str(e)[:500])
-                await publisher.synchronizer.request(SyncDone(version=version, ok=False,
-                                                              error=str(e)[:2000],
-                                                              retrying=retrying))
-                if not retrying:
-                    raise
-                await publisher.wait_serving()
+
+        timings = await _attempts(
+            publisher, version, state.step, state.version, ranks.world, republish=republish,
+            before_each=gather_along,
+            send=lambda: publisher.broadcast(state.model, state.compute_dtype, version))
         told = True
         await asyncio.to_thread(ranks.share, {"op": "done"})
     except BaseException:
@@ -389,9 +589,72 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
             told = True
             await asyncio.to_thread(ranks.share, {"op": "abort"})
         raise
-    done = time.monotonic()
     state.version = version
-    return {"published_version": version, "sync_pause_s": go.pause_s,
-            "sync_wait_s": paused - started, "sync_broadcast_s": broadcast - paused,
-            "sync_resume_s": done - broadcast, "sync_idle_s": done - started, "sync_bytes": sent,
-            "sync_attempts": attempt}
+    return timings
+
+
+async def start_overlapped(state: Any, publisher: Publisher | None) -> dict[str, Any]:
+    """An overlapped sync of version + 1 (every rank calls): wait for the one in flight, take
+    the snapshot (every rank gathers, rank 0 copies), start its background sync on rank 0, and
+    return. Returns rank 0's timings: `sync_idle_s` (the trainer held here: `sync_finish_s`
+    waiting for the previous sync + `sync_snapshot_s`) and those of the previous background
+    sync (`synced_version`, `sync_broadcast_s`, ...)."""
+    ranks = state.ranks
+    version = state.version + 1
+    names = [s.name for s in weight_specs(state.model, state.compute_dtype)]
+    if not ranks.is_main:
+        order = await asyncio.to_thread(ranks.share)
+        if order["op"] == "skip":
+            return {}
+        if order["op"] != "snapshot":
+            raise RuntimeError(f"rank 0 could not sync version {state.version}")
+        await asyncio.to_thread(lambda: [None for _ in gathered(state.model, names)])
+        if (await asyncio.to_thread(ranks.share))["op"] != "done":
+            raise RuntimeError(f"rank 0 could not take the snapshot of version {version}")
+        state.version = version
+        return {}
+    if publisher is None:
+        await asyncio.to_thread(ranks.share, {"op": "skip"})
+        return {}
+    started = time.monotonic()
+    try:
+        await publisher.finish()  # at most one in flight; its failure is raised here
+    except BaseException:
+        await asyncio.to_thread(ranks.share, {"op": "abort"})
+        raise
+    finished = time.monotonic()
+    await asyncio.to_thread(ranks.share, {"op": "snapshot"})
+    try:
+        snapshot = await asyncio.to_thread(publisher.take_snapshot, state.model,
+                                           state.compute_dtype, state.optimizer)
+    except BaseException:
+        await asyncio.to_thread(ranks.share, {"op": "abort"})
+        raise
+    await asyncio.to_thread(ranks.share, {"op": "done"})
+    taken = time.monotonic()
+    publisher.start_background(snapshot, version, state.step, state.version, ranks.world)
+    state.version = version  # the trainer's parameters are the snapshot's version
+    return {"published_version": version, "sync_idle_s": taken - started,
+            "sync_finish_s": finished - started, "sync_snapshot_s": taken - finished,
+            **publisher.take_finished()}
+
+
+async def finish_sync(state: Any, publisher: Publisher | None) -> dict[str, Any]:
+    """Every rank, before a checkpoint and at the end of training: wait for the overlapped
+    sync in flight, if any (nothing to do without `sync.overlap`). Its failure is raised on
+    every rank, as a blocking sync raises it."""
+    if not state.exp.sync.overlap:
+        return {}
+    ranks = state.ranks
+    if not ranks.is_main:
+        if (await asyncio.to_thread(ranks.share))["op"] != "done":
+            raise RuntimeError(f"rank 0 could not sync version {state.version}")
+        return {}
+    try:
+        if publisher is not None:
+            await publisher.finish()
+    except BaseException:
+        await asyncio.to_thread(ranks.share, {"op": "abort"})
+        raise
+    await asyncio.to_thread(ranks.share, {"op": "done"})
+    return publisher.finished if publisher is not None else {}

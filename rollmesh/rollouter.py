@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import importlib.metadata
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,6 +261,84 @@ class Worker:
         return self.credits - len(self.out)
 
 
+class WorkerPool:
+    """The registered workers, with an index of the freest one per kind.
+
+    A dispatch takes the worker of its kind with the most free credits (ties: the one that has
+    waited longest), in O(log workers): one lazy max-heap per kind whose entries are
+    (free credits when pushed, order, worker), pushed at every change of a worker's load and
+    checked against its load now when they reach the top (benchmarks/simulate.py --scale: the
+    scan of every worker per dispatch made one rollouter saturate at ~1,100 GPUs). Trajectories
+    go to a worker and come back only through `give` and `take_back`, which keep the per-kind
+    counts of what is out (what a pause drains) exact.
+    """
+
+    def __init__(self) -> None:
+        self._by_peer: dict[bytes, Worker] = {}
+        self._heaps: dict[str, list[tuple[int, int, Worker]]] = collections.defaultdict(list)
+        self._out: collections.Counter[str] = collections.Counter()
+        self._order = itertools.count()
+
+    def get(self, peer: bytes) -> Worker | None:
+        return self._by_peer.get(peer)
+
+    def values(self):
+        return self._by_peer.values()
+
+    def __len__(self) -> int:
+        return len(self._by_peer)
+
+    def add(self, worker: Worker) -> None:
+        self._by_peer[worker.peer] = worker
+        self._out[worker.kind] += len(worker.out)
+        self._push(worker)
+
+    def remove(self, worker: Worker) -> bool:
+        """Forget the worker (what it held is the caller's to re-queue); False if unknown."""
+        if self._by_peer.get(worker.peer) is not worker:
+            return False
+        del self._by_peer[worker.peer]
+        self._out[worker.kind] -= len(worker.out)
+        return True
+
+    def give(self, worker: Worker, traj: Trajectory) -> None:
+        if traj.sample_id not in worker.out:
+            self._out[worker.kind] += 1
+        worker.out[traj.sample_id] = traj
+        self._push(worker)
+
+    def take_back(self, worker: Worker, sample_id: str) -> Trajectory | None:
+        traj = worker.out.pop(sample_id, None)
+        if traj is not None:
+            self._out[worker.kind] -= 1
+            self._push(worker)
+        return traj
+
+    def out(self, kind: str) -> int:
+        """Trajectories out with the workers of this kind."""
+        return self._out[kind]
+
+    def freest(self, kind: str) -> Worker | None:
+        heap = self._heaps[kind]
+        while heap:
+            neg_free, _, worker = heap[0]
+            if (self._by_peer.get(worker.peer) is worker and worker.free > 0
+                    and -neg_free == worker.free):
+                return worker
+            heapq.heappop(heap)  # outdated: the worker's load changed since, or it is gone
+        return None
+
+    def _push(self, worker: Worker) -> None:
+        if self._by_peer.get(worker.peer) is not worker:
+            return
+        heap = self._heaps[worker.kind]
+        heapq.heappush(heap, (-worker.free, next(self._order), worker))
+        if len(heap) > 4 * len(self._by_peer) + 64:  # outdated entries buried deep: rebuild
+            heap[:] = [(-w.free, next(self._order), w) for w in self._by_peer.values()
+                       if w.kind == worker.kind]
+            heapq.heapify(heap)
+
+
 @dataclass
 class GroupState:
     size: int
@@ -277,7 +357,7 @@ class Rollouter:
         self.version = 0
         self.paused = False
         self.synchronizer_spoke = False  # a Pause or Resume since this process started
-        self.workers: dict[bytes, Worker] = {}
+        self.workers = WorkerPool()
         self.liveness = Liveness(ctx.spec.heartbeat_s, ctx.spec.liveness)
         self.pending: collections.deque[Trajectory] = collections.deque()  # admitted, new
         self.cancel_queue: collections.deque[Trajectory] = collections.deque()
@@ -466,9 +546,7 @@ class Rollouter:
     # -- dispatch ----------------------------------------------------------------------------
 
     def _free_worker(self, kind: str) -> Worker | None:
-        best = max((w for w in self.workers.values() if w.kind == kind and w.free > 0),
-                   key=lambda w: w.free, default=None)
-        return best
+        return self.workers.freest(kind)
 
     async def dispatch(self) -> None:
         self.admit()
@@ -487,13 +565,13 @@ class Rollouter:
             await self._send(worker, traj, Score(trajectory=traj))
 
     async def _send(self, worker: Worker, traj: Trajectory, msg: Any) -> None:
-        worker.out[traj.sample_id] = traj
+        self.workers.give(worker, traj)
         if not await self.channel.send(worker.peer, msg):
             await self.worker_lost(worker, "unreachable")
 
     async def worker_lost(self, worker: Worker, why: str) -> None:
         """Re-queue everything the worker held, as it was when dispatched."""
-        if self.workers.pop(worker.peer, None) is None:
+        if not self.workers.remove(worker):
             return
         self.liveness.forget(worker.peer.hex())
         back = list(worker.out.values())
@@ -506,7 +584,7 @@ class Rollouter:
     # -- results -----------------------------------------------------------------------------
 
     def returned(self, worker: Worker, traj: Trajectory) -> None:
-        if worker.out.pop(traj.sample_id, None) is None:
+        if self.workers.take_back(worker, traj.sample_id) is None:
             self.counters["unexpected_returns"] += 1  # e.g. from a worker declared dead earlier
             return
         if self.is_eval(traj):
@@ -529,7 +607,7 @@ class Rollouter:
         self._check_drained()
 
     def scored(self, worker: Worker, traj: Trajectory) -> None:
-        if worker.out.pop(traj.sample_id, None) is None:
+        if self.workers.take_back(worker, traj.sample_id) is None:
             self.counters["unexpected_returns"] += 1
             return
         if self.is_eval(traj):
@@ -584,7 +662,7 @@ class Rollouter:
     # -- pause / resume ----------------------------------------------------------------------
 
     def agent_out(self) -> int:
-        return sum(len(w.out) for w in self.workers.values() if w.kind == "agent")
+        return self.workers.out("agent")
 
     def _check_drained(self) -> None:
         if self.paused and self.agent_out() == 0:
@@ -730,7 +808,7 @@ class Rollouter:
             if isinstance(msg, WorkerHello):
                 if worker is not None:
                     await self.worker_lost(worker, "re-registered")
-                self.workers[peer] = Worker(peer, msg.worker, msg.kind, max(1, msg.credits))
+                self.workers.add(Worker(peer, msg.worker, msg.kind, max(1, msg.credits)))
                 self.log.info("worker_joined", worker=msg.worker, kind=msg.kind,
                               credits=msg.credits)
             elif worker is None:
@@ -751,7 +829,7 @@ class Rollouter:
                     # re-queued as dispatched when the worker is dropped
                     self.counters["bad_records"] += 1
                     if dispatched is not None:  # back as it was sent, to be re-queued
-                        worker.out[dispatched.sample_id] = dispatched
+                        self.workers.give(worker, dispatched)
                     self.log.error("bad_record", worker=worker.name, type=type(msg).__name__,
                                    error=f"{type(e).__name__}: {e}")
                     await self.worker_lost(worker, f"sent a bad record: {e}")

@@ -30,6 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from rollmesh.cpus import ENV as CPUS_ENV, format_cpulist, pinned
 from rollmesh.log import configure_logging, get_logger
 from rollmesh.protocol import PROTOCOL_VERSION, Fatal, Heartbeat, Hello, Metrics, Ok, Ready
 from rollmesh.transport import (
@@ -308,6 +309,9 @@ def role_main(argv: list[str]) -> int:
     configure_logging(spec.role, spec.host, instance=spec.instance,
                       **({"run": spec.run_id} if spec.run_id else {}))
     _die_with_parent(spec.parent_pid)
+    if os.environ.get(CPUS_ENV):  # started pinned (rollmesh.cpus): what it actually got
+        log.info("cpus", cpus=format_cpulist(os.sched_getaffinity(0)),
+                 omp_threads=os.environ.get("OMP_NUM_THREADS"))
 
     async def run() -> int:
         code = EXIT_FATAL
@@ -350,6 +354,8 @@ class Child:
     pid: int | None = None  # its process id on its host (from Hello)
     restarts: int = 0
     launch: tuple[Any, ...] = ({}, None, None, None)  # env, cwd, echo, spec path: to respawn
+    cpus: tuple[int, ...] = ()  # the CPUs it is started on (rollmesh.cpus), also on a respawn
+    cpus_for: str = ""  # how the CPU prelude names it
     state: str = "spawned"  # spawned | hello | ready | silent | fatal | exited
     endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
     fatal: Fatal | None = None
@@ -449,8 +455,11 @@ class Supervisor:
               grace_s: float = 10.0, cwd: str | None = None, host: Any = None,
               echo: Any = None, keys_dir: str | None = None,
               control: str | None = None, status_hub: str | None = None,
-              spec_path: str | None = None) -> Child:
-        """Start `rollmesh role` for one role instance: here, or on `host` (a hosts.Host)."""
+              spec_path: str | None = None, cpus: tuple[int, ...] = (),
+              cpus_for: str = "") -> Child:
+        """Start `rollmesh role` for one role instance: here, or on `host` (a hosts.Host);
+        with `cpus`, pinned to them from its start (rollmesh.cpus: the thread counts to match
+        are the caller's `env`; `cpus_for` names it in the prelude's error)."""
         local = host is None or host.local
         spec = RoleSpec(role=role, entry=entry, control=control or self.control,
                         instance=instance, run_id=self.run_id,
@@ -460,22 +469,30 @@ class Supervisor:
                         status_hub=status_hub or self.status_hub,
                         heartbeat_s=self.heartbeat_s, liveness=self.liveness.liveness,
                         grace_s=grace_s, config=config or {})
-        return self._start(spec, host, env or {}, cwd, echo, spec_path=spec_path)
+        return self._start(spec, host, env or {}, cwd, echo, spec_path=spec_path, cpus=cpus,
+                           cpus_for=cpus_for or f"{role}[{instance}]"
+                           + (f" on host {host.name}" if host is not None else ""))
 
     def _start(self, spec: RoleSpec, host: Any, env: dict[str, str], cwd: str | None,
-               echo: Any, restarts: int = 0, spec_path: str | None = None) -> Child:
+               echo: Any, restarts: int = 0, spec_path: str | None = None,
+               cpus: tuple[int, ...] = (), cpus_for: str = "") -> Child:
         role, instance, entry = spec.role, spec.instance, spec.entry
+
+        def command(args: list[str]) -> list[str]:
+            return pinned(args, cpus, cpus_for) if cpus else args
+
         if host is not None:
             assert self.log_dir is not None, "a host-placed role needs a log directory"
             log_path = self.log_dir / f"{role}-{instance}.log"
             text = json.dumps(dataclasses.asdict(spec))
             if spec_path is not None:  # a file on the host (mode 0600) instead of a long argv
                 host.put_file(spec_path, text.encode())
-            process = host.start(["-m", "rollmesh", "role", "--spec", spec_path or text],
+            process = host.start(command(["-m", "rollmesh", "role", "--spec",
+                                          spec_path or text]),
                                  env=env, log_path=log_path, echo=echo,
                                  label=f"{host.name} {role}/{instance}")
             child = Child(spec, process, log_path, host=host, restarts=restarts,
-                          launch=(env, cwd, echo, spec_path))
+                          launch=(env, cwd, echo, spec_path), cpus=cpus, cpus_for=cpus_for)
             self.children[spec.name] = child
             log.info("spawned", child=spec.name, host=host.name, entry=entry)
             return child
@@ -485,14 +502,15 @@ class Supervisor:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"{role}-{instance}.log"
             out = open(log_path, "ab")
-        cmd = [sys.executable, "-m", "rollmesh", "role", "--spec",
-               json.dumps(dataclasses.asdict(spec))]
+        cmd = [sys.executable, *command(["-m", "rollmesh", "role", "--spec",
+                                         json.dumps(dataclasses.asdict(spec))])]
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
                                    env={**os.environ, **(env or {})}, cwd=cwd,
                                    start_new_session=True)  # a Ctrl-C reaches us, we stop them
         if out is not None:
             out.close()
-        child = Child(spec, process, log_path, restarts=restarts, launch=(env, cwd, echo, None))
+        child = Child(spec, process, log_path, restarts=restarts, launch=(env, cwd, echo, None),
+                      cpus=cpus, cpus_for=cpus_for)
         self.children[spec.name] = child
         log.info("spawned", child=spec.name, pid=process.pid, entry=entry)
         return child
@@ -520,7 +538,7 @@ class Supervisor:
         self.liveness.forget(child.name)
         spec = dataclasses.replace(child.spec, restart=child.restarts + 1)
         return self._start(spec, child.host, env, cwd, echo, restarts=child.restarts + 1,
-                           spec_path=spec_path)
+                           spec_path=spec_path, cpus=child.cpus, cpus_for=child.cpus_for)
 
     @staticmethod
     def signal(child: Child, sig: int) -> None:

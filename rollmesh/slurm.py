@@ -11,7 +11,12 @@
               Slurm accounts for it, signals reach it (`scancel --signal` of its step) and
               `scancel JOB` ends the run; the launcher supervises and restarts steps as it does
               processes. A step that asks for GPUs gets them from Slurm (`--gres=gpu:K`, which
-              sets CUDA_VISIBLE_DEVICES); the others `--gres=none` on GPU nodes
+              sets CUDA_VISIBLE_DEVICES); the others `--gres=none` on GPU nodes. A process
+              with `cpus` pins itself inside its step (rollmesh.cpus) with `--cpu-bind=none`
+              (srun's own binding does not apply to it); its CPUs must be in the step's cpuset,
+              the job's CPUs on the node (all of them with `--sbatch`, which asks --exclusive),
+              else it exits at start naming the CPUs it has. Without `cpus`, srun binds as the
+              cluster's configuration and `srun_options` (e.g. --cpus-per-task) say
     files     keys (CURVE, the engine token), specs and logs live in the run directory, which
               every node must see at the same path: a shared filesystem (NFS, Lustre...).
     sbatch    `rollmesh launch CLUSTER --sbatch`: RUN/slurm/job.sh runs the launcher in the
@@ -30,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.config import HostConfig, SlurmConfig, _Context, _parse_dataclass
+from rollmesh.cpus import ENV as CPUS_ENV
 from rollmesh.hosts import Echo, LocalHost, die_with_parent, pump
 from rollmesh.log import get_logger
 
@@ -197,6 +203,10 @@ class SlurmHost(LocalHost):
             argv.append(f"--gres=gpu:{len(gpus)}")  # Slurm picks them, and says which
         elif self.cfg.gpus:
             argv.append("--gres=none")  # else the step would hold every GPU of the node
+        if env.get(CPUS_ENV):
+            # the process pins itself (rollmesh.cpus) to the CPUs the cluster file names; srun
+            # binding its task to CPUs of its choosing first would only confuse what is shown
+            argv.append("--cpu-bind=none")
         return [*argv, *self.srun_options]
 
     def argv(self, args: list[str], env: dict[str, str], step_name: str = "rollmesh") -> list[str]:

@@ -1,7 +1,7 @@
 """The parameter synchronizer role (a singleton): one weight sync at a time, in order.
 
-The message flow of one sync (architecture.md, "One weight sync, step by step"); every arrow is
-a request that the callee answers, and nobody waits on a request to itself:
+The message flow of one sync (docs/architecture.md, "One weight sync, step by step"); every
+arrow is a request that the callee answers, and nobody waits on a request to itself:
 
     trainer rank 0                synchronizer                 rollouter       MessageQueue
     SyncRequest(v+1) ---------->  Pause(mode) ---------------> (drain)
@@ -15,7 +15,10 @@ a request that the callee answers, and nobody waits on a request to itself:
 
 The answer to SyncRequest is the synchronizer's "broadcast" to the trainer: the trainer needs
 no server of its own, and the broadcast runs while no RPC is outstanding on the synchronizer's
-side, so neither can wait on the other. The trainer is idle from SyncRequest to the Ok.
+side, so neither can wait on the other. The trainer is idle from SyncRequest to the Ok, unless
+it overlaps its syncs (`sync.overlap`): then a background task of rank 0 sends a snapshot of the
+weights along this same flow while the trainer computes, and `trainer_idle_s` here is the
+sync's length, not the trainer's wait (its own `sync_idle_s` metric).
 
 A sync is `ok` only if every engine that is serving holds the new version: before publishing it
 to the MessageQueue, the synchronizer reads every engine's /get_server_info (config `engines`);

@@ -12,7 +12,8 @@ hidden states) gives per-token values, aligned with the tokens as the log-probs 
 token t, V_t, is read from position t - 1 (the state before token t was chosen; the first token
 has none). The sequence reward goes on its last generated token (minus the per-token KL when
 `kl_in_reward`); `gae_advantages` turns rewards and old values into advantages (whitened) and
-returns. Each mini-batch then updates the policy and the critic (the clipped value loss against
+returns (`bootstrap_truncated`: a response cut off by the length limit continues with the
+critic's value of the state after its last token instead of 0). Each mini-batch then updates the policy and the critic (the clipped value loss against
 the returns, token-mean, its own AdamW at `algorithm.critic_lr` with the trainer's schedule and
 grad clip), both accumulated over the same micro-batches; the critic is sharded like the policy.
 
@@ -34,7 +35,8 @@ and computes what is cheap on it (advantages, normalisers, every rank's micro-ba
 forward and backward passes run only on its share of the sequences. Old and reference log-probs
 (and the critic's old values) are computed on the shares and summed across ranks, so every rank
 has them for the whole batch.
-Weight syncs: `rollmesh.publish`; checkpoints: `rollmesh.checkpoint`.
+Weight syncs: `rollmesh.publish` (blocking, or with `sync.overlap` sent from a snapshot while
+the next step computes); checkpoints: `rollmesh.checkpoint`.
 
 Gradient accumulation: each micro-batch's loss is normalised by the token (or sequence) count
 of its whole mini-batch over all ranks (`global_tokens`), so summing micro-batches gives the
@@ -73,7 +75,7 @@ from torch import Tensor
 from rollmesh import checkpoint, packing, protocol
 from rollmesh.algorithms import (
     aggregate, compute_advantages, entropy_from_logits, kl_estimate, lr_lambda, policy_loss,
-    token_logprobs, value_loss,
+    shape_rewards, token_logprobs, value_loss,
 )
 from rollmesh.config import AlgorithmConfig, ExperimentConfig, parse_config
 from rollmesh.durable_log import write_atomic
@@ -86,7 +88,7 @@ from rollmesh.metrics_sink import tensorboard_writer as _tensorboard  # noqa: F4
 from rollmesh.packing import BatchData
 from rollmesh.message_queue import STREAM_AHEAD, BatchFeed
 from rollmesh.protocol import Batch, Metrics, StatsRequest
-from rollmesh.publish import Publisher, sync_weights
+from rollmesh.publish import Publisher, finish_sync, sync_weights
 from rollmesh.ranks import Ranks, close_ranks, full_tensor, init_ranks
 from rollmesh.runtime import RoleContext
 from rollmesh.sharded_load import UnsupportedCheckpoint, load_causal_lm
@@ -143,11 +145,15 @@ class Critic(torch.nn.Module):
         self.model = decoder
         self.value_head = torch.nn.Linear(hidden_size, 1)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+                with_next: bool = False) -> Tensor:
+        """[B, T] values; `with_next`: [B, T + 1], column n_b the value of the state after row
+        b's last token (n_b its length; the bootstrap of a truncated response)."""
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
                             use_cache=False).last_hidden_state
         values = self.value_head(hidden).squeeze(-1).float()
-        return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+        return torch.cat([values.new_zeros(values.shape[0], 1),
+                          values if with_next else values[:, :-1]], dim=1)
 
 
 def _value_head(config: Any, seed: int) -> dict[str, Tensor]:
@@ -300,10 +306,14 @@ def _lr_multiplier(update: int, *, mini_batches: int, warmup_steps: int, total_s
 @dataclass
 class StepBatch(BatchData):
     """A batch as one step uses it: BatchData and, for GAE, the critic's old values and the
-    returns (its targets), [B, T], token-aligned like the rest, 0 outside the mask."""
+    returns (its targets), [B, T], token-aligned like the rest, 0 outside the mask;
+    `response_tokens` [B] (generated tokens, before `algorithm.mask_truncated`) and the
+    `shaped_rewards` [B] the advantages were computed from."""
 
     values: Tensor | None = None
     returns: Tensor | None = None
+    response_tokens: Tensor | None = None
+    shaped_rewards: Tensor | None = None
 
     @classmethod
     def of(cls, data: BatchData) -> StepBatch:
@@ -342,12 +352,14 @@ def _forward(state: TrainState, model: torch.nn.Module, mb: dict[str, Tensor]) -
         return model(input_ids=mb["tokens"], attention_mask=mb["attention_mask"]).logits
 
 
-def _values(state: TrainState, critic: torch.nn.Module, mb: dict[str, Tensor]) -> Tensor:
-    """The critic's token-aligned values [B, T], float32."""
+def _values(state: TrainState, critic: torch.nn.Module, mb: dict[str, Tensor], *,
+            with_next: bool = False) -> Tensor:
+    """The critic's token-aligned values [B, T] (`with_next`: [B, T + 1]), float32."""
     autocast = (torch.autocast(state.device.type, dtype=state.compute_dtype) if state.autocast
                 else contextlib.nullcontext())
     with autocast:
-        return critic(input_ids=mb["tokens"], attention_mask=mb["attention_mask"]).float()
+        return critic(input_ids=mb["tokens"], attention_mask=mb["attention_mask"],
+                      with_next=with_next).float()
 
 
 def _my_micro_batches(state: TrainState, data: BatchData, index: list[int]) -> list[list[int]]:
@@ -385,24 +397,46 @@ def reference_logprobs(state: TrainState, data: BatchData) -> Tensor | None:
 def old_values(state: TrainState, data: BatchData) -> Tensor | None:
     """The critic's values for the whole batch [B, T] (0 outside the mask) before this step's
     updates; None without a critic. Each rank its share, then summed."""
+    both = critic_values(state, data)
+    return None if both is None else both[0]
+
+
+@torch.no_grad()
+def critic_values(state: TrainState, data: BatchData) -> tuple[Tensor, Tensor] | None:
+    """(old_values, V after each sequence's last token [B]); None without a critic."""
     if state.critic is None:
         return None
-    out = torch.zeros(data.tokens.shape, dtype=torch.float32)
+    width = data.tokens.shape[1]
+    out = torch.zeros(data.size, width + 1, dtype=torch.float32)  # column `width`: V after
     for rows in _my_micro_batches(state, data, list(range(data.size))):
         mb = _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
-        values = _values(state, state.critic, mb)
+        values = _values(state, state.critic, mb, with_next=True).cpu()
         if rows:
-            out[rows, :values.shape[1]] = values.cpu() * data.mask[rows, :values.shape[1]]
-    return state.ranks.sum_(out)
+            w = values.shape[1] - 1
+            out[rows, :w] = values[:, :w] * data.mask[rows, :w]
+            out[rows, width] = values[torch.arange(len(rows)), data.lengths[rows]]
+    state.ranks.sum_(out)
+    return out[:, :width].contiguous(), out[:, width].contiguous()
 
 
-def batch_advantages(algo: AlgorithmConfig, data: BatchData,
-                     values: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """(advantages, returns) of the whole batch; a KL penalty in the reward is folded in first.
-    returns (the critic's targets) only for "gae", which needs the old `values`."""
-    rewards, kl = data.rewards, None
+def batch_rewards(algo: AlgorithmConfig, data: BatchData) -> Tensor:
+    """The rewards the advantages see [B]: `shape_rewards` (scale, DAPO overlong penalty over
+    each response's generated tokens, clip); the scores as they are by default."""
+    lengths = getattr(data, "response_tokens", None)
+    return shape_rewards(
+        data.rewards, data.mask.sum(dim=1) if lengths is None else lengths,
+        scale=algo.reward_scale, clip=algo.reward_clip, overlong_buffer=algo.overlong_buffer,
+        overlong_max_tokens=algo.overlong_max_tokens, overlong_factor=algo.overlong_penalty)
+
+
+def batch_advantages(algo: AlgorithmConfig, data: BatchData, values: Tensor | None = None,
+                     bootstrap: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(advantages, returns) of the whole batch from its shaped rewards; a KL penalty in the
+    reward is folded in first. returns (the critic's targets) only for "gae", which needs the
+    old `values` (and takes `bootstrap` [B], V after each truncated response, 0 elsewhere)."""
+    rewards, kl = batch_rewards(algo, data), None
     if algo.kl_in_reward and algo.kl_coef > 0:
-        kl = kl_estimate(data.old, data.ref, algo.kl_estimator) * data.mask
+        kl = kl_estimate(data.old, data.ref, algo.kl_estimator, clamp=algo.kl_clamp) * data.mask
         if algo.advantage in ("grpo", "grpo_mean_only", "rloo"):
             # Outcome estimators take one reward per sequence: the penalty summed over it.
             rewards, kl = rewards - algo.kl_coef * kl.sum(dim=1), None
@@ -410,13 +444,13 @@ def batch_advantages(algo: AlgorithmConfig, data: BatchData,
         raise ValueError("advantage 'gae': expected the critic's values")
     return compute_advantages(
         algo.advantage, mask=data.mask, rewards=rewards, group_index=data.group_index, kl=kl,
-        kl_coef=algo.kl_coef, gamma=algo.gamma, lam=algo.lam, values=values)
+        kl_coef=algo.kl_coef, gamma=algo.gamma, lam=algo.lam, values=values, bootstrap=bootstrap)
 
 
 # -- the update ------------------------------------------------------------------------------------
 
-PARTS = ("loss", "pg_loss", "kl_loss", "tokens", "clip_frac", "approx_kl", "entropy",
-         "behaviour_weight_mean")
+PARTS = ("loss", "pg_loss", "kl_loss", "tokens", "clip_frac", "approx_kl", "approx_kl_k1",
+         "entropy", "behaviour_weight_mean")
 CRITIC_PARTS = ("value_loss", "value_clip_frac", "value_error")
 
 
@@ -427,10 +461,13 @@ def micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, f
     logits = _forward(state, state.model, mb)
     logp = token_logprobs(logits, mb["tokens"], state.temperature, shift=True)
     mask = mb["mask"]
+    norm = {**norm, "norm_tokens": algo.loss_norm_tokens}
     pg, stats = policy_loss(
         algo.loss, logp, mb["old"], mb["advantages"], mask, behaviour_logprobs=mb["behaviour"],
         clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-        behaviour_cap=algo.behaviour_cap, tis_cap=algo.tis_cap, agg=algo.loss_agg, **norm)
+        behaviour_cap=algo.behaviour_cap, behaviour_cap_mode=algo.behaviour_cap_mode,
+        tis_cap=algo.tis_cap, tis_surrogate=algo.tis_surrogate, seq_clip_low=algo.gspo_clip_low,
+        seq_clip_high=algo.gspo_clip_high, agg=algo.loss_agg, **norm)
     # Position t predicts token t + 1: shift the entropy to align it with the tokens.
     entropy = entropy_from_logits(logits if algo.entropy_coef > 0 else logits.detach(),
                                   state.temperature)
@@ -440,13 +477,14 @@ def micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, f
         loss = loss - algo.entropy_coef * aggregate(entropy, mask, algo.loss_agg, **norm)
     kl_loss = torch.zeros(())
     if algo.kl_coef > 0 and not algo.kl_in_reward:
-        kl_loss = aggregate(kl_estimate(logp, mb["ref"], algo.kl_estimator), mask,
-                            algo.loss_agg, **norm)
+        kl_loss = aggregate(kl_estimate(logp, mb["ref"], algo.kl_estimator, clamp=algo.kl_clamp),
+                            mask, algo.loss_agg, **norm)
         loss = loss + algo.kl_coef * kl_loss
     n = float(mask.sum())
     parts = {"loss": float(loss.detach()), "pg_loss": float(pg.detach()),
              "kl_loss": float(kl_loss.detach()), "tokens": n,
              "clip_frac": float(stats["clip_frac"]) * n, "approx_kl": float(stats["approx_kl"]) * n,
+             "approx_kl_k1": float(stats["approx_kl_k1"]) * n,
              "entropy": float((entropy.detach() * mask).sum()),
              "behaviour_weight_mean": float(stats.get("behaviour_weight_mean", 1.0)) * n}
     return loss, parts
@@ -565,12 +603,24 @@ def evaluate_value_loss(state: TrainState, data: StepBatch) -> float:
 
 def prepare(state: TrainState, data: BatchData) -> StepBatch:
     """Old and reference log-probs, the critic's old values (GAE), then advantages and returns
-    (every rank, the whole batch)."""
+    (every rank, the whole batch). `algorithm.mask_truncated`: responses cut off by the length
+    limit leave the loss mask first."""
+    algo = state.exp.algorithm
     data = StepBatch.of(data)
+    data.response_tokens = data.mask.sum(dim=1)
+    truncated = data.truncated if data.truncated is not None else torch.zeros(data.size, dtype=bool)
+    if algo.mask_truncated:
+        data.mask = data.mask * (~truncated)[:, None].float()
     data.old = old_logprobs(state, data)
     data.ref = reference_logprobs(state, data)
-    data.values = old_values(state, data)
-    data.advantages, data.returns = batch_advantages(state.exp.algorithm, data, data.values)
+    both = critic_values(state, data)
+    bootstrap = None
+    if both is not None:
+        data.values, after = both
+        if algo.bootstrap_truncated:
+            bootstrap = torch.where(truncated, after, 0.0)
+    data.shaped_rewards = batch_rewards(algo, data)
+    data.advantages, data.returns = batch_advantages(algo, data, data.values, bootstrap)
     return data
 
 
@@ -583,9 +633,22 @@ def step_metrics(state: TrainState, data: BatchData, stats: dict[str, float],
         "batch_staleness_max": float(stale.max()), "batch_staleness_mean": float(stale.mean()),
         "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "step_s": seconds,
         "reward_mean": float(data.rewards.mean()), "samples": data.size,
+        **_shaping_metrics(data),
         "response_tokens_mean": float(data.mask.sum(dim=1).mean()),
         "samples_consumed": state.samples_consumed,
     }
+
+
+def _shaping_metrics(data: BatchData) -> dict[str, float]:
+    """truncated_frac (responses cut off by the length limit), and the mean of the rewards the
+    advantages saw where shaping changed them."""
+    out = {}
+    if data.truncated is not None:
+        out["truncated_frac"] = float(data.truncated.float().mean())
+    shaped = getattr(data, "shaped_rewards", None)
+    if shaped is not None and not torch.equal(shaped, data.rewards.float()):
+        out["reward_shaped_mean"] = float(shaped.mean())
+    return out
 
 
 # -- rank 0's connections -----------------------------------------------------------------------
@@ -713,7 +776,10 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
         if ctx.stopping.is_set() or state.step >= exp.trainer.total_steps:
             await run(ranks.share, {"op": "stop"})
             return None
-        if link.publisher is not None and await link.engines_behind():
+        # (not while an overlapped sync is in flight: the engines are behind on purpose, and
+        # one that restarts is sent the weights by its retry or the next sync)
+        if (link.publisher is not None and not link.publisher.pending()
+                and await link.engines_behind()):
             await run(ranks.share, {"op": "republish"})
             await link.republish()
         # The queue keeps each batch it hands out until a checkpoint covers its step, and hands
@@ -804,8 +870,11 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
         # after the step's row: a checkpoint never holds a step whose row was not written
         # (killed in between, the step is trained again and its row written again)
         if ckpt_dir and every and state.step % every == 0:
+            # (overlapped: the sync in flight first, so that a checkpoint's version was sent)
+            await finish_sync(state, link.publisher if link else None)
             await save_checkpoint(ctx, state, link, ckpt_dir)
             saved_at = state.step
+    await finish_sync(state, link.publisher if link else None)  # overlapped: the last one
     if ckpt_dir and state.step != saved_at:
         await save_checkpoint(ctx, state, link, ckpt_dir)
     if config.get("final_export_dir"):  # the policy the run ends with, in Hugging Face format

@@ -18,6 +18,12 @@ order of the announced names:
 Sender (`BucketSender`): "tensor" holds one gathered tensor at a time; "flattened_bucket" packs
 bucket i+1 while bucket i is on the wire (`async_op=True`), in two reusable bucket buffers, so
 rank 0's extra memory is at most two buckets (a one-tensor bucket is sent as that tensor).
+
+Snapshot (`Snapshot`, `sync.overlap`): one version's weights frozen in a buffer of their own,
+in the flattened layout (every tensor in its announced dtype, back to back, announcement
+order), so that the trainer can go on changing its parameters while the snapshot is sent. A
+flattened bucket is then sent straight from the snapshot's bytes (`BucketSender.pack_from`):
+no packing copy, unless the snapshot lies in host memory and the broadcast runs on a GPU.
 """
 
 from __future__ import annotations
@@ -127,15 +133,8 @@ class BucketSender:
             work.wait()
             upto -= 1
 
-    def pack(self, bucket: Sequence[WeightSpec], tensors: Iterable[torch.Tensor]) -> Any:
-        """The bucket ready to send (consumes `tensors`, one tensor at a time, bucket order)."""
-        if self.load_format == "tensor":
-            return ("tensor", bucket, tensors)
-        if len(bucket) == 1:
-            (spec,) = bucket
-            t = self._cast(spec, next(iter(tensors)))
-            return ("one", bucket, t)
-        nbytes = sum(s.nbytes for s in bucket)
+    def _slot(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The next bucket buffer (`nbytes` of it), once its previous bucket is off the wire."""
         slot = self.next_slot
         self.next_slot = (slot + 1) % len(self.buffers)
         # the slot's previous bucket must be off the wire before it is overwritten
@@ -146,13 +145,39 @@ class BucketSender:
         if self.buffers[slot] is None and nbytes <= self.capacity:
             self.buffers[slot] = torch.empty(self.capacity, dtype=torch.uint8,
                                              device=self.device)
-        flat = _flat(nbytes, self.buffers[slot], self.device)
+        return slot, _flat(nbytes, self.buffers[slot], self.device)
+
+    def pack(self, bucket: Sequence[WeightSpec], tensors: Iterable[torch.Tensor]) -> Any:
+        """The bucket ready to send (consumes `tensors`, one tensor at a time, bucket order)."""
+        if self.load_format == "tensor":
+            return ("tensor", bucket, tensors)
+        if len(bucket) == 1:
+            (spec,) = bucket
+            t = self._cast(spec, next(iter(tensors)))
+            return ("one", bucket, t)
+        slot, flat = self._slot(sum(s.nbytes for s in bucket))
         offset = 0
         for spec, tensor in zip(bucket, tensors, strict=True):
             t = self._cast(spec, tensor)
             flat[offset:offset + spec.nbytes].copy_(t.reshape(-1).view(torch.uint8))
             offset += spec.nbytes
             del t
+        return ("flat", bucket, flat, slot)
+
+    def pack_from(self, snapshot: Snapshot, first: int, bucket: Sequence[WeightSpec]) -> Any:
+        """The bucket of `snapshot` that starts at its tensor `first`, ready to send. Flattened,
+        a bucket of several tensors is the snapshot's own bytes when the snapshot lies where the
+        broadcast runs (no copy), else it is copied into a bucket buffer (pinned host memory to
+        the GPU, on the current stream); otherwise as `pack` (views of the snapshot)."""
+        if list(snapshot.specs[first:first + len(bucket)]) != list(bucket):
+            raise ValueError(f"bucket at tensor {first} does not match the snapshot's tensors")
+        if self.load_format == "tensor" or len(bucket) == 1:
+            return self.pack(bucket, (snapshot.tensor(first + k) for k in range(len(bucket))))
+        region = snapshot.region(first, len(bucket))
+        if same_device(region.device, torch.device(self.device)):
+            return ("flat", bucket, region, None)
+        slot, flat = self._slot(region.numel())
+        flat.copy_(region, non_blocking=True)
         return ("flat", bucket, flat, slot)
 
     def _cast(self, spec: WeightSpec, tensor: torch.Tensor) -> torch.Tensor:
@@ -185,6 +210,83 @@ class BucketSender:
             self._retire(len(self.inflight))
         finally:
             self.inflight.clear()
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """`a` and `b` are the same device ("cuda" is the current GPU)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current)
+
+
+class Snapshot:
+    """One version's weights, frozen while the trainer goes on (`sync.overlap`): every tensor of
+    `specs` in its spec's dtype, back to back in one uint8 buffer in announcement order (the
+    flattened buckets' layout, no padding), so that any run of consecutive tensors (a bucket)
+    is one contiguous region of it.
+
+    `device`: where the buffer lies (cpu, pinned with `pin_memory` so that a GPU copies into it
+    asynchronously, or a GPU). Rank 0 keeps it from sync to sync (`fits`): it holds the model
+    once, in the engines' dtype."""
+
+    def __init__(self, specs: Sequence[WeightSpec], device: torch.device | str = "cpu",
+                 pin_memory: bool = False):
+        self.specs = list(specs)
+        self.device = torch.device(device)
+        self.offsets: list[int] = []
+        offset = 0
+        for spec in self.specs:
+            self.offsets.append(offset)
+            offset += spec.nbytes
+        self.nbytes = offset
+        self.flat = torch.empty(offset, dtype=torch.uint8, device=self.device,
+                                pin_memory=pin_memory)
+
+    def fits(self, specs: Sequence[WeightSpec], device: torch.device | str) -> bool:
+        return self.specs == list(specs) and same_device(self.device, torch.device(device))
+
+    @torch.no_grad()
+    def put(self, index: int, tensor: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy `tensor` (any dtype and device: cast to its spec's dtype where it lies, then
+        copied) into the place of the spec `index`, on the current stream."""
+        spec = self.specs[index]
+        t = tensor.detach()
+        if tuple(t.shape) != spec.shape:
+            raise ValueError(f"{spec.name}: shape {tuple(t.shape)}, announced {spec.shape}")
+        if t.dtype != spec.dtype:
+            t = t.to(spec.dtype)
+        start = self.offsets[index]
+        self.flat[start:start + spec.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8),
+                                                   non_blocking=non_blocking)
+
+    def fill(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Every tensor, in spec order (a plain copy: the CPU's path)."""
+        count = 0
+        for count, tensor in enumerate(tensors, 1):
+            if count > len(self.specs):
+                raise ValueError(f"more tensors than the snapshot's {len(self.specs)}")
+            self.put(count - 1, tensor)
+        if count != len(self.specs):
+            raise ValueError(f"{count} tensors for a snapshot of {len(self.specs)}")
+
+    def region(self, first: int, count: int) -> torch.Tensor:
+        """The bytes of tensors first .. first + count - 1 (uint8, a view)."""
+        start = self.offsets[first]
+        end = self.offsets[first + count - 1] + self.specs[first + count - 1].nbytes
+        return self.flat[start:end]
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """The tensor `index` in its dtype and shape: a view (a copy where its offset is not a
+        multiple of its element size)."""
+        return _view(self.flat, self.offsets[index], self.specs[index])[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name (tests, checks)."""
+        return {s.name: self.tensor(i) for i, s in enumerate(self.specs)}
 
 
 def send_bucket(group: dist.ProcessGroup, bucket: Sequence[WeightSpec],

@@ -60,11 +60,11 @@ def registered(group: str, *builtin: str) -> str:
 
 EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics"
 ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, "
-                "max_turns, tool_timeout_s, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
+                "max_turns, tool_timeout_s, python_tool, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
                 "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
                 "eval_pass_threshold")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
-CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, slurm"
+CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, slurm, launcher_cpus"
 HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
 
 # (id, file text, expected message): {file} is the broken file, {exp} the experiment, {dir} tmp.
@@ -144,6 +144,18 @@ EXPERIMENTS = [
     ("kl_without_reference", exp(add="\n[algorithm]\nkl_coef = 0.1\n"),
      "{file}: algorithm.use_reference: expected true when kl_coef > 0 (the KL term needs "
      "reference log-probs), got false"),
+    ("cap_mode_mask_without_cap", exp(add='\n[algorithm]\nbehaviour_cap_mode = "mask"\n'),
+     "{file}: algorithm.behaviour_cap: missing required value (expected float > 0, as "
+     "behaviour_cap_mode = 'mask' drops tokens above it)"),
+    ("overlong_buffer_past_budget", exp(add="\n[algorithm]\noverlong_buffer = 17\n"),
+     "{file}: algorithm.overlong_buffer: expected int <= 16 (algorithm.overlong_max_tokens, by "
+     "default rollout.max_new_tokens), got 17"),
+    ("bootstrap_and_mask_truncated", exp(add='\n[algorithm]\nadvantage = "gae"\ncritic_lr = 1e-5\n'
+                                            "bootstrap_truncated = true\nmask_truncated = true\n"),
+     "{file}: algorithm.bootstrap_truncated: expected false with mask_truncated = true "
+     "(truncated responses are not trained on), got true"),
+    ("kl_estimator_unknown", exp(add='\n[algorithm]\nkl_estimator = "k4"\n'),
+     "{file}: algorithm.kl_estimator: expected one of 'k1', 'k2', 'k3', 'k3+', got 'k4'"),
     ("betas_length", exp(add="\n[trainer]\nbetas = [0.9]\n"),
      "{file}: trainer.betas: expected a list of 2 floats, got [0.9]"),
     ("betas_range", exp(add="\n[trainer]\nbetas = [0.9, 1.0]\n"),

@@ -218,15 +218,64 @@ def test_killed_engine_is_restarted_and_rejoins_at_the_current_weight_version(tm
     assert_nothing_trained_twice(metrics(run_dir))
 
 
+def cpus_allowed(pid: int) -> str:
+    """Where the kernel lets the process run (every thread it starts inherits it)."""
+    return next(line.split(":", 1)[1].strip() for line in
+                Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list"))
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
+def check_cpu_placement(run_dir: Path, launcher_pid: int, here: list[int]) -> None:
+    """The placement PINNED asks for, read back from /proc (see its launch arguments)."""
+    from rollmesh.cpus import format_cpulist
+
+    first, last, every = str(here[0]), str(here[-1]), format_cpulist(here)
+    procs = {p["name"]: p for p in status(run_dir)["processes"]}
+    wanted = {"engine[0]": every, "trainer[0]": last, "agent_worker[0]": first,
+              "agent_worker[1]": last}
+    for name, p in procs.items():
+        # the others have no cpus: the launcher's affinity from before launcher_cpus (this
+        # test's), not the launcher's CPU
+        assert cpus_allowed(p["pid"]) == wanted.get(name, every), name
+        assert p["cpus"] == wanted.get(name), name
+    assert cpus_allowed(launcher_pid) == first
+    assert environ(procs["trainer[0]"]["pid"])["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in environ(procs["rollouter[0]"]["pid"])
+    # the engine's torch threads follow its CPUs (a tiny model's own default is 1)
+    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
+    assert f'"threads": {len(here)}, ' in engine_log, engine_log[-2000:]
+
+
+def pinned_args(here: list[int]) -> list[str]:
+    from rollmesh.cpus import format_cpulist
+
+    first, last = here[0], here[-1]
+    return ["--set", f"roles.engine.cpus={format_cpulist(here)}",
+            "--set", f"roles.trainer.cpus={last}",
+            "--set", f'roles.agent_worker.cpus=["{first}", "{last}"]',
+            "--set", f"launcher_cpus={first}"]
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "rollmesh stop"])
 def test_stopping_a_run_leaves_no_process_behind(tmp_path, how):
+    # with CPU placement (cpus per role and per process, launcher_cpus): each process runs
+    # where the cluster file says, read back from /proc
+    from rollmesh.cpus import available_cpus
+
+    here = sorted(available_cpus())
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "--set", "trainer.total_steps=100000")
+    proc = launch(run_dir, "--set", "trainer.total_steps=100000", *pinned_args(here))
     try:
         wait_for(lambda: status(run_dir).get("state") == "running"
                  and all(p["pid"] for p in status(run_dir)["processes"]), 300, "the run")
         pids = [p["pid"] for p in status(run_dir)["processes"]]
         assert len(pids) == 8 and all(alive(p) for p in pids)
+        check_cpu_placement(run_dir, proc.pid, here)
         if how == "ctrl-c":
             proc.send_signal(signal.SIGINT)
         else:  # as from another machine: no pid to signal, the control socket and the keys
@@ -273,6 +322,12 @@ def test_ssh_mode_against_a_real_sshd(tmp_path):
     assert len(remote) == 4 and all(p["exit_code"] == 0 for p in remote), remote
     worker_log = (run_dir / "logs" / "agent_worker-1.log").read_text()
     assert '"event": "ready"' in worker_log  # its output came back through ssh
+    # the remote trainer ran on its CPU (its own affinity, logged at start) with one thread
+    trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert f'"cpus": "{REMOTE_CPU}", "omp_threads": "1"' in trainer_log, trainer_log[:3000]
+
+
+REMOTE_CPU = max(os.sched_getaffinity(0))
 
 
 def _run_over_ssh(tmp_path: Path, sshd: Sshd, run_dir: Path) -> tuple[str, subprocess.Popen]:
@@ -285,6 +340,7 @@ def _run_over_ssh(tmp_path: Path, sshd: Sshd, run_dir: Path) -> tuple[str, subpr
         f'workdir = "{ROOT}"', sshd.host_toml("remote"),
         "[roles.engine]", 'host = "local"', "[roles.message_queue]", 'host = "local"',
         "[roles.synchronizer]", 'host = "local"', "[roles.trainer]", 'host = "remote"',
+        f'cpus = "{REMOTE_CPU}"',  # checked and applied over there, at start
         "[roles.rollouter]", 'host = "local"',
         "[roles.agent_worker]", 'host = "remote"', "count = 2",
         "[roles.reward_worker]", 'host = "remote"',

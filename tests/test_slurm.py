@@ -22,7 +22,7 @@ from rollmesh.config import ConfigError, load_cluster
 from rollmesh.hosts import make_host
 from tests.slurm_cluster import Slurm
 from tests.test_launcher import (
-    check_accounting, free_ports_base, metrics, status, wait_for,
+    check_accounting, cpus_allowed, free_ports_base, metrics, status, wait_for,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +208,11 @@ def job_log(run_dir: Path) -> str:
 @pytest.mark.timeout(300)
 def test_sbatch_runs_the_default_to_the_end_and_restarts_a_killed_step(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    job = submit(cluster, tmp_path, run_dir, steps=20)
+    # the agent workers written out, each pinned to a CPU of the node (inside its step)
+    last = max(os.sched_getaffinity(0))
+    job = submit(cluster, tmp_path, run_dir, steps=20, extra=[
+        "--set", "roles.agent_worker.host=node0", "--set", "roles.agent_worker.count=2",
+        "--set", f'roles.agent_worker.cpus=["{last}", "0"]'])
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 1 or not cluster.jobs(), 150,
                  "training under way")
@@ -218,6 +222,7 @@ def test_sbatch_runs_the_default_to_the_end_and_restarts_a_killed_step(cluster, 
         # the steps run this checkout's rollmesh (--chdir to slurm.workdir, PYTHONPATH exported)
         worker = next(p for p in status(run_dir)["processes"] if p["name"] == "agent_worker[0]")
         assert os.readlink(f"/proc/{worker['pid']}/cwd") == str(ROOT)
+        assert cpus_allowed(worker["pid"]) == str(last)
         steps = dict((name, step) for step, name in cluster.steps())
         assert {"engine-0", "trainer-0", "agent_worker-0", "reward_worker-0"} <= set(steps)
         cluster.run("scancel", "--signal=KILL", steps["agent_worker-0"])  # its step, not the job
@@ -227,6 +232,12 @@ def test_sbatch_runs_the_default_to_the_end_and_restarts_a_killed_step(cluster, 
                          if p["name"] == "agent_worker[0]"), 0)
 
         wait_for(lambda: restarts() == 1, 60, "the agent worker's restart")
+
+        def new_pid() -> int | None:
+            p = next(p for p in status(run_dir)["processes"] if p["name"] == "agent_worker[0]")
+            return p["pid"] if p["pid"] not in (None, worker["pid"]) else None
+
+        assert cpus_allowed(wait_for(new_pid, 60, "the restarted worker's hello")) == str(last)
         wait_for(lambda: job not in cluster.jobs(), 150, "the job to end")
     finally:
         if job in cluster.jobs():

@@ -43,23 +43,27 @@ async def start_training(stack, exp, tmp_path):
     return sync_rpc, trainers
 
 
-@pytest.mark.parametrize(("ranks", "load_format"), [(1, "tensor"), (2, "tensor"),
-                                                    (1, "flattened_bucket"),
-                                                    (2, "flattened_bucket")])
+# each rank count, each wire form and each sync mode once (all eight took ~300 s of the suite;
+# both forms arrive whole in test_buckets_arrive_whole_in_either_wire_form, the overlapped
+# sync's bit-exact weights also in tests/test_sync_overlap.py)
+@pytest.mark.parametrize(("ranks", "load_format", "overlap"), [
+    (1, "tensor", False), (2, "flattened_bucket", True)])
 def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path, ranks,
-                                                                       load_format):
+                                                                       load_format, overlap):
     """Train, sync (pause -> broadcast in buckets -> version -> resume), twice; then the engine's
     greedy output equals the exported trainer model's, token for token. With two ranks the
     parameters are gathered from FSDP shards while rank 0 broadcasts; flattened, each bucket is
     one broadcast of its bytes, pipelined, and the second sync lands straight in the storage
-    the first one left in the engine's model."""
+    the first one left in the engine's model. Overlapped (`sync.overlap`), the ranks gather
+    into rank 0's snapshot and train on while it is sent; the end of training waits for the
+    last one."""
     from transformers import AutoModelForCausalLM
 
     exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=16",
                      f"trainer.ranks={ranks}", 'algorithm.loss="ppo"', "trainer.warmup_steps=0",
                      "trainer.total_steps=2", "trainer.lr=1e-3", "sync.sync_every=1",
                      "sync.bucket_mb=0.5", "trainer.micro_batch_tokens=512",
-                     f'sync.load_format="{load_format}"',
+                     f'sync.load_format="{load_format}"', f"sync.overlap={str(overlap).lower()}",
                      "algorithm.entropy_coef=0.05")  # a gradient even if every reward is 0
 
     async def body():
@@ -94,7 +98,13 @@ def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path,
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert [(m["step"], m["version"], m["published_version"]) for m in metrics] == [(1, 0, 1),
                                                                                     (2, 1, 2)]
-    assert all(m["sync_idle_s"] >= m["sync_broadcast_s"] for m in metrics)
+    if overlap:  # each row: the trainer's wait, and the previous (background) sync's timings
+        assert [m.get("synced_version") for m in metrics] == [None, 1]
+        assert metrics[1]["sync_broadcast_s"] > 0 and metrics[1]["sync_attempts"] == 1
+        assert all(m["sync_idle_s"] == pytest.approx(m["sync_finish_s"] + m["sync_snapshot_s"])
+                   for m in metrics)
+    else:
+        assert all(m["sync_idle_s"] >= m["sync_broadcast_s"] for m in metrics)
 
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "export/version_2",
                                                    local_files_only=True)

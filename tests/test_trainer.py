@@ -16,14 +16,15 @@ import torch
 from safetensors.torch import load_file
 
 from rollmesh import packing
-from rollmesh.algorithms import gae_advantages
+from rollmesh.algorithms import aggregate, gae_advantages, grpo_advantages, kl_estimate
 from rollmesh.config import ConfigError, ExperimentConfig, apply_overrides, parse_config, to_dict
 from rollmesh.engine.models import build_tiny
 from rollmesh.packing import from_groups
 from rollmesh.protocol import Group, PutGroup, StatsRequest, Trajectory
 from rollmesh.runtime import Child, Supervisor
 from rollmesh.trainer import (
-    build_state, evaluate_loss, evaluate_value_loss, old_values, prepare, update_policy,
+    build_state, critic_values, evaluate_loss, evaluate_value_loss, old_values, prepare,
+    step_metrics, update_policy,
 )
 from rollmesh.transport import RpcClient, Transport, free_port
 
@@ -183,8 +184,11 @@ def with_supervisor(tmp_path: Path, body):
      "algorithm.kl_in_reward=true"),
     (*GAE, "algorithm.gamma=0.99", "algorithm.lam=0.95", "algorithm.use_reference=true",
      "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"),
+    ('algorithm.loss="gspo"', 'algorithm.loss_agg="seq-mean-token-mean"',
+     "algorithm.gspo_clip_low=0.2", "algorithm.gspo_clip_high=0.2"),
+    ('algorithm.loss_agg="seq-mean-token-sum-norm"', 'algorithm.advantage="grpo_mean_only"'),
 ], ids=["ppo", "decoupled_ppo", "tis_seq_mean", "rloo_bypass_entropy", "kl_loss", "kl_reward",
-        "gae_kl_reward"])
+        "gae_kl_reward", "gspo", "dr_grpo"])
 def test_one_optimisation_step_lowers_the_loss_on_a_fixed_batch(overrides):
     exp = experiment(*overrides)
     with torch_threads(2):
@@ -197,6 +201,129 @@ def test_one_optimisation_step_lowers_the_loss_on_a_fixed_batch(overrides):
     assert after < before - 1e-3, (before, after)
     assert stats["grad_norm"] > 0 and stats["lr"] == pytest.approx(1e-3)
     assert 0 <= stats["clip_frac"] <= 1 and stats["entropy"] > 0
+    assert stats["approx_kl_k1"] == pytest.approx(0, abs=1e-5)  # one update: still the old policy
+
+
+def behaviour_noise(groups: list[Group], seed: int, scale: float = 0.6) -> list[Group]:
+    """The groups with their behaviour log-probs moved by N(0, scale) on generated tokens: an
+    engine that disagrees with the trainer, so importance weights spread around 1."""
+    rng = np.random.default_rng(seed)
+    for g in groups:
+        for t in g.trajectories:
+            noise = rng.normal(0, scale, len(t.logprobs)).astype(np.float32)
+            t.logprobs = (t.logprobs + noise * t.loss_mask).astype(np.float32)
+    return groups
+
+
+def _tis_weight(data, cap):
+    return torch.exp(data.old - data.behaviour).clamp(max=cap)
+
+
+def _token_mean(x, data):
+    return float((x * data.mask).sum() / data.mask.sum())
+
+
+# Each case: the policy loss of the first update (the ratio to the old policy is 1 there),
+# computed from the prepared batch as the option's formula says.
+FIRST_UPDATE = {
+    "decoupled_mask": (
+        ('algorithm.loss="decoupled_ppo"', "algorithm.behaviour_cap=1.0",
+         'algorithm.behaviour_cap_mode="mask"'),
+        lambda d: _token_mean(-torch.where(torch.exp(d.old - d.behaviour) > 1.0, 0.0,
+                                           torch.exp(d.old - d.behaviour)) * d.advantages, d)),
+    "decoupled_truncate": (
+        ('algorithm.loss="decoupled_ppo"', "algorithm.behaviour_cap=1.0"),
+        lambda d: _token_mean(-_tis_weight(d, 1.0) * d.advantages, d)),
+    "tis_pg": (
+        ('algorithm.loss="tis"', 'algorithm.tis_surrogate="pg"', "algorithm.tis_cap=1.5"),
+        lambda d: _token_mean(-_tis_weight(d, 1.5) * d.advantages * d.old, d)),
+    "gspo": (
+        ('algorithm.loss="gspo"', 'algorithm.loss_agg="seq-mean-token-mean"'),
+        lambda d: float(aggregate(-d.advantages, d.mask, "seq-mean-token-mean"))),
+    "cispo": (
+        ('algorithm.loss="cispo"',), lambda d: _token_mean(-d.advantages * d.old, d)),
+    "dr_grpo_sum_norm": (
+        ('algorithm.loss_agg="seq-mean-token-sum-norm"', "algorithm.loss_norm_tokens=50"),
+        lambda d: float((-d.advantages * d.mask).sum() / 50 / (d.mask.sum(1) > 0).sum())),
+}
+
+
+@pytest.mark.parametrize("case", FIRST_UPDATE)
+def test_policy_loss_options_reach_the_loss(case):
+    """The trainer passes each loss option through: its first update's pg_loss is the option's
+    formula on the prepared batch (and truncate vs mask, which differ, both come out right)."""
+    overrides, expected = FIRST_UPDATE[case]
+    with torch_threads(2):
+        state = build_state(experiment(*overrides))
+        data = prepare(state, from_groups(behaviour_noise(make_groups(3), seed=3)))
+        stats = update_policy(state, data)
+    assert stats["pg_loss"] == pytest.approx(expected(data), abs=2e-5)
+    if case.startswith("decoupled"):
+        assert 0.2 < stats["behaviour_weight_mean"] and stats["grad_norm"] > 0
+
+
+def test_straight_through_k3_has_k2s_gradient_and_k3s_clamped_value():
+    """kl_estimator = "k3+": the KL loss reported is k3 (clamped by kl_clamp), the update is
+    exactly the one k2 gives (same gradients, so the same AdamW step)."""
+    groups = make_groups(4)
+    runs = {}
+    for estimator in ("k2", "k3+", "k3"):
+        exp = experiment("algorithm.use_reference=true", "algorithm.kl_coef=0.5",
+                         f'algorithm.kl_estimator="{estimator}"', "algorithm.kl_clamp=0.3")
+        with torch_threads(2):
+            state = build_state(exp)
+            with torch.no_grad():  # a reference that differs from the policy
+                gen = torch.Generator().manual_seed(0)
+                for p in state.ref_model.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            data = prepare(state, from_groups(groups))
+            stats = update_policy(state, data)
+        runs[estimator] = (stats, params_of(state), data)
+    stats, params, data = runs["k3+"]
+    k3 = kl_estimate(data.old, data.ref, "k3", clamp=0.3)
+    assert float(k3.max()) == pytest.approx(0.3) and float(k3.min()) < 0.3  # the clamp binds
+    assert stats["kl_loss"] == pytest.approx(float(aggregate(k3, data.mask)), abs=1e-5)
+    assert stats["kl_loss"] == pytest.approx(runs["k3"][0]["kl_loss"], abs=1e-6)
+    assert stats["grad_norm"] == pytest.approx(runs["k2"][0]["grad_norm"], rel=1e-5)
+    assert max_diff(params, runs["k2"][1]) < 1e-6
+    assert max_diff(params, runs["k3"][1]) > 1e-5  # k3's own gradient moves it elsewhere
+
+
+def test_reward_shaping_and_truncated_responses_through_the_trainer():
+    """Scale, DAPO overlong penalty and clip give the rewards the advantages are computed from;
+    mask_truncated drops responses that hit the length limit from the loss."""
+    groups = make_groups(6)
+    cut = {(0, 1), (1, 2)}
+    for gi, g in enumerate(groups):
+        for ti, t in enumerate(g.trajectories):
+            t.finish_reason = "length" if (gi, ti) in cut else "stop"
+    shaping = ("algorithm.reward_scale=2.0", "algorithm.reward_clip=1.5",
+               "algorithm.overlong_buffer=20", "algorithm.overlong_max_tokens=40")
+    with torch_threads(2):
+        state = build_state(experiment(*shaping))
+        data = prepare(state, from_groups(groups))
+        stats = update_policy(state, data)
+        metrics = step_metrics(state, data, stats, 1.0)
+    lengths = data.mask.sum(1)  # generated tokens: 3..39, so some are in the buffer
+    penalty = ((20 - lengths) / 20).clamp(-1, 0)
+    shaped = (2 * data.rewards + penalty).clamp(-1.5, 1.5)
+    assert float(penalty.min()) < 0
+    torch.testing.assert_close(data.shaped_rewards, shaped)
+    torch.testing.assert_close(data.advantages,
+                               grpo_advantages(shaped, data.group_index, data.mask))
+    assert metrics["reward_shaped_mean"] == pytest.approx(float(shaped.mean()))
+    assert metrics["truncated_frac"] == pytest.approx(2 / 8)
+    assert metrics["reward_mean"] == pytest.approx(float(data.rewards.mean()))  # the scores
+    with torch_threads(2):
+        state = build_state(experiment(*shaping, "algorithm.mask_truncated=true"))
+        masked = prepare(state, from_groups(groups))
+        masked_stats = update_policy(state, masked)
+    rows = [i for i in range(8) if (i // 4, i % 4) in cut]
+    assert masked.mask[rows].sum() == 0 and masked.advantages[rows].abs().sum() == 0
+    keep = [i for i in range(8) if i not in rows]
+    torch.testing.assert_close(masked.mask[keep], data.mask[keep])
+    assert masked_stats["loss_tokens"] == float(data.mask[keep].sum())
+    torch.testing.assert_close(masked.shaped_rewards, shaped)  # lengths before the mask
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -313,6 +440,12 @@ def test_critic_values_line_up_with_token_positions():
     batch_values = old_values(state, data)
     torch.testing.assert_close(batch_values, values * data.mask, atol=1e-6, rtol=0)
     assert float(batch_values[0, 3:].abs().min()) > 0
+    # the value after each sequence's last token: the head on its last hidden state
+    _, after = critic_values(state, data)
+    with torch.no_grad():
+        for i, seq in enumerate(seqs):
+            hidden = critic.model(input_ids=torch.tensor([seq])).last_hidden_state[0, -1]
+            assert float(after[i]) == pytest.approx(float(critic.value_head(hidden)[0]), abs=1e-5)
 
 
 def test_gae_step_matches_a_hand_computation():
@@ -342,6 +475,31 @@ def test_gae_step_matches_a_hand_computation():
     assert stats["value_clip_frac"] == 0 and stats["critic_grad_norm"] > 0
     assert stats["value_mean"] == pytest.approx(0.5)
     assert stats["returns_mean"] == pytest.approx((0.6732 + 0.81 + 1.0) / 3)
+
+
+def test_gae_bootstraps_a_truncated_response_with_the_critics_value():
+    """As test_gae_step_matches_a_hand_computation (V = 0.5 everywhere, gamma 0.9, lam 0.8,
+    reward 1), the response cut off by the length limit, bootstrap_truncated on:
+        delta = [-0.05, -0.05, 1 + 0.9*0.5 - 0.5 = 0.95]
+        A2 = 0.95;  A1 = -0.05 + 0.72*0.95 = 0.634;  A0 = -0.05 + 0.72*0.634 = 0.40648
+        R = A + V = [0.90648, 1.134, 1.45]
+    The same response with finish reason "stop" keeps V = 0 after its last token."""
+    group = hand_trajectory([7, 8], [20, 21, 22], 1.0, "h")
+    group.trajectories[0].finish_reason = "length"
+    exp = experiment(*GAE, "algorithm.gamma=0.9", "algorithm.lam=0.8",
+                     "algorithm.bootstrap_truncated=true")
+    with torch_threads(1):
+        state = build_state(exp)
+        with torch.no_grad():
+            state.critic.value_head.weight.zero_()
+            state.critic.value_head.bias.fill_(0.5)
+        data = prepare(state, from_groups([group]))
+        group.trajectories[0].finish_reason = "stop"
+        ended = prepare(state, from_groups([group]))
+    torch.testing.assert_close(data.returns, torch.tensor([[0, 0, 0.90648, 1.134, 1.45]]))
+    torch.testing.assert_close(ended.returns, torch.tensor([[0, 0, 0.6732, 0.81, 1.0]]))
+    with pytest.raises(ConfigError, match="bootstrap_truncated: expected false with advantage"):
+        experiment("algorithm.bootstrap_truncated=true")
 
 
 def test_gae_advantages_are_gae_of_the_critics_values_on_a_real_batch():

@@ -1,5 +1,5 @@
-"""Training math as pure functions on torch tensors: advantages, KL, policy and value losses,
-loss aggregation, log-probs and entropy from logits, the learning-rate schedule.
+"""Training math as pure functions on torch tensors: reward shaping, advantages, KL, policy and
+value losses, loss aggregation, log-probs and entropy from logits, the learning-rate schedule.
 
 Conventions: B sequences padded to T tokens, [B, T] tensors, `mask` [B, T] = 1 on the tokens
 that count in the loss (generated tokens); float32 math whatever the input dtype.
@@ -21,13 +21,16 @@ from rollmesh.algorithms.losses import (
     AGG_MODES,
     POLICY_LOSSES,
     aggregate,
+    cispo_loss,
     decoupled_ppo_loss,
+    gspo_loss,
     policy_loss,
     ppo_loss,
     tis_loss,
     value_loss,
 )
 from rollmesh.algorithms.schedule import LR_SCHEDULES, lr_lambda
+from rollmesh.algorithms.shaping import overlong_penalty, shape_rewards
 
 __all__ = [
     "ADVANTAGE_KINDS",
@@ -36,18 +39,22 @@ __all__ = [
     "LR_SCHEDULES",
     "POLICY_LOSSES",
     "aggregate",
+    "cispo_loss",
     "compute_advantages",
     "decoupled_ppo_loss",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
+    "gspo_loss",
     "kl_estimate",
     "kl_in_reward",
     "lr_lambda",
+    "overlong_penalty",
     "policy_loss",
     "ppo_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "shape_rewards",
     "token_logprobs",
     "tis_loss",
     "value_loss",

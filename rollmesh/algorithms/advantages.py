@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 ADVANTAGE_KINDS = ("grpo", "grpo_mean_only", "rloo", "reinforce_pp", "gae")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
 
 # exp() of a log-ratio beyond this is a diverged policy, not information; keep it finite.
 _MAX_LOG_RATIO = 20.0
@@ -87,12 +87,22 @@ def rloo_advantages(rewards: Tensor, group_index: Tensor, mask: Tensor) -> Tenso
 
 
 def _masked_whiten(x: Tensor, mask: Tensor, eps: float) -> Tensor:
-    """(x - mean) / (std + eps) over the masked entries of the whole batch (unbiased std)."""
+    """(x - mean) * rsqrt(var + eps) over the masked entries of the whole batch (unbiased var).
+
+    A batch whose masked entries are all equal has no signal and gets exactly 0. Without that
+    guard the float32 mean of n equal values that are not a power-of-two fraction (0.1, 0.7)
+    is off by a rounding unit, and that residue, divided by a standard deviation of ~0, came back
+    as advantages of order 1 with random signs. eps goes under the square root (verl's
+    masked_whiten), so a nearly constant batch is scaled by at most 1/sqrt(eps), not 1/eps.
+    """
     m = mask.float()
     count = m.sum()
     mean = (x * m).sum() / count.clamp(min=1)
     var = (((x - mean) * m) ** 2).sum() / (count - 1).clamp(min=1)
-    return torch.where(m > 0, (x - mean) / (var.sqrt() + eps), 0.0)
+    hi = torch.where(m > 0, x, -torch.inf).max() if x.numel() else x.new_zeros(())
+    lo = torch.where(m > 0, x, torch.inf).min() if x.numel() else x.new_zeros(())
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    return torch.where((m > 0) & (hi > lo), whitened, 0.0)
 
 
 def _last_masked_token(per_sequence: Tensor, mask: Tensor) -> Tensor:
@@ -143,7 +153,7 @@ def reinforce_pp_advantages(
 
 def gae_advantages(
     token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0, *,
-    whiten: bool = True, eps: float = 1e-8,
+    whiten: bool = True, eps: float = 1e-8, bootstrap: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the masked tokens, right to left.
 
@@ -151,16 +161,19 @@ def gae_advantages(
         A_t     = delta_t + gamma * lam * A_next
         R_t     = A_t + V_t                   (the critic's target, computed before whitening)
 
-    "next" is the next masked token (unmasked tool or padding tokens are skipped); after the last
-    masked token V_next = A_next = 0 (the episode ends). The advantages are whitened over the
-    batch's masked tokens when `whiten` (verl's default for GAE); returns never are.
-    Returns (advantages, returns), both [B, T] and 0 outside the mask.
+    "next" is the next masked token (unmasked tool or padding tokens are skipped). After the
+    last masked token A_next = 0 and V_next = bootstrap[b]: 0 when the episode ended (the
+    default, every sequence), the critic's value of the state after the last token for a
+    response cut off by the length limit (it did not end; Pardo et al. 2018, time limits).
+    The advantages are whitened over the batch's masked tokens when `whiten` (verl's default
+    for GAE); returns never are. Returns (advantages, returns), both [B, T] and 0 outside the mask.
     """
     m = mask.float()
     r = token_rewards.float() * m
     v = values.detach().float() * m
     adv = torch.zeros_like(r)
-    next_value = r.new_zeros(r.shape[0])
+    next_value = (r.new_zeros(r.shape[0]) if bootstrap is None
+                  else bootstrap.detach().float().reshape(r.shape[0]).clone())
     next_adv = r.new_zeros(r.shape[0])
     for t in reversed(range(r.shape[1])):
         delta = r[:, t] + gamma * next_value - v[:, t]
@@ -175,23 +188,38 @@ def gae_advantages(
     return adv, returns
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+def kl_estimate(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", *, clamp: float | None = None,
+) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
 
     With log_ratio = logprobs - ref_logprobs:
-        k1 = log_ratio                          (unbiased, high variance, can be negative)
-        k2 = 0.5 * log_ratio ** 2               (biased, low variance, >= 0)
-        k3 = exp(-log_ratio) - 1 + log_ratio    (Schulman: unbiased, low variance, >= 0)
+        k1  = log_ratio                          (unbiased, high variance, can be negative)
+        k2  = 0.5 * log_ratio ** 2               (biased, low variance, >= 0)
+        k3  = exp(-log_ratio) - 1 + log_ratio    (Schulman: unbiased, low variance, >= 0)
+        k3+ = k3 in value, k2 in gradient        (straight-through, verl's "k3+"):
+              k2 - sg[k2] + sg[k3]
+    As a loss, k3's gradient, (1 - exp(-log_ratio)) d logp, is not an estimate of KL's gradient
+    and grows exponentially where the policy fell below the reference; k2's, log_ratio d logp,
+    is KL's gradient on-policy. As a reward (detached) only the value counts: k3+ is k3 there.
     k3's log_ratio is clamped to +-20 so a diverged token gives a large finite value, not inf.
+    `clamp` bounds the k3 (and k3+) value to [-clamp, clamp] (verl and AReaL: 10), which also
+    zeroes k3's gradient beyond it (log_ratio < -2.6 at 10); None: no bound.
     """
     log_ratio = logprobs.float() - ref_logprobs.float()
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio.square()
-    if estimator == "k3":
-        log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return torch.exp(-log_ratio) - 1 + log_ratio
+    if estimator in ("k3", "k3+"):
+        clamped = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        k3 = torch.exp(-clamped) - 1 + clamped
+        if clamp is not None:
+            k3 = k3.clamp(-clamp, clamp)
+        if estimator == "k3":
+            return k3
+        k2 = 0.5 * log_ratio.square()
+        return k2 - k2.detach() + k3.detach()
     raise ValueError(f"kl estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
@@ -210,6 +238,7 @@ def compute_advantages(
     kind: str, *, mask: Tensor, rewards: Tensor | None = None, group_index: Tensor | None = None,
     token_rewards: Tensor | None = None, values: Tensor | None = None, kl: Tensor | None = None,
     kl_coef: float = 0.0, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
+    bootstrap: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Dispatch on `kind` (AlgorithmConfig.advantage); returns (advantages, returns).
 
@@ -217,7 +246,8 @@ def compute_advantages(
     grpo, grpo_mean_only, rloo: rewards [B] and group_index [B].
     reinforce_pp: rewards [B] (or token_rewards [B, T]); kl [B, T] optional, weighted by kl_coef.
     gae: token_rewards [B, T] (or rewards [B], put on each sequence's last masked token) and
-         values [B, T]; kl, when given, is folded into the token rewards with kl_coef.
+         values [B, T]; kl, when given, is folded into the token rewards with kl_coef;
+         bootstrap [B], when given, is V after each sequence's last token (0: it ended).
     """
     if kind in ("grpo", "grpo_mean_only", "rloo"):
         if rewards is None or group_index is None:
@@ -237,5 +267,6 @@ def compute_advantages(
             token_rewards = _last_masked_token(rewards, mask)
         if kl is not None:
             token_rewards = kl_in_reward(token_rewards, kl, kl_coef)
-        return gae_advantages(token_rewards, values, mask, gamma, lam, whiten=whiten)
+        return gae_advantages(token_rewards, values, mask, gamma, lam, whiten=whiten,
+                              bootstrap=bootstrap)
     raise ValueError(f"advantage: expected one of {ADVANTAGE_KINDS}, got {kind!r}")

@@ -1,4 +1,5 @@
-"""Loss aggregation, the policy losses (PPO, decoupled PPO, TIS) and the clipped value loss.
+"""Loss aggregation, the policy losses (PPO, decoupled PPO, TIS, GSPO, CISPO) and the clipped
+value loss.
 
 Per-token tensors are [B, T] with `mask` [B, T] (1 = generated token that counts). Each loss
 returns (loss, metrics): loss a float32 scalar with gradient, metrics a dict of detached 0-dim
@@ -21,15 +22,17 @@ __all__ = [
     "AGG_MODES",
     "POLICY_LOSSES",
     "aggregate",
+    "cispo_loss",
     "decoupled_ppo_loss",
+    "gspo_loss",
     "policy_loss",
     "ppo_loss",
     "tis_loss",
     "value_loss",
 ]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-POLICY_LOSSES = ("ppo", "decoupled_ppo", "tis")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "decoupled_ppo", "tis", "gspo", "cispo")
 
 # Bounds exp(log-ratio) so one diverged token cannot make the loss inf (e^20 ~ 5e8).
 _MAX_LOG_RATIO = 20.0
@@ -40,12 +43,20 @@ Normaliser = float | int | Tensor | None
 def aggregate(
     values: Tensor, mask: Tensor, mode: str = "token-mean", *,
     global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None,
 ) -> Tensor:
     """Reduce per-token `values` [B, T] to a scalar over the masked tokens (float32).
 
-        token-mean:          sum_{b,t} m*v / N_tokens
-        seq-mean-token-sum:  sum_b (sum_t m*v) / N_seqs
-        seq-mean-token-mean: sum_b (sum_t m*v / n_b) / N_seqs,   n_b = sum_t m[b]
+        token-mean:              sum_{b,t} m*v / N_tokens
+        seq-mean-token-sum:      sum_b (sum_t m*v) / N_seqs
+        seq-mean-token-mean:     sum_b (sum_t m*v / n_b) / N_seqs,   n_b = sum_t m[b]
+        seq-mean-token-sum-norm: sum_b (sum_t m*v / C) / N_seqs,     C = norm_tokens
+
+    seq-mean-token-sum-norm is Dr. GRPO's (Liu et al. 2025, "Understanding R1-Zero-like
+    training"): each sequence's token sum over a constant C (the generation budget, e.g.
+    rollout.max_new_tokens), so neither a sequence's own length nor the batch's token count
+    scales its tokens' gradients; verl's mode of that name divides by the padded width instead,
+    which changes from batch to batch. `norm_tokens` is required for it.
 
     By default N_tokens = sum(m) and N_seqs = the number of sequences with at least one masked
     token (a sequence with none adds 0 and is not counted; an empty batch gives 0, not NaN).
@@ -66,6 +77,12 @@ def aggregate(
         per_seq = v.sum(dim=1)
     elif mode == "seq-mean-token-mean":
         per_seq = v.sum(dim=1) / m.sum(dim=1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if norm_tokens is None or not norm_tokens > 0:
+            raise ValueError("loss aggregation 'seq-mean-token-sum-norm': expected norm_tokens "
+                             f"> 0 (the constant each sequence's token sum is divided by), got "
+                             f"{norm_tokens!r}")
+        per_seq = v.sum(dim=1) / norm_tokens
     else:
         raise ValueError(f"loss aggregation: expected one of {AGG_MODES}, got {mode!r}")
     denom = (m.sum(dim=1) > 0).sum().clamp(min=1) if global_seqs is None else global_seqs
@@ -109,12 +126,16 @@ def _ratio_metrics(
     logprobs: Tensor, old_logprobs: Tensor, ratio: Tensor, clip_active: Tensor,
     dual_active: Tensor, mask: Tensor,
 ) -> dict[str, Tensor]:
-    # approx_kl = k3 estimate of KL(old || new) from tokens drawn from old: r - 1 - log r >= 0.
+    # KL(old || new) from tokens drawn from old, log r = new - old:
+    # approx_kl    = k3 = r - 1 - log r  (>= 0, low variance)
+    # approx_kl_k1 = k1 = -log r         (verl's ppo_kl; unbiased, can be negative)
     approx_kl = kl_estimate(old_logprobs.detach(), logprobs.detach(), "k3")
+    approx_kl_k1 = old_logprobs.detach().float() - logprobs.detach().float()
     return {
         "clip_frac": _masked_mean(clip_active, mask),
         "dual_clip_frac": _masked_mean(dual_active, mask),
         "approx_kl": _masked_mean(approx_kl, mask),
+        "approx_kl_k1": _masked_mean(approx_kl_k1, mask),
         "ratio_mean": _masked_mean(ratio, mask),
         "ratio_max": _masked_max(ratio, mask),
     }
@@ -124,6 +145,7 @@ def ppo_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
     agg: str = "token-mean", *, global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip with an asymmetric range (DAPO clip-higher) and optional dual clip.
 
@@ -135,12 +157,14 @@ def ppo_loss(
 
     Metrics: clip_frac = share of masked tokens where the clipped term is strictly the larger
     (its gradient is 0); dual_clip_frac = share where the dual bound is active; approx_kl = mean
-    k3 estimate of KL(old || new) = mean(ratio - 1 - log ratio); ratio_mean, ratio_max.
+    k3 estimate of KL(old || new) = mean(ratio - 1 - log ratio); approx_kl_k1 = the k1 estimate
+    mean(-log ratio) (verl's ppo_kl); ratio_mean, ratio_max.
     """
     loss_t, ratio, clip_active, dual_active = _clipped_surrogate(
         logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip
     )
-    loss = aggregate(loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    loss = aggregate(loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                     norm_tokens=norm_tokens)
     return loss, _ratio_metrics(logprobs, old_logprobs, ratio, clip_active, dual_active, mask)
 
 
@@ -175,6 +199,7 @@ def decoupled_ppo_loss(
     behaviour_cap: float | None = None, agg: str = "token-mean", *,
     behaviour_cap_mode: str = "truncate", dual_clip: float | None = None,
     global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO: the trust region is around the proximal policy, the off-policy
     gap between proximal and behaviour policy is corrected by a detached importance weight.
@@ -197,7 +222,8 @@ def decoupled_ppo_loss(
     w, raw_w, capped = _behaviour_weight(
         proximal_logprobs, behaviour_logprobs, behaviour_cap, behaviour_cap_mode
     )
-    loss = aggregate(w * loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    loss = aggregate(w * loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                     norm_tokens=norm_tokens)
     metrics = _ratio_metrics(logprobs, proximal_logprobs, ratio, clip_active, dual_active, mask)
     return loss, metrics | _weight_metrics(raw_w, capped, mask)
 
@@ -207,6 +233,7 @@ def tis_loss(
     mask: Tensor, tis_cap: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.2,
     dual_clip: float | None = None, agg: str = "token-mean", *, surrogate: str = "ppo",
     global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance sampling for the trainer/engine mismatch (Yao et al. 2025,
     "Your efficient RL framework secretly brings you off-policy RL training"; verl's TIS).
@@ -224,12 +251,14 @@ def tis_loss(
         return decoupled_ppo_loss(
             logprobs, old_logprobs, behaviour_logprobs, advantages, mask, clip_low, clip_high,
             tis_cap, agg, dual_clip=dual_clip, global_tokens=global_tokens, global_seqs=global_seqs,
+            norm_tokens=norm_tokens,
         )
     if surrogate != "pg":
         raise ValueError(f"tis surrogate: expected 'ppo' or 'pg', got {surrogate!r}")
     w, raw_w, capped = _behaviour_weight(old_logprobs, behaviour_logprobs, tis_cap, "truncate")
     loss_t = -w * advantages.detach().float() * logprobs.float()
-    loss = aggregate(loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    loss = aggregate(loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                     norm_tokens=norm_tokens)
     log_ratio = logprobs.detach().float() - old_logprobs.float()
     ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
     no_clip = torch.zeros_like(capped)
@@ -237,22 +266,103 @@ def tis_loss(
     return loss, metrics | _weight_metrics(raw_w, capped, mask)
 
 
+def gspo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+    clip_low: float = 3e-4, clip_high: float = 4e-4, agg: str = "seq-mean-token-mean", *,
+    global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"; verl's "gspo"): one
+    importance ratio per sequence, the geometric mean of its tokens' ratios, clipped per sequence.
+
+        s_b     = exp( sum_t m_bt * (logp_bt - old_bt) / n_b )     n_b = masked tokens of b
+        s_bt    = sg[s_b] * pi_bt / sg[pi_bt]     (value s_b; gradient s_b * d logp_bt, GSPO-token)
+        l_bt    = max(-A_bt * s_bt, -A_bt * clip(s_bt, 1 - clip_low, 1 + clip_high))
+        loss    = aggregate(l, mask, agg)
+
+    Every token of a sequence has the same ratio, so the clip keeps or drops a sequence whole.
+    With "seq-mean-token-mean" (the paper's objective) the gradient is GSPO's,
+    mean_b s_b A_b mean_t grad logp_bt. The clip range is of a sequence-mean log-ratio, orders
+    of magnitude narrower than PPO's (the paper: 3e-4 / 4e-4). No dual clip.
+    Metrics as ppo_loss, of s_bt (clip_frac counts tokens, so long clipped sequences weigh more).
+    """
+    m = mask.float()
+    logp = logprobs.float()
+    log_ratio = torch.where(m > 0, logp - old_logprobs.float(), 0.0)
+    seq_log_ratio = (log_ratio.sum(dim=1) / m.sum(dim=1).clamp(min=1)).detach()
+    seq_log_ratio = seq_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    # the detached sequence term added last: logp - sg[logp] is exactly 0 in value
+    ratio = torch.exp(logp - logp.detach() + seq_log_ratio[:, None])
+    adv = advantages.detach().float()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    clip_active = clipped > unclipped
+    loss_t = torch.where(clip_active, clipped, unclipped)
+    loss = aggregate(loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                     norm_tokens=norm_tokens)
+    no_dual = torch.zeros_like(clip_active)
+    return loss, _ratio_metrics(logprobs, old_logprobs, ratio.detach(), clip_active, no_dual, mask)
+
+
+def cispo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+    clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean", *,
+    global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025; verl's "cispo"): the clipped importance weight is a
+    stop-gradient coefficient of the REINFORCE term, so no token loses its gradient to the clip.
+
+        r_t  = exp(logp_t - old_t)
+        l_t  = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] * A_t * logp_t
+        loss = aggregate(l, mask, agg)
+
+    clip_low >= 1 leaves the weight unbounded below (MiniMax-M1 bounds only the top).
+    Metrics as ppo_loss; clip_frac = share of masked tokens whose weight the clip changed.
+    """
+    log_ratio = (logprobs.detach().float() - old_logprobs.float()).clamp(
+        -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(max(1 - clip_low, 0.0), 1 + clip_high)
+    loss_t = -weight * advantages.detach().float() * logprobs.float()
+    loss = aggregate(loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                     norm_tokens=norm_tokens)
+    clip_active = weight != ratio
+    no_dual = torch.zeros_like(clip_active)
+    return loss, _ratio_metrics(logprobs, old_logprobs, ratio, clip_active, no_dual, mask)
+
+
 def policy_loss(
     kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
     behaviour_logprobs: Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
-    dual_clip: float | None = None, behaviour_cap: float | None = None, tis_cap: float = 2.0,
-    agg: str = "token-mean", global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    dual_clip: float | None = None, behaviour_cap: float | None = None,
+    behaviour_cap_mode: str = "truncate", tis_cap: float = 2.0, tis_surrogate: str = "ppo",
+    seq_clip_low: float = 3e-4, seq_clip_high: float = 4e-4, agg: str = "token-mean",
+    global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dispatch on `kind` (AlgorithmConfig.loss): "ppo", "decoupled_ppo" or "tis".
+    """Dispatch on `kind` (AlgorithmConfig.loss): "ppo", "decoupled_ppo", "tis", "gspo" or
+    "cispo".
 
     old_logprobs is the trainer's recomputation (the proximal policy for decoupled_ppo);
     behaviour_logprobs (the engine's) is required by decoupled_ppo and tis.
+    clip_low/clip_high: PPO's ratio clip (ppo, decoupled_ppo, tis) and CISPO's weight clip;
+    seq_clip_low/seq_clip_high: GSPO's sequence-ratio clip. dual_clip: ppo, decoupled_ppo, tis.
+    behaviour_cap_mode ("truncate" or "mask"): decoupled_ppo's behaviour_cap;
+    tis_surrogate ("ppo" or "pg"): tis.
     """
-    norm = {"global_tokens": global_tokens, "global_seqs": global_seqs}
+    norm = {"global_tokens": global_tokens, "global_seqs": global_seqs,
+            "norm_tokens": norm_tokens}
     if kind == "ppo":
         return ppo_loss(
             logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, agg, **norm
         )
+    if kind == "gspo":
+        return gspo_loss(logprobs, old_logprobs, advantages, mask, seq_clip_low, seq_clip_high,
+                         agg, **norm)
+    if kind == "cispo":
+        return cispo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg,
+                          **norm)
     if kind not in POLICY_LOSSES:
         raise ValueError(f"policy loss: expected one of {POLICY_LOSSES}, got {kind!r}")
     if behaviour_logprobs is None:
@@ -260,24 +370,29 @@ def policy_loss(
     if kind == "decoupled_ppo":
         return decoupled_ppo_loss(
             logprobs, old_logprobs, behaviour_logprobs, advantages, mask, clip_low, clip_high,
-            behaviour_cap, agg, dual_clip=dual_clip, **norm,
+            behaviour_cap, agg, behaviour_cap_mode=behaviour_cap_mode, dual_clip=dual_clip,
+            **norm,
         )
     return tis_loss(
         logprobs, old_logprobs, behaviour_logprobs, advantages, mask, tis_cap, clip_low,
-        clip_high, dual_clip, agg, **norm,
+        clip_high, dual_clip, agg, surrogate=tis_surrogate, **norm,
     )
 
 
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = 0.2,
     agg: str = "token-mean", *, global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss for the GAE critic (PPO2 / verl form).
 
-        V_clip = old_V + clip(V - old_V, -clip, clip)
+        V_clip = clip(V, old_V - clip, old_V + clip)
         l_t    = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)      (clip=None: 0.5 * (V_t - R_t)^2)
         loss   = aggregate(l, mask, agg)
 
+    V_clip is V itself, bit for bit, wherever |V - old_V| <= clip (verl's clip_by_value), so
+    clip_frac counts only tokens the clip moved; old_V + clip(V - old_V) would round-trip V
+    through a float32 difference and count some of the others.
     Metrics: clip_frac (share of masked tokens where the clipped error is strictly larger),
     value_mean, value_error (mean |V - R|).
     """
@@ -287,10 +402,11 @@ def value_loss(
     clip_active = torch.zeros_like(loss_t, dtype=torch.bool)
     if clip is not None:
         old = old_values.detach().float()
-        clipped_t = (old + (v - old).clamp(-clip, clip) - target).square()
+        clipped_t = (torch.clamp(v, old - clip, old + clip) - target).square()
         clip_active = clipped_t > loss_t
         loss_t = torch.where(clip_active, clipped_t, loss_t)
-    loss = aggregate(0.5 * loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
+    loss = aggregate(0.5 * loss_t, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                     norm_tokens=norm_tokens)
     return loss, {
         "clip_frac": _masked_mean(clip_active, mask),
         "value_mean": _masked_mean(v.detach(), mask),

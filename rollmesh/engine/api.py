@@ -262,8 +262,8 @@ def generate_response(r: Request, return_logprob: bool, tokenizer: Any, *,
     generate_*.json): `weight_versions` (spans of output tokens per weight version) and
     `e2e_latency` once finished, `response_sent_to_client_ts` on the first response sent
     (`first_response`: every non-streamed answer, a stream's first chunk). Fields of features
-    this engine lacks have their neutral value: no retractions, no reasoning parser, no prefix
-    cache, one data-parallel rank.
+    this engine lacks have their neutral value: no retractions, no reasoning parser, one
+    data-parallel rank.
     """
     output_ids = list(r.output_ids)
     n = len(output_ids)
@@ -276,7 +276,7 @@ def generate_response(r: Request, return_logprob: bool, tokenizer: Any, *,
     }
     if return_logprob:
         meta.update(logprob_meta(r, n, tokenizer))
-    meta.update(reasoning_tokens=0, completion_tokens=n, cached_tokens=0)
+    meta.update(reasoning_tokens=0, completion_tokens=n, cached_tokens=r.cached_tokens)
     if r.finished:
         meta["weight_versions"] = [dict(span) for span in r.weight_versions]
     # rollmesh extension (not SGLang's; clients that do not read it ignore it): the weight

@@ -6,10 +6,23 @@ prefills them (requests with prompts of equal length share one forward pass), an
 batched decode step for every running request; finished requests leave the batch right away.
 Aborts, pauses and weight loads therefore take effect between two decode steps.
 
-Parallel sampling (`n` > 1, a GRPO group in one request): the n requests share a `prefill_key`
-and are admitted together; their prompt is prefilled once and its KV rows copied into n batch
-rows, so the group costs one prompt's prefill, not n. Input log-probs (`logprob_start`) come
-from the same prefill forward: it keeps the logits of the positions they need.
+A GRPO group's prompt is prefilled once (unless the prefix cache is disabled, SGLang's
+`--disable-radix-cache`, which turns all sharing off): requests admitted together with the same
+token ids (the n samples of one `n` > 1 request, admitted whole through their `prefill_key`, or
+separate requests) get one row of the prefill forward, its KV copied into each one's batch row;
+and every prefilled prompt's KV goes into the prefix cache (kvcache.PrefixCache), where a later
+request finds its longest cached prefix and prefills only the rest (at least its last token,
+whose logits it samples from), over that prefix as past; when the rest is that last token
+alone (a GRPO group's later samples), the request joins the batch with the cached KV and the
+next decode step runs the token, no prefill forward at all. Input log-probs (`logprob_start`) come
+from the same prefill forward: it keeps the logits of the positions they need, and a request
+asking them matches no further than `logprob_start`.
+
+The cached KV is the current weights' own: every weight update clears the cache
+(`weights_changing`). Requests kept running across an in-place update keep the KV they have
+(their own batch rows, computed under the old weights, as SGLang's `in_place` pause keeps its
+KV); a request admitted after the update never reads KV the old weights made, so its prompt is
+encoded by the weights its tokens are attributed to.
 
 Nothing else touches the model: the HTTP server talks to this thread through `submit` (commands
 answered with a concurrent Future) and through each request's `on_progress` callback.
@@ -28,10 +41,19 @@ from typing import Any
 
 import torch
 
-from rollmesh.engine.kvcache import BatchKV, new_cache, select_rows
+from rollmesh.engine.kvcache import (
+    KV,
+    BatchKV,
+    PrefixCache,
+    new_cache,
+    past_cache,
+    row_kv,
+    select_rows,
+)
 from rollmesh.engine.sampling import SamplingParams, sample_rows, top_pairs
 from rollmesh.log import get_logger
 
+DEFAULT_PREFIX_CACHE_TOKENS = 65536
 PREFILL_TOKEN_BUDGET = 8192  # tokens per prefill forward: bounds activation memory
 INPUT_LOGPROB_CHUNK = 512  # prompt positions per float32 log-softmax for input log-probs
 
@@ -63,8 +85,11 @@ class Request:
     logprob_start: int | None = None
     top_logprobs_num: int = 0  # [top_logprobs_num]: per position, input and output
     return_text_in_logprobs: bool = False  # [return_text_in_logprobs]
-    # Requests with the same non-None key (and prompt) are prefilled once (parallel sampling).
+    # The n samples of one request share a non-None key: admitted together, prefilled once.
     prefill_key: Any = None
+    # [cached_tokens] prompt tokens this request did not prefill itself (prefix cache hit, or
+    # the copy of another request's prefill row: then all but the last, as SGLang counts it).
+    cached_tokens: int = 0
     # SGLang's layout: entry j is token input_ids[logprob_start + j]; the first is None.
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
@@ -78,6 +103,20 @@ class Request:
         return self.finish_reason is not None
 
 
+@dataclass(eq=False)
+class _Prompt:
+    """One distinct prompt of an admission: prefilled once for all its requests."""
+
+    ids: list[int]
+    requests: list[Request]
+    cached: int = 0  # leading tokens whose KV the prefix cache holds
+    kv: KV | None = None  # their KV
+
+    @property
+    def suffix(self) -> int:
+        return len(self.ids) - self.cached
+
+
 @dataclass
 class _Command:
     kind: str
@@ -87,7 +126,11 @@ class _Command:
 
 class Scheduler:
     def __init__(self, model: Any, tokenizer: Any, *, weight_version: str,
-                 max_running_requests: int, seed: int | None = None) -> None:
+                 max_running_requests: int, seed: int | None = None,
+                 prefix_cache_tokens: int | None = DEFAULT_PREFIX_CACHE_TOKENS) -> None:
+        """prefix_cache_tokens: the prefix cache's size in tokens; None = no sharing of prompt
+        prefills at all (`--disable-radix-cache`), 0 = share only among requests admitted
+        together."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -101,6 +144,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.kv = BatchKV()
+        self.prefix_cache = (None if prefix_cache_tokens is None
+                             else PrefixCache(prefix_cache_tokens))
         self.paused = False
         self.busy_loading = False
         self.decode_steps = 0
@@ -109,7 +154,10 @@ class Scheduler:
         self.generated_tokens = 0
         self.peak_running = 0
         self.prefill_forwards = 0  # model forwards over prompts (parallel sampling counts one)
-        self.prefill_tokens = 0
+        self.prefill_tokens = 0  # prompt tokens run through the model
+        self.prefill_seconds = 0.0
+        self.prompt_tokens = 0  # prompt tokens of the requests admitted
+        self.cached_prompt_tokens = 0  # of which not prefilled (their cached_tokens)
         self.fatal: BaseException | None = None
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._stop = False
@@ -154,7 +202,22 @@ class Scheduler:
             "peak_running_requests": self.peak_running,
             "prefill_forwards": self.prefill_forwards,
             "prefill_tokens": self.prefill_tokens,
+            "prefill_seconds": self.prefill_seconds,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_cache": self.prefix_cache is not None,
+            "prefix_cache_tokens": self.prefix_cache.tokens if self.prefix_cache else 0,
+            "prefix_cache_max_tokens": self.prefix_cache.max_tokens if self.prefix_cache else 0,
+            "prefix_cache_evicted_tokens":
+                self.prefix_cache.evicted_tokens if self.prefix_cache else 0,
         }
+
+    def weights_changing(self) -> None:
+        """Called (scheduler thread) before the weights change: cached KV is theirs."""
+        if self.prefix_cache is not None and self.prefix_cache.tokens:
+            self.log.info("prefix_cache_cleared", reason="weight update",
+                          tokens=self.prefix_cache.tokens)
+            self.prefix_cache.clear()
 
     # ---- the loop (scheduler thread only below this line) ----
     def _run(self) -> None:
@@ -233,7 +296,11 @@ class Scheduler:
             self.log.info("generation_continued", running=len(self.running),
                           waiting=len(self.waiting))
         elif cmd.kind == "flush":
-            return not self.running and not self.waiting  # nothing cached across requests
+            if self.running or self.waiting:
+                return False  # SGLang's flush refuses while requests are pending
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            return True
         elif cmd.kind == "call":
             (fn,) = cmd.args
             self.busy_loading = True
@@ -295,21 +362,40 @@ class Scheduler:
                 admitted.append(r)
         if not admitted:
             return
-        by_len: dict[int, list[Request]] = {}
+        by_suffix: dict[int, list[_Prompt]] = {}
+        joining: list[_Prompt] = []
+        for p in self._prompts(admitted):
+            if p.suffix == 1 and p.cached:
+                joining.append(p)  # all but the last token cached: no prefill forward at all
+            else:
+                by_suffix.setdefault(p.suffix, []).append(p)
+        if joining:
+            self._join_cached(joining)
+        for suffix, prompts in by_suffix.items():
+            per_forward = max(1, PREFILL_TOKEN_BUDGET // suffix)  # distinct prompts
+            for i in range(0, len(prompts), per_forward):
+                self._prefill(prompts[i : i + per_forward])
+
+    def _prompts(self, admitted: list[Request]) -> list[_Prompt]:
+        """The distinct prompts of the admitted requests (each its own with sharing off), each
+        with the longest prefix the cache holds for it."""
+        if self.prefix_cache is None:
+            return [_Prompt(r.input_ids, [r]) for r in admitted]
+        by_ids: dict[tuple[int, ...], _Prompt] = {}
         for r in admitted:
-            by_len.setdefault(len(r.input_ids), []).append(r)
-        for length, group in by_len.items():
-            per_forward = max(1, PREFILL_TOKEN_BUDGET // length)
-            chunk: list[Request] = []
-            prompts: set[Any] = set()
-            for r in group:  # chunks of at most per_forward distinct prompts, groups unsplit
-                key = r.prefill_key if r.prefill_key is not None else id(r)
-                if key not in prompts and len(prompts) == per_forward:
-                    self._prefill(chunk)
-                    chunk, prompts = [], set()
-                chunk.append(r)
-                prompts.add(key)
-            self._prefill(chunk)
+            key = tuple(r.input_ids)
+            if key in by_ids:
+                by_ids[key].requests.append(r)
+            else:
+                by_ids[key] = _Prompt(r.input_ids, [r])
+        for p in by_ids.values():
+            # The last token is always prefilled (its logits give the first output token), and
+            # input log-probs need the logits of the positions from logprob_start on.
+            limit = min([len(p.ids) - 1] + [r.logprob_start for r in p.requests
+                                            if r.logprob_start is not None])
+            if limit > 0:
+                p.cached, p.kv = self.prefix_cache.match(p.ids, limit)
+        return list(by_ids.values())
 
     def _next_group(self) -> list[Request]:
         first = self.waiting[0]
@@ -322,45 +408,88 @@ class Scheduler:
             group.append(r)
         return group
 
-    def _prefill(self, group: list[Request]) -> None:
-        """One forward over the group's distinct prompts; requests sharing a prefill_key get
-        copies of their prompt's KV rows and logits."""
-        uniques: list[Request] = []
-        rows: list[int] = []
-        seen: dict[Any, int] = {}
-        for r in group:
-            if r.prefill_key is not None and r.prefill_key in seen:
-                rows.append(seen[r.prefill_key])
-                continue
-            if r.prefill_key is not None:
-                seen[r.prefill_key] = len(uniques)
-            rows.append(len(uniques))
-            uniques.append(r)
-        length = len(group[0].input_ids)
-        keep = max([length - r.logprob_start for r in uniques if r.logprob_start is not None],
-                   default=1)
-        ids = torch.tensor([r.input_ids for r in uniques], device=self.device)
-        cache = new_cache()
+    def _prefill(self, prompts: list[_Prompt]) -> None:
+        """One forward over the prompts' uncached tokens (as many for each), on their cached
+        prefixes as past; then each prompt's KV row is copied to its requests' batch rows."""
+        start = time.perf_counter()
+        suffix = prompts[0].suffix
+        keep = max([len(p.ids) - r.logprob_start for p in prompts for r in p.requests
+                    if r.logprob_start is not None], default=1)
+        ids = torch.tensor([p.ids[p.cached:] for p in prompts], device=self.device)
+        extra: dict[str, Any] = {}
+        past = [p.cached for p in prompts]
+        if max(past):
+            cache = past_cache([p.kv for p in prompts], past)
+            lengths = torch.tensor(past, device=self.device)
+            extra["position_ids"] = lengths[:, None] + torch.arange(suffix, device=self.device)
+            if min(past) < max(past):  # rows right-aligned: left padding masked, as decoding
+                slots = torch.arange(max(past) + suffix, device=self.device)
+                extra["attention_mask"] = slots[None, :] >= (max(past) - lengths)[:, None]
+            for p in prompts:
+                p.kv = None  # the past holds them now
+        else:
+            cache = new_cache()
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                         logits_to_keep=keep)
+                         logits_to_keep=keep, **extra)
         self.prefill_forwards += 1
         self.prefill_tokens += ids.numel()
         logits = out.logits
-        for u, r in enumerate(uniques):
-            if r.logprob_start is not None:
-                self._input_logprobs(r, logits[u, keep - (length - r.logprob_start):])
+        done: dict[tuple[int, int, int], Request] = {}
+        for u, p in enumerate(prompts):
+            length = len(p.ids)
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(p.ids, row_kv(cache, u, length))
+            for k, r in enumerate(p.requests):
+                r.length = length
+                r.cached_tokens = p.cached if k == 0 else max(p.cached, length - 1)
+                self.prompt_tokens += length
+                self.cached_prompt_tokens += r.cached_tokens
+                if r.logprob_start is None:
+                    continue
+                same = done.get((u, r.logprob_start, r.top_logprobs_num))
+                if same is not None:
+                    r.input_logprobs = list(same.input_logprobs)
+                    r.input_top_logprobs = list(same.input_top_logprobs)
+                else:
+                    self._input_logprobs(r, logits[u, keep - (length - r.logprob_start):])
+                    done[(u, r.logprob_start, r.top_logprobs_num)] = r
+        rows = [u for u, p in enumerate(prompts) for _ in p.requests]
+        requests = [r for p in prompts for r in p.requests]
         index = torch.tensor(rows, device=self.device)
-        if rows != list(range(len(uniques))):
+        if len(rows) != len(prompts):
             select_rows(cache, index)
-        for r, u in zip(group, rows):
-            r.length = length
-            if r is not uniques[u] and r.logprob_start is not None:
-                r.input_logprobs = list(uniques[u].input_logprobs)
-                r.input_top_logprobs = list(uniques[u].input_top_logprobs)
         self.kv.merge(cache)
-        self.running.extend(group)
+        self.running.extend(requests)
+        self.prefill_seconds += time.perf_counter() - start
         self._sample_and_advance(logits[:, -1, :].index_select(0, index),
-                                 first_row=len(self.running) - len(group))
+                                 first_row=len(self.running) - len(requests))
+
+    def _join_cached(self, prompts: list[_Prompt]) -> None:
+        """Prompts cached but for their last token join the batch with the cached KV as their
+        rows: the next decode step runs that token (as every row's newest token) and samples
+        their first output token from its logits. (A forward of its own would cost a whole
+        pass over the weights for one token per row.)"""
+        start = time.perf_counter()
+        cache = past_cache([p.kv for p in prompts], [p.cached for p in prompts])
+        rows = [u for u, p in enumerate(prompts) for _ in p.requests]
+        requests = [r for p in prompts for r in p.requests]
+        if len(rows) != len(prompts):
+            select_rows(cache, torch.tensor(rows, device=self.device))
+        for p in prompts:
+            p.kv = None
+            for r in p.requests:
+                r.length = p.cached
+                r.cached_tokens = p.cached
+                self.prompt_tokens += len(p.ids)
+                self.cached_prompt_tokens += p.cached
+                self.prefill_tokens += 1  # its last prompt token, in the decode step
+                if r.logprob_start is not None:  # == len - 1 (the match stops there): no values
+                    r.input_logprobs = [None]
+                    if r.top_logprobs_num > 0:
+                        r.input_top_logprobs = [None]
+        self.kv.merge(cache)
+        self.running.extend(requests)
+        self.prefill_seconds += time.perf_counter() - start
 
     def _score(self, r: Request) -> None:
         """A request with max_new_tokens 0 generates nothing; with input log-probs asked (a
@@ -400,7 +529,10 @@ class Scheduler:
     def _decode_step(self) -> None:
         rows = self.running
         seq_len = self.kv.seq_len
-        last = torch.tensor([[r.output_ids[-1]] for r in rows], device=self.device)
+        # A row's newest token: its last output token, or its prompt's last one when it
+        # joined with the rest of its prompt cached (_join_cached).
+        last = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]]
+                             for r in rows], device=self.device)
         lengths = torch.tensor([r.length for r in rows], device=self.device)
         # Row r's tokens sit in the last length_r slots (plus the new one): left padding masked.
         slots = torch.arange(seq_len + 1, device=self.device)

@@ -3,6 +3,7 @@
     rollmesh engine --model tiny|CHECKPOINT_DIR --port P [--host 127.0.0.1]
         [--weight-version default] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
         [--max-running-requests 64] [--seed S] [--threads N]
+        [--disable-radix-cache] [--prefix-cache-max-tokens 65536]
 
 This module owns the HTTP side and the process lifecycle: the aiohttp routes of
 docs/sglang-api.md, start-up (load, warm up, serve) and graceful shutdown on SIGTERM/SIGINT.
@@ -12,9 +13,11 @@ the scheduler inside a collective.
 
 Where this engine differs from SGLang 0.5.23 (all within the contract): pause mode `retract`
 keeps requests and their KV in place like `in_place` (same results, no memory is reclaimed);
-there is no prefix cache, so `cached_tokens` is 0 and `flush_cache` only checks that nothing is
-pending; constrained decoding and the other request fields api.py lists as refused get a 400
-naming the field; a streamed response sends the whole response so far in each event (cumulative
+the prefix cache (SGLang's radix cache: `--disable-radix-cache` turns it off) is a token-count
+budget of its own, not a share of one KV pool, and every weight update clears it, whatever the
+update's `flush_cache` says (SGLang keeps its cache when `flush_cache` is false, and so hands
+out KV the old weights made); constrained decoding and the other request fields api.py lists
+as refused get a 400 naming the field; a streamed response sends the whole response so far in each event (cumulative
 `text` and `output_ids`); the n samples of one prompt get ids `<rid>_<k>`, not fresh uuids.
 """
 
@@ -38,7 +41,7 @@ from aiohttp import web
 from rollmesh import __version__
 from rollmesh.engine import api, models, openai_api
 from rollmesh.engine.sampling import BadRequest
-from rollmesh.engine.scheduler import Request, Scheduler
+from rollmesh.engine.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, Scheduler
 from rollmesh.log import configure_logging
 from rollmesh.weight_buckets import (
     LOAD_FORMATS,
@@ -160,8 +163,11 @@ class EngineServer:
             context_length=config.max_position_embeddings,
             vocab_size=model.get_input_embeddings().num_embeddings,
         )
-        self.scheduler = Scheduler(model, tokenizer, weight_version=args.weight_version,
-                                   max_running_requests=args.max_running_requests, seed=args.seed)
+        self.scheduler = Scheduler(
+            model, tokenizer, weight_version=args.weight_version,
+            max_running_requests=args.max_running_requests, seed=args.seed,
+            prefix_cache_tokens=None if args.disable_radix_cache
+            else args.prefix_cache_max_tokens)
         self.groups: dict[str, tuple[Any, str]] = {}  # group_name -> (process group, backend)
         # Receive buffer for flattened buckets that cannot land in the model directly (another
         # dtype than the model's) or are drained; kept while a weight-update group exists.
@@ -219,7 +225,9 @@ class EngineServer:
                       model=self.args.model, device=str(self.device),
                       dtype=str(self.model.dtype), weight_version=self.scheduler.weight_version,
                       context_length=self.limits.context_length,
-                      max_running_requests=self.args.max_running_requests)
+                      max_running_requests=self.args.max_running_requests,
+                      prefix_cache_max_tokens=None if self.args.disable_radix_cache
+                      else self.args.prefix_cache_max_tokens)
 
     async def _on_shutdown(self, _app: web.Application) -> None:
         # Answer every in-flight /generate (abort, 503) before aiohttp waits for the handlers.
@@ -430,6 +438,8 @@ class EngineServer:
             "device": str(self.device), "dtype": str(self.model.dtype).removeprefix("torch."),
             "served_model_name": a.model, "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "max_running_requests": a.max_running_requests,
+            "disable_radix_cache": a.disable_radix_cache,
+            "prefix_cache_max_tokens": a.prefix_cache_max_tokens,
             "random_seed": a.seed, "context_length": self.limits.context_length,
             "vocab_size": self.limits.vocab_size, "skip_tokenizer_init": False,
             "weight_version": self.scheduler.weight_version,
@@ -478,7 +488,8 @@ class EngineServer:
             "num_prealloc_ready_tokens": 0, "max_total_num_tokens": capacity,
             "max_running_requests": self.args.max_running_requests,
             "token_usage": used / capacity if capacity else 0.0,
-            "gen_throughput": 0.0, "cache_hit_rate": 0.0,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             "utilization": len(running) / self.args.max_running_requests,
             "total_prefill_uncached_tokens": s.prefill_tokens,
             "total_prefill_busy_us": 0, "decode_moments": None,
@@ -582,6 +593,7 @@ class EngineServer:
 
         def receive(s: Scheduler) -> int:
             start = time.perf_counter()
+            s.weights_changing()
             try:
                 check_update(self.model, names, shapes, dtypes)
             except WeightUpdateError:
@@ -625,7 +637,7 @@ class EngineServer:
 
     def _warn_unflushable(self, body: dict[str, Any], source: str) -> None:
         """An update asking `flush_cache` (the default) while requests are kept (an in-place
-        pause, or none): this engine has no prefix cache and goes on, but SGLang flushes after
+        pause, or none): this engine clears its prefix cache and goes on, but SGLang flushes after
         loading and asserts that it is idle, so its scheduler would die here. A sender meant for
         both engines must send `flush_cache: false` while requests are kept in place."""
         s = self.scheduler
@@ -666,6 +678,7 @@ class EngineServer:
         version = b.get("weight_version")
 
         def load(s: Scheduler) -> int:
+            s.weights_changing()
             tensors = _read_checkpoint(Path(path))
             check_update(self.model, list(tensors), [t.shape for t in tensors.values()])
             missing = set(dict(self.model.named_parameters())) - set(tensors)
@@ -746,6 +759,13 @@ def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollmesh engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -762,6 +782,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=None, help="seed of the shared sampling RNG")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="prefill every request's prompt itself, as SGLang's flag: no prefix "
+                        "cache, and the samples of one request (n > 1) or requests for the same "
+                        "prompt admitted together no longer share one prefill")
+    p.add_argument("--prefix-cache-max-tokens", type=_non_negative,
+                   default=DEFAULT_PREFIX_CACHE_TOKENS,
+                   help="tokens of prompt KV the prefix cache keeps (least recently used "
+                        "evicted first; every weight update clears it); 0: share prefills only "
+                        "among requests admitted together")
     p.add_argument("--api-key-file", default=None,
                    help="require `Authorization: Bearer <key>` on every route but /health, the "
                         "key read from this file (mode 0600); `rollmesh launch` makes one per run")

@@ -19,7 +19,6 @@ Protocol, one request at a time per child:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import os
 import signal
@@ -32,6 +31,7 @@ from typing import Any, BinaryIO, Literal
 
 import msgpack
 
+from rollmesh.isolation import die_with_parent, limit_data
 from rollmesh.log import get_logger
 from rollmesh.rewards.registry import check_reward_output, get_reward_fn
 
@@ -304,15 +304,6 @@ class RewardSandbox:
 # ---------------------------------------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if parent_pid and os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def _handle(msg: Any, fns: dict[str, Any], memory_limit_mb: int | None = None) -> dict[str, Any]:
     if not isinstance(msg, dict) or msg.get("op") not in ("load", "call"):
         return {"ok": False, "error": f"malformed request: {msg!r:.200}"}
@@ -352,16 +343,9 @@ def serve(parent_pid: int = 0, memory_limit_mb: int | None = None) -> int:
     os.dup2(devnull, 0)
     os.dup2(2, 1)
     os.close(devnull)
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     if memory_limit_mb:
-        import resource
-
-        limit = memory_limit_mb << 20
-        # RLIMIT_DATA (Linux >= 4.7 counts private writable mappings: malloc, mmap'd arrays)
-        # rather than RLIMIT_AS, which also counts reservations that use no memory (thread
-        # stacks, malloc arenas, a library's PROT_NONE regions) and fails imports of big
-        # libraries far below the limit.
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        limit_data(memory_limit_mb)  # RLIMIT_DATA, not RLIMIT_AS: its docstring says why
 
     def reply(msg: dict[str, Any]) -> None:
         try:

@@ -43,7 +43,7 @@ class Engine:
                "--port", str(self.port), "--seed", "0", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=repo_env(), stdout=self._log,
                                      stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180  # a loaded 2-core machine took over 90 s (five at once)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log()}")

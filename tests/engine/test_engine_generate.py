@@ -27,6 +27,7 @@ QUESTIONS = [
 def test_response_shape_and_length_finish(engine, tiny):
     _, tok = tiny
     prompt = chat_prompt(tok, QUESTIONS[0])
+    assert engine.post("/flush_cache")[0] == 200  # no chat-template prefix cached by others
     out = engine.generate(prompt, max_new_tokens=7, temperature=1.0, ignore_eos=True, rid="s-00001")
     assert set(out) == {"text", "output_ids", "meta_info"}
     meta = out["meta_info"]

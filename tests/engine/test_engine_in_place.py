@@ -92,6 +92,12 @@ def test_in_place_sync_continues_requests_under_the_new_weights(tmp_path):
         assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
         # the broadcast asked flush_cache with a request kept: SGLang's scheduler would die
         assert "flush_cache_with_requests_kept" in e.log()
+        # The prompt's KV cached under version 0 went with the update (the kept request keeps
+        # its own): the same prompt now is prefilled anew, and decoded by the new weights only.
+        new, _ = build_tiny("tiny:seed=1")
+        fresh = e.generate(prompt, max_new_tokens=8, temperature=0, ignore_eos=True)
+        assert fresh["meta_info"]["cached_tokens"] == 0
+        assert fresh["output_ids"] == greedy_decode(new, prompt, 8)
 
         # Without a pause: an update from disk lands between two decode steps of a streamed
         # request; every chunk carries one version per output token.

@@ -119,3 +119,19 @@ def test_flush_cache(engine):
     status, text = engine.get("/flush_cache")
     assert status == 200 and "flushed" in text
     assert engine.post("/flush_cache")[0] == 200
+
+
+def test_a_prompt_seen_before_is_served_from_the_prefix_cache_until_flushed(engine):
+    prompt = list(range(40, 100))
+    sp = dict(max_new_tokens=4, temperature=0, ignore_eos=True)
+    first = engine.generate(prompt, **sp)
+    before = engine.stats()["prefill_tokens"]
+    again = engine.generate(prompt, **sp)
+    assert engine.stats()["prefill_tokens"] - before == 1  # its last token only
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert again["meta_info"]["cached_tokens"] == len(prompt) - 1
+    assert again["output_ids"] == first["output_ids"]
+    assert engine.get("/v1/loads")[1]["loads"][0]["cache_hit_rate"] > 0
+    assert engine.post("/flush_cache")[0] == 200
+    assert engine.stats()["prefix_cache_tokens"] == 0
+    assert engine.generate(prompt, **sp)["meta_info"]["cached_tokens"] == 0

@@ -59,6 +59,7 @@ def test_batched_text(engine, tiny):
 def test_n_samples_share_one_prefill(engine, tiny):
     _, tok = tiny
     prompt = chat_prompt(tok, "Count the clips Natalia sold in April and May.")
+    assert engine.post("/flush_cache")[0] == 200  # nothing of the prompt cached before
     before = engine.stats()
     out = _post(engine, {"input_ids": prompt, "rid": "grp", "return_logprob": True,
                          "sampling_params": {"n": 6, "max_new_tokens": 12, "temperature": 1.0,
@@ -79,6 +80,7 @@ def test_n_samples_share_one_prefill(engine, tiny):
 
 def test_n_with_a_batch_is_prompt_major(engine):
     sp = {"n": 2, "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    assert engine.post("/flush_cache")[0] == 200  # one prompt cached, not the other: 2 forwards
     before = engine.stats()["prefill_forwards"]
     out = _post(engine, {"input_ids": [[5, 6, 7], [9, 10, 11]], "rid": ["a", "b"],
                          "sampling_params": sp})
