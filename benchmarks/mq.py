@@ -6,24 +6,31 @@ Producer, consumer and queue are separate processes throughout.
     .venv/bin/python benchmarks/mq.py [--samples 4096] [--tokens 8192] [--n 1]
         [--batch-groups 32] [--prefetch 1] [--window 64] [--repeat 3] [--durable] [--json PATH]
 
-Systems, each moving the same frames (an encoded PutGroup of one group of n samples):
+Systems, each moving the same frames (an encoded PutGroups of one group of n samples):
 - raw 1-hop: producer -PUSH/PULL-> consumer. No codec, no queue: the wire's floor.
 - raw 2-hop: producer -PUSH-> a process running zmq.proxy(PULL, PUSH) -> consumer. A broker
   has two hops (the producer and the trainer never talk to each other), so this is the fair
   floor for one, and the floor the 70% target is judged on.
-- rollmesh MessageQueue: producer -PutGroup (RpcClient, `--window` puts in flight)-> the real
-  MessageQueue role (spawned by the Supervisor) -GetBatch(groups=batch_groups)-> consumer, which
-  keeps `--prefetch` further GetBatch requests in flight, as a trainer would. Encode and decode
-  happen at every hop, with the staleness check and the accounting at hand-out.
-- Ray actor queue: see benchmarks/ray_queue.py.
+- rollmesh MessageQueue: the real MessageQueue role (spawned by the Supervisor) between the
+  rollouter's put path and the trainer's get path, the very code the roles run: the producer's
+  groups become ready (at most `--window` waiting) and `message_queue.put_ready` sends what is
+  ready in one PutGroups, two puts out at once; the consumer reads a `message_queue.BatchFeed`
+  stream of batches of `--batch-groups` groups, one per step, with `--prefetch` steps of
+  credit ahead, committing each step at the next (a trainer checkpointing every step). The
+  groups are checked (strict decode, staleness, accounting) and written to the log (with
+  `--durable`) by the queue, decoded again by the consumer.
+- Ray actor queue: see benchmarks/ray_queue.py (`--window` puts in flight, `--prefetch`
+  further gets in flight).
 
 Two phases per system:
 - throughput: the producer runs flat out (bounded by its window and the queue's capacity);
   samples/s is counted at the consumer after `--warmup` samples, from the last warm-up batch's
   arrival to the last batch's. Latency here is mostly time spent waiting in full buffers.
 - latency: the producer is paced at `--latency-rate` samples/s (well below every system's
-  capacity) and the consumer asks for one group at a time: p50/p99 of the time from the
-  producer's send to the consumer's receipt (one clock: the same machine). The JSON latency
+  capacity) and the consumer takes one group at a time (the MessageQueue's stream with its
+  `--prefetch` steps of credit ahead, as a trainer's; Ray's one get at a time): p50/p99 of
+  the time from the producer's send to the consumer's receipt (one clock: the same machine;
+  the MessageQueue's producer stamps a group when it is ready to put). The JSON latency
   rows are this phase's p99.
 Systems run interleaved, `--repeat` times; samples/s is the median run, percentiles pool the
 runs, and the MessageQueue's ratio to each baseline is also printed round by round (a busy
@@ -38,7 +45,7 @@ import sys
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import dataclasses  # noqa: E402
+import copy  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -58,8 +65,13 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.engine_proc import with_repo_on_path  # noqa: E402
 
+import collections  # noqa: E402
+
+import structlog  # noqa: E402
+
 from rollmesh.config import load_experiment, to_dict  # noqa: E402
-from rollmesh.protocol import GetBatch, Group, PutGroup, Trajectory, encode  # noqa: E402
+from rollmesh.message_queue import STREAM_AHEAD, BatchFeed, put_ready  # noqa: E402
+from rollmesh.protocol import Group, PutGroups, Trajectory, encode  # noqa: E402
 from rollmesh.runtime import Supervisor  # noqa: E402
 from rollmesh.transport import RpcClient, Transport, free_port  # noqa: E402
 
@@ -92,7 +104,7 @@ def group(tokens: int, n: int, i: int) -> Group:
 
 def frames_of(g: Group) -> list[bytes]:
     return [f if isinstance(f, bytes) else bytes(memoryview(f).cast("B"))
-            for f in encode(PutGroup(group=g))]
+            for f in encode(PutGroups(groups=[g]))]
 
 
 class Clock:
@@ -173,57 +185,67 @@ def raw_forward(p: dict[str, Any]) -> None:
 # ---- rollmesh MessageQueue -------------------------------------------------------------------
 
 
+def fresh(tr: Trajectory, group_id: str, sent: float) -> Trajectory:
+    """A new trajectory record with these arrays (what a rollouter holds: records decoded from
+    its workers' messages, not copies made field by field)."""
+    out = copy.copy(tr)
+    out.group_id, out.metadata = group_id, {"t": sent}
+    return out
+
+
 async def mq_produce(p: dict[str, Any]) -> None:
+    """The rollouter's put path (`message_queue.put_ready`): groups become ready (flat out, or
+    paced) while at most `window` wait to be queued, and go to the queue as it puts them."""
     groups = [group(p["tokens"], p["n"], i) for i in range(16)]
+    log = structlog.get_logger("bench")
     with Transport() as t:
         client = RpcClient(t, p["address"], timeout_s=60)
-        slots = asyncio.Semaphore(p["window"])
+        ready: collections.deque[Group] = collections.deque()
+        added, room = asyncio.Event(), asyncio.Event()
+        done = [0]
 
-        async def put(i: int) -> None:
-            try:
-                # A fresh record per put (sharing the arrays): a put being retried keeps its id.
-                gid, now = f"{p['phase']}-{i:08d}", time.time()  # ids are never reused
-                g = Group(group_id=gid, trajectories=[
-                    dataclasses.replace(t, group_id=gid, metadata={"t": now})
-                    for t in groups[i % len(groups)].trajectories])
-                while not (await client.request(PutGroup(group=g))).accepted:
-                    await asyncio.sleep(0.001)  # full: back-pressure
-            finally:
-                slots.release()
+        def queued(g: Group) -> None:
+            done[0] += 1
+            room.set()
 
-        tasks = []
+        putting = asyncio.create_task(put_ready(client, ready, added, queued, log=log))
         start = time.time()
         for i in range(p["groups"]):
             await paced(i, start, p["rate"] / p["n"])
-            await slots.acquire()
-            tasks.append(asyncio.create_task(put(i)))
-        await asyncio.gather(*tasks)
+            while len(ready) >= p["window"]:
+                room.clear()
+                await room.wait()
+            # a fresh record per group (sharing the arrays); ids are never reused
+            gid, now = f"{p['phase']}-{i:08d}", time.time()
+            ready.append(Group(group_id=gid, trajectories=[
+                fresh(tr, gid, now) for tr in groups[i % len(groups)].trajectories]))
+            added.set()
+        while done[0] < p["groups"]:
+            room.clear()
+            await room.wait()
+        putting.cancel()
         client.close()
 
 
 async def mq_consume(p: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's get path (`message_queue.BatchFeed`): one batch per step, `prefetch`
+    steps of credit ahead, each step's checkpoint committed at the next (as a trainer that
+    checkpoints every step)."""
     clock, bg = Clock(p["warmup"]), p["batch_groups"]
     with Transport() as t:
         client = RpcClient(t, p["address"], timeout_s=120)
-
-        def ask() -> asyncio.Task:
-            return asyncio.create_task(client.request(
-                GetBatch(groups=bg, version=0, timeout_s=30), timeout_s=60))
-
-        wanted, got = p["groups"], 0
-        in_flight = [ask() for _ in range(min(1 + p["prefetch"], -(-wanted // bg)))]
-        asked = len(in_flight) * bg
-        while got < wanted:
-            batch = await in_flight.pop(0)
+        feed = BatchFeed(client, bg)
+        first, last = p["first_step"], p["first_step"] + -(-p["groups"] // bg) - 1
+        step = first
+        while step <= last:
+            batch = await feed.get(step, 0, min(step + p["prefetch"], last), step - 1,
+                                   timeout_s=30)
             now = time.time()
-            if not batch.groups:  # timed out empty: ask again
-                in_flight.append(ask())
+            if batch is None:  # nothing for a while: ask again
                 continue
-            got += len(batch.groups)
-            if asked < wanted:
-                in_flight.append(ask())
-                asked += bg
+            step += 1
             clock.arrived([tr.metadata["t"] for g in batch.groups for tr in g.trajectories], now)
+        feed.close()
         client.close()
     return clock.result()
 
@@ -260,7 +282,10 @@ def phases(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
                           "rate": 0.0, "groups": whole(a.samples, a.batch_groups),
                           "warmup": whole(a.warmup, a.batch_groups)}}
     if a.latency_samples > 0:
-        out["latency"] = {"bg": 1, "prefetch": 0, "window": a.window, "rate": a.latency_rate,
+        # one group per batch; the MessageQueue's consumer keeps its stream's credit ahead
+        # (what the trainer's does), Ray's asks for one batch at a time (as before)
+        out["latency"] = {"bg": 1, "prefetch": a.prefetch, "window": a.window,
+                          "rate": a.latency_rate,
                           "groups": whole(a.latency_samples, 1),
                           "warmup": whole(a.latency_warmup, 1)}
     return out
@@ -302,13 +327,16 @@ async def run_mq(a: argparse.Namespace, which: list[str]) -> dict[str, dict[str,
             path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
             mq = sup.spawn("message_queue", a.mq_entry, config=config, env={"PYTHONPATH": path})
             address = (await sup.wait_ready(mq, 120))["rpc"]
+            first_step = 1  # the consumers' steps go on from phase to phase, as a trainer's
             for name, ph in phases(a).items():
                 if name not in which:
                     continue
                 total = ph["groups"] + ph["warmup"]
                 consumer = child("mq-consume", {
                     "address": address, "groups": total, "warmup": ph["warmup"] * a.n,
-                    "batch_groups": ph["bg"], "prefetch": ph["prefetch"]})
+                    "batch_groups": ph["bg"], "prefetch": ph["prefetch"],
+                    "first_step": first_step})
+                first_step += -(-total // ph["bg"])
                 producer = child("mq-produce", {
                     "phase": name, "address": address, "groups": total, "window": ph["window"],
                     "rate": ph["rate"], "tokens": a.tokens, "n": a.n})
@@ -348,9 +376,11 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4096, help="samples per throughput run")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per sample")
     p.add_argument("--n", type=int, default=1, help="samples per GRPO group (one put each)")
-    p.add_argument("--batch-groups", type=int, default=32, help="groups per GetBatch")
-    p.add_argument("--prefetch", type=int, default=1, help="further GetBatch requests in flight")
-    p.add_argument("--window", type=int, default=64, help="puts in flight from the producer")
+    p.add_argument("--batch-groups", type=int, default=32, help="groups per batch")
+    p.add_argument("--prefetch", type=int, default=STREAM_AHEAD,
+                   help="batches the consumer takes ahead (Ray: further gets in flight)")
+    p.add_argument("--window", type=int, default=64,
+                   help="groups ready at the producer, at most (Ray: puts in flight)")
     p.add_argument("--capacity", type=int, default=256, help="queue capacity in groups")
     p.add_argument("--warmup", type=int, default=256, help="samples before the clock starts")
     p.add_argument("--latency-samples", type=int, default=400,
@@ -394,8 +424,8 @@ def main() -> None:
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     sample_kib = sum(len(f) for f in frames_of(group(a.tokens, 1, 0))) / 1024
     print(f"{a.samples} samples of {a.tokens} tokens ({sample_kib:.0f} KiB each on the wire), "
-          f"n={a.n} per group, GetBatch of {a.batch_groups} groups (+{a.prefetch} prefetched), "
-          f"{a.window} puts in flight, capacity {a.capacity} groups; latency phase: "
+          f"n={a.n} per group, batches of {a.batch_groups} groups (+{a.prefetch} prefetched), "
+          f"{a.window} groups ready at most, capacity {a.capacity} groups; latency phase: "
           f"{a.latency_samples} samples at {a.latency_rate:g}/s; {a.repeat} interleaved runs; "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     if "ray" in systems and importlib.util.find_spec("ray") is None:
@@ -430,7 +460,7 @@ def main() -> None:
 
     names = {"raw1": "raw ZeroMQ 1-hop PUSH/PULL (floor)",
              "raw2": "raw ZeroMQ 2-hop via zmq.proxy (floor)",
-             "mq": "rollmesh MessageQueue (put/GetBatch)",
+             "mq": "rollmesh MessageQueue (puts/stream)",
              "ray": f"Ray actor queue, verl-style ({a.ray_serialize})"}
     summary = {s: {k: summarize(v) for k, v in runs[s].items()} for s in runs}
     print(f"\n{'':40s} {'samples/s':>9s} {'min-max':>13s} {'sat p50':>8s} {'sat p99':>8s}"
@@ -456,7 +486,7 @@ def main() -> None:
     rows = []
     if "mq" in summary:
         mq = summary["mq"]
-        shape = (f"{a.tokens}-token samples, n={a.n}, GetBatch {a.batch_groups} groups "
+        shape = (f"{a.tokens}-token samples, n={a.n}, batches of {a.batch_groups} groups "
                  f"+{a.prefetch} prefetched, {'durable' if a.durable else 'in-memory'} queue, "
                  f"median of {a.repeat}")
         label = "MessageQueue, durable log," if a.durable else "MessageQueue"

@@ -14,10 +14,11 @@ there. It is never fatal. A file that does not start with MAGIC is refused (not 
 Durability (`fsync_interval_s`):
 - every `append` hands the whole record to the kernel (`os.write`) before it returns, so the
   caller may acknowledge afterwards: a process crash (kill -9, OOM kill) loses nothing
-  acknowledged;
+  acknowledged; `append_records` does so for several records with one `writev`;
 - `fsync` is batched: at most `fsync_interval_s` after a record was written (on the next append,
-  or on the owner's periodic `sync()`), so a machine crash or power cut loses at most the last
-  `fsync_interval_s` of acknowledged records, and the replay sees a whole prefix of the log.
+  or on the owner's periodic `sync()`, or `begin_sync`/`end_sync` around an fsync the owner runs
+  in another thread while appends go on), so a machine crash or power cut loses at most the
+  last `fsync_interval_s` of acknowledged records, and the replay sees a whole prefix of the log.
   `fsync_interval_s = 0` fsyncs every record before `append` returns (nothing acknowledged is
   lost even to a machine crash; each put then costs a disk flush).
 - A failed write (disk full: ENOSPC, or EFBIG past a file size limit) is cut back off the file,
@@ -52,11 +53,21 @@ class LogFormatError(RuntimeError):
     """The file is not a rollmesh log (wrong magic): refused rather than overwritten."""
 
 
-def frame(payload: bytes) -> bytes:
-    """One record as it lies on disk."""
+def header(payload: bytes) -> bytes:
+    """The header of the record holding this payload."""
     if len(payload) >= MAX_RECORD_BYTES:
         raise ValueError(f"log record of {len(payload)} bytes exceeds {MAX_RECORD_BYTES}")
-    return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    return HEADER.pack(len(payload), zlib.crc32(payload))
+
+
+def frame(payload: bytes) -> bytes:
+    """One record as it lies on disk."""
+    return header(payload) + payload
+
+
+def record_size(header: bytes) -> int:
+    """The bytes on disk of the record with this header."""
+    return HEADER.size + HEADER.unpack(header)[0]
 
 
 def scan(data: bytes | memoryview) -> tuple[list[memoryview], int]:
@@ -112,6 +123,9 @@ class DurableLog:
         self.log = log
         self.dirty = False
         self.last_sync = time.monotonic()
+        # The owner fsyncs from another thread (`begin_sync` / `end_sync`) every
+        # fsync_interval_s: appends never wait for a disk flush (unless fsync_interval_s is 0).
+        self.background_sync = False
         self.appended_records = 0
         self.fsyncs = 0
         self.compactions = 0
@@ -171,25 +185,50 @@ class DurableLog:
     def append_parts(self, parts: list[Any]) -> int:
         """Write one record whose payload is these buffers back to back, without joining them
         (a queued group's arrays go from the received frames to the file with no copy)."""
+        return record_size(self.append_records([parts])[0])
+
+    def append_records(self, records: list[list[Any]]) -> list[bytes]:
+        """Write several records (each a payload in parts, as `append_parts`) with one system
+        call where it can, all in the kernel when this returns, then fsync at most once.
+        Returns each record's header (length, crc32): `rewrite` can write the record again
+        without reading its bytes. A failure writes none of them (the file is cut back)."""
         assert self._fd is not None, "log is closed"
-        views = [memoryview(p).cast("B") for p in parts]
-        length = sum(v.nbytes for v in views)
-        if length >= MAX_RECORD_BYTES:
-            raise ValueError(f"log record of {length} bytes exceeds {MAX_RECORD_BYTES}")
-        crc = 0
-        for v in views:
-            crc = zlib.crc32(v, crc)
-        pending = [memoryview(HEADER.pack(length, crc)), *(v for v in views if v.nbytes)]
-        data_len = HEADER.size + length
+        headers: list[bytes] = []
+        pending: list[memoryview] = []
+        for parts in records:
+            views = [memoryview(p).cast("B") for p in parts]
+            length = sum(v.nbytes for v in views)
+            if length >= MAX_RECORD_BYTES:
+                raise ValueError(f"log record of {length} bytes exceeds {MAX_RECORD_BYTES}")
+            crc = 0
+            for v in views:
+                crc = zlib.crc32(v, crc)
+            header = HEADER.pack(length, crc)
+            headers.append(header)
+            pending.append(memoryview(header))
+            pending += (v for v in views if v.nbytes)
+        self._write(pending)
+        self.size += sum(map(record_size, headers))
+        self.appended_records += len(records)
+        self.dirty = True
+        if self.fsync_interval_s <= 0 or (
+                not self.background_sync
+                and time.monotonic() - self.last_sync >= self.fsync_interval_s):
+            self.sync()
+        return headers
+
+    def _write(self, pending: list[memoryview]) -> None:
+        """writev everything at the end of the file, or nothing (cut back on a failure)."""
         try:
-            while pending:
-                n = os.writev(self._fd, pending[:1024])  # IOV_MAX
+            i = 0
+            while i < len(pending):
+                n = os.writev(self._fd, pending[i:i + 1024])  # IOV_MAX
                 while n:
-                    if n >= pending[0].nbytes:
-                        n -= pending[0].nbytes
-                        pending.pop(0)
+                    if n >= pending[i].nbytes:
+                        n -= pending[i].nbytes
+                        i += 1
                     else:
-                        pending[0] = pending[0][n:]
+                        pending[i] = pending[i][n:]
                         n = 0
         except BaseException as e:
             os.ftruncate(self._fd, self.size)  # never leave a half record before later ones
@@ -197,12 +236,6 @@ class DurableLog:
             if isinstance(e, OSError) and e.filename is None:  # name the file (disk full...)
                 raise OSError(e.errno, e.strerror, str(self.path)) from None
             raise
-        self.size += data_len
-        self.appended_records += 1
-        self.dirty = True
-        if self.fsync_interval_s <= 0 or time.monotonic() - self.last_sync >= self.fsync_interval_s:
-            self.sync()
-        return data_len
 
     def sync(self) -> None:
         """fsync if anything was written since the last one."""
@@ -215,20 +248,52 @@ class DurableLog:
             self.dirty = False
         self.last_sync = time.monotonic()
 
-    def rewrite(self, payloads: Iterable[bytes]) -> None:
-        """Replace the log by exactly these records (atomically, durably)."""
+    def begin_sync(self) -> tuple[int, int] | None:
+        """For an fsync in another thread, while appends go on: a duplicate of the file's
+        descriptor to fsync, and the appends it covers; None if nothing needs it. Whatever
+        was written before the fsync starts is on disk when it returns (`end_sync`)."""
+        if self._fd is None or not self.dirty:
+            self.last_sync = time.monotonic()
+            return None
+        return os.dup(self._fd), self.appended_records
+
+    def end_sync(self, started: tuple[int, int], error: OSError | None = None) -> None:
+        """After the fsync of `begin_sync`'s descriptor (or its `error`: raised, naming the
+        file). A compaction in between is harmless: the new file was fsynced whole."""
+        fd, appended = started
+        os.close(fd)
+        if error is not None:
+            raise OSError(error.errno, f"fsync failed: {error.strerror}", str(self.path))
+        self.fsyncs += 1
+        self.last_sync = time.monotonic()
+        if self.appended_records == appended:
+            self.dirty = False
+
+    def rewrite(self, records: Iterable[bytes | tuple[bytes, list[Any]]]) -> list[bytes]:
+        """Replace the log by exactly these records (atomically, durably). A record is its
+        payload, or (header, payload parts) as `append_records` wrote it before: written again
+        as it is, without computing its checksum again. Returns every record's header."""
         assert self._fd is not None, "log is closed"
         tmp = self.path.with_name(self.path.name + ".compact")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         size = 0
+        headers: list[bytes] = []
         try:
             with os.fdopen(fd, "wb", buffering=1 << 20, closefd=False) as f:
                 f.write(MAGIC)
                 size += len(MAGIC)
-                for p in payloads:
-                    data = frame(p)
-                    f.write(data)
-                    size += len(data)
+                for r in records:
+                    if isinstance(r, tuple):
+                        head, parts = r
+                        f.write(head)
+                        for part in parts:
+                            f.write(part)
+                    else:
+                        head = header(r)
+                        f.write(head)
+                        f.write(r)
+                    headers.append(head)
+                    size += record_size(head)
             os.fsync(fd)
         except BaseException as e:
             os.close(fd)
@@ -250,6 +315,7 @@ class DurableLog:
         if self.log is not None:
             self.log.info("log_compacted", path=str(self.path), before_bytes=before,
                           after_bytes=size)
+        return headers
 
     def close(self) -> None:
         if self._fd is not None:

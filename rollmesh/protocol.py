@@ -10,6 +10,12 @@ versions, masks) never go inside it: each array is replaced by a small msgpack e
 both ends touch the bytes once (zero-copy on decode: the array is a read-only view of the
 received frame). Dtypes numpy lacks (bfloat16, float8) are carried by name through ml_dtypes.
 
+A `Framed` record (a Group) nested in another travels as its own frames, appended to the
+message: [type, body, *buffers] exactly as `encode` makes them for it alone, referenced from the
+body by a second extension (first frame, frame count). A broker keeps a group as the frames it
+came in and sends them on, to its log or to a consumer, without decoding and encoding it again:
+a record decoded from frames remembers them (`frames_of`), and `encode` sends those.
+
 Decoding is strict and never trusts a declared size: an unknown type, a missing or extra field,
 a wrong type, a frame count or array size that does not match the header each raise
 `ProtocolError` with the reason. Nothing here can make a process run code (no pickle).
@@ -30,6 +36,8 @@ import numpy as np
 PROTOCOL_VERSION = 1
 
 _ARRAY_EXT = 1
+_RECORD_EXT = 2  # a Framed record nested as its own frames: [first frame, frame count]
+MAX_NESTING = 2  # framed records within framed records, at most
 MAX_FRAMES = 4096  # buffers in one message: far above any record, small enough to stay cheap
 MAX_NDIM = 32
 MAX_BODY_BYTES = 16 << 20  # the msgpack body holds no bulk data; arrays travel as frames
@@ -61,6 +69,16 @@ Frame = Union[bytes, memoryview, Any]  # anything with the buffer protocol (zmq.
 # --------------------------------------------------------------------------------------------
 
 RECORDS: dict[str, type] = {}
+
+
+class Framed:
+    """Base of the records that travel nested as their own frames (see the module doc).
+
+    A Framed record decoded from frames keeps them (the `_frames` slot, not a field: not on the
+    wire, not compared) and `encode` sends exactly those again: a decoded record is read, not
+    changed (make a new one with dataclasses.replace, which keeps nothing)."""
+
+    __slots__ = ("_frames",)
 
 
 def record(cls: type) -> type:
@@ -193,8 +211,9 @@ class Trajectory:
 
 
 @record
-class Group:
-    """The n samples of one prompt, which move through the MessageQueue together."""
+class Group(Framed):
+    """The n samples of one prompt, which move through the MessageQueue together (nested in a
+    PutGroups or a Batch as its own frames: the queue stores and forwards them as received)."""
 
     group_id: str
     trajectories: list[Trajectory]
@@ -364,6 +383,22 @@ class PutReply:
 
 
 @record
+class PutGroups:
+    """Several groups in one put (the rollouter sends what is ready). Answered with
+    PutGroupsReply once every group it accepts is in the queue's log, in one write."""
+
+    groups: list[Group]
+
+
+@record
+class PutGroupsReply:
+    # The first `accepted` groups are in the queue (or were already: a retry); the rest were
+    # refused because the queue is full: keep them and send them again (back-pressure).
+    accepted: int
+    depth: int
+
+
+@record
 class GetBatch:
     """Trainer at `version` asks for `groups` groups, waiting up to `timeout_s`.
 
@@ -386,6 +421,42 @@ class Batch:
     version: int
     step: int = 0  # the GetBatch's step
     redelivered: bool = False  # the batch already handed out for this step, sent again
+
+
+@record
+class OpenBatchStream:
+    """Trainer -> MessageQueue: hand out the batches for steps `next_step`, `next_step` + 1, ...
+    up to `through_step` (each `groups` groups at `version`), pushed as groups become available:
+    answered by one Batch per step, in step order, under this request's correlation id, for as
+    long as the stream is open. A stream is the queue's one consumer: opening one ends the one
+    before (a restarted trainer, or one that lost a push). Steps are kept and handed out again
+    as for GetBatch (until a `committed_step` covers them), so a new stream from a step already
+    handed out gets the same groups again."""
+
+    stream: int  # the consumer's id for it: BatchCredit names it
+    groups: int
+    version: int
+    next_step: int
+    through_step: int
+    committed_step: int = 0
+
+
+@record
+class BatchCredit:
+    """Trainer -> MessageQueue: the open stream may go on up to `through_step` (never back), at
+    `version` from now on, and the trainer's latest checkpoint holds `committed_step`.
+    Answered with StreamState."""
+
+    stream: int
+    version: int
+    through_step: int
+    committed_step: int = 0
+
+
+@record
+class StreamState:
+    open: bool  # False: no such stream (the queue restarted, or another replaced it): open one
+    next_step: int  # the step the stream hands out next
 
 
 @record
@@ -516,6 +587,13 @@ def _checker(tp: Any) -> Checker:
 
         return check_literal
     if isinstance(tp, type) and tp.__name__ in RECORDS and RECORDS[tp.__name__] is tp:
+        if issubclass(tp, Framed):
+            def check_framed(v: Any, path: str) -> Any:
+                if type(v) is tp:  # decoded from its own frames (strictly), by ext_hook
+                    return v
+                return _build(tp, v, path)  # a map in the body: checked as any record
+
+            return check_framed
         return lambda v, path: _build(tp, v, path)
     raise TypeError(f"unsupported wire field type {tp!r}")
 
@@ -650,12 +728,30 @@ def _received_frame(arr: np.ndarray) -> Any:
     return None
 
 
+def frames_of(rec: Any) -> list[Frame] | None:
+    """The frames a Framed record was decoded from (what `encode` sends for it), or None."""
+    return getattr(rec, "_frames", None)
+
+
+def keep_frames(rec: Framed) -> list[Frame]:
+    """The record's frames, encoded now if it has none, and kept with it from now on: the
+    record is then what those frames say, whatever happens to its fields later."""
+    frames = getattr(rec, "_frames", None)
+    if frames is None:
+        frames = rec._frames = encode(rec)
+    return frames
+
+
 def encode(rec: Any) -> list[Frame]:
-    """Record -> frames. Arrays are referenced, not copied, where they are contiguous."""
+    """Record -> frames. Arrays are referenced, not copied, where they are contiguous; a Framed
+    record decoded from frames is those frames again."""
     cls = type(rec)
     name = getattr(cls, "_wire_name", None)
     if name is None or RECORDS.get(cls.__name__) is not cls:
         raise ProtocolError(f"not a wire record: {cls.__name__}")
+    kept = getattr(rec, "_frames", None) if isinstance(rec, Framed) else None
+    if kept is not None:
+        return list(kept)
     buffers: list[Any] = []
     meta_packer = msgpack.Packer(use_bin_type=True)  # one per call: encode may run in threads
 
@@ -664,6 +760,11 @@ def encode(rec: Any) -> list[Frame]:
         if kind is np.ndarray:
             arr = obj
         elif getattr(kind, "_wire_name", None) is not None and RECORDS.get(kind.__name__) is kind:
+            if isinstance(obj, Framed):  # its own frames, appended: [type, body, *buffers]
+                frames = encode(obj)
+                first = len(buffers)
+                buffers.extend(frames)
+                return _ext((_RECORD_EXT, meta_packer.pack([first, len(frames)])))
             return {f: getattr(obj, f) for f in _field_names(kind)}  # a nested record
         else:
             arr = _as_numpy(obj)
@@ -711,14 +812,15 @@ def _buffer(frame: Frame) -> memoryview:
 def decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None = None) -> Any:
     """Frames -> record, or ProtocolError naming what is wrong. Never allocates by a header."""
     try:
-        return _decode(frames, expect)
+        return _decode(frames, expect, 0)
     except ProtocolError:
         raise
     except Exception as e:  # msgpack's own errors, malformed buffers: all are protocol errors
         raise ProtocolError(f"malformed message: {type(e).__name__}: {e}") from None
 
 
-def _decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None) -> Any:
+def _decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None,
+            depth: int) -> Any:
     if len(frames) < 2:
         raise ProtocolError(f"expected at least 2 frames (type, body), got {len(frames)}")
     if len(frames) - 2 > MAX_FRAMES:
@@ -742,7 +844,33 @@ def _decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None) -> 
     n_buffers = len(buffers)
     used = [False] * n_buffers
 
+    def nested(data: bytes) -> Any:
+        meta = msgpack.unpackb(data, use_list=True)
+        if not (type(meta) is list and len(meta) == 2
+                and type(meta[0]) is int and type(meta[1]) is int):
+            raise ProtocolError("nested record header must be [first frame, frame count]")
+        first, count = meta
+        if not (0 <= first and 2 <= count and first + count <= n_buffers):
+            raise ProtocolError(f"nested record in frames {first}..{first + count - 1}, "
+                                f"message has {n_buffers}")
+        if depth >= MAX_NESTING:
+            raise ProtocolError(f"records nested deeper than {MAX_NESTING}")
+        for i in range(first, first + count):
+            if used[i]:
+                raise ProtocolError(f"frame {i} referenced twice")
+            used[i] = True
+        sub = list(buffers[first:first + count])
+        try:
+            rec = _decode(sub, Framed, depth + 1)
+        except ProtocolError as e:
+            raise ProtocolError(f"nested record in frames {first}..{first + count - 1}: "
+                                f"{e}") from None
+        rec._frames = sub
+        return rec
+
     def ext_hook(code: int, data: bytes) -> Any:
+        if code == _RECORD_EXT:
+            return nested(data)
         if code != _ARRAY_EXT:
             raise ProtocolError(f"unknown msgpack extension {code}")
         meta = msgpack.unpackb(data, use_list=True)
@@ -779,7 +907,10 @@ def _decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None) -> 
     )
     if not all(used):
         raise ProtocolError(f"{used.count(False)} array frame(s) not referenced by the body")
-    return _build(cls, obj, cls.__name__)
+    rec = _build(cls, obj, cls.__name__)
+    if depth == 0 and isinstance(rec, Framed):
+        rec._frames = list(frames)  # sent on as received (see Framed)
+    return rec
 
 
 def to_torch(arr: np.ndarray) -> Any:

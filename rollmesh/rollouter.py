@@ -3,8 +3,9 @@
     admit prompt groups under the staleness capacity
       -> dispatch trajectories to agent workers that hold credit (the cancel queue first)
       -> finished: dispatch to reward workers; interrupted: back into the cancel queue
-      -> a group scored whole: filter (e.g. DAPO), then put it into the MessageQueue
-         (held and retried while the queue is full: back-pressure)
+      -> a group scored whole: filter (e.g. DAPO), then put it into the MessageQueue, with
+         whatever else is ready in one PutGroups (held and retried while the queue is full:
+         back-pressure)
 
 Capacity (AReaL's bound, in groups): min(max_concurrent - running,
 (max_staleness + v + 1) * groups_per_version - (accepted + running)), where v is the live weight
@@ -59,9 +60,10 @@ from rollmesh.data import (
 from rollmesh.durable_log import DurableLog
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.evaluation import eval_summary
+from rollmesh.message_queue import put_ready
 from rollmesh.protocol import (
-    Assign, Cancel, Group, Heartbeat, Held, Metrics, Ok, Pause, Paused, PutGroup, Resume,
-    Returned, Score, Scored, StatsRequest, Trajectory, WorkerHello,
+    Assign, Cancel, Group, Heartbeat, Held, Metrics, Ok, Pause, Paused, Resume, Returned,
+    Score, Scored, StatsRequest, Trajectory, WorkerHello,
 )
 from rollmesh.runtime import RoleContext
 from rollmesh.transport import Channel, Liveness, PeerTimeout, RemoteError, RpcClient, RpcServer
@@ -368,6 +370,7 @@ class Rollouter:
         self.to_score: collections.deque[Trajectory] = collections.deque()
         self.groups: dict[str, GroupState] = {}
         self.ready: collections.deque[Group] = collections.deque()  # accepted, not yet queued
+        self.ready_added = asyncio.Event()
         self.counters: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()  # reason -> samples
         self.changed = asyncio.Event()
@@ -679,6 +682,7 @@ class Rollouter:
         state = self.groups.pop(group_id)
         if group is not None:
             self.ready.append(group)
+            self.ready_added.set()
             self.counters["accepted_groups"] += 1
             return
         # Dropped: the scored ones and the failed ones are in hand; the rest are still out
@@ -921,30 +925,19 @@ class Rollouter:
             self.changed.set()
 
     async def put_ready(self) -> None:
-        """Move accepted groups into the MessageQueue; wait while it is full."""
-        delay = 0.01
-        while True:
-            if not self.ready:
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                reply = await self.mq.request(PutGroup(group=self.ready[0]), timeout_s=30)
-            except (PeerTimeout, RemoteError) as e:
-                self.log.warning("queue_put_failed", error=str(e))
-                await asyncio.sleep(1.0)
-                continue
-            if reply.accepted:
-                group = self.ready.popleft()
-                if self.journal is not None:
-                    self.journal.queued(group.group_id, len(group.trajectories))
-                self.counters["queued_samples"] += len(group.trajectories)
-                self.counters["queued_groups"] += 1
-                delay = 0.01
-                self.changed.set()
-            else:
-                self.counters["queue_full_waits"] += 1
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        """Move accepted groups into the MessageQueue, what is ready in one put; wait while it
+        is full (`message_queue.put_ready`)."""
+        def queued(group: Group) -> None:
+            if self.journal is not None:
+                self.journal.queued(group.group_id, len(group.trajectories))
+            self.counters["queued_samples"] += len(group.trajectories)
+            self.counters["queued_groups"] += 1
+            self.changed.set()
+
+        def full() -> None:
+            self.counters["queue_full_waits"] += 1
+
+        await put_ready(self.mq, self.ready, self.ready_added, queued, log=self.log, full=full)
 
 
 async def main(ctx: RoleContext) -> None:

@@ -20,6 +20,8 @@ grad clip), both accumulated over the same micro-batches; the critic is sharded 
 Versions: the trainer's version is the number of weight syncs it has published (the engines
 start at version 0 = the initial weights). It asks for batches at its version; a sync publishes
 version + 1 (protocol in `rollmesh.synchronizer`). A resumed trainer continues the sequence.
+The queue streams the batches (`message_queue.BatchFeed`): the next step's batch is taken and
+sent while this step trains, when both train at the same version.
 
 Ranks: K processes (role instances 0..K-1), each its own role process, join the trainer's own
 process group at `rendezvous` (rank 0 hosts the TCPStore): gloo on CPU, nccl on GPUs. The model
@@ -84,7 +86,8 @@ from rollmesh.log import get_logger
 from rollmesh.metrics_sink import MetricsSinks, require_extras
 from rollmesh.metrics_sink import tensorboard_writer as _tensorboard  # noqa: F401 - tests
 from rollmesh.packing import BatchData
-from rollmesh.protocol import Batch, GetBatch, Metrics, StatsRequest
+from rollmesh.message_queue import STREAM_AHEAD, BatchFeed
+from rollmesh.protocol import Batch, Metrics, StatsRequest
 from rollmesh.publish import Publisher, finish_sync, sync_weights
 from rollmesh.ranks import Ranks, close_ranks, full_tensor, init_ranks
 from rollmesh.runtime import RoleContext
@@ -658,6 +661,7 @@ class Link:
         self.ctx, self.state = ctx, state
         config, t = ctx.config, ctx.transport
         self.mq = RpcClient(t, config["message_queue"], timeout_s=60, name="message queue")
+        self.feed = BatchFeed(self.mq, state.exp.rollout.batch_groups, log=ctx.log)
         self.rollouter = (RpcClient(t, config["rollouter"], timeout_s=30, name="rollouter")
                           if config.get("rollouter") else None)
         self.publisher = (Publisher(t, config, state.exp.sync, state.device,
@@ -686,6 +690,7 @@ class Link:
             self._serving.cancel()
         if self.publisher is not None:
             await self.publisher.close()
+        self.feed.close()
         for client in (self.mq, self.rollouter):
             if client is not None:
                 client.close()
@@ -784,15 +789,26 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
         saved = checkpoint.latest(ckpt_dir) if ckpt_dir else None
         committed = (int(saved.name.rsplit("_", 1)[-1]) if saved is not None
                      else 0 if ckpt_dir else state.step)
-        batch: Batch = await link.mq.request(
-            GetBatch(groups=exp.rollout.batch_groups, version=state.version, timeout_s=2.0,
-                     step=state.step + 1, committed_step=committed),
-            timeout_s=20)  # a retry (the queue restarted) is answered with the same batch
-        if batch.groups:
+        # The queue streams the batches: the next one comes while this step trains, if that
+        # step trains at the same version (the queue checks staleness at the trainer's version)
+        step = state.step + 1
+        through = min(step + STREAM_AHEAD, last_step_at_version(state, link),
+                      exp.trainer.total_steps)
+        batch = await link.feed.get(step, state.version, through, committed, timeout_s=2.0)
+        if batch is not None and batch.groups:
             frames = [memoryview(f).tobytes() for f in protocol.encode(batch)]
             await run(ranks.share, {"op": "batch", "frames": frames})
             return batch
         await run(ranks.share, {"op": "idle"})  # the other ranks wait in a collective: wake them
+
+
+def last_step_at_version(state: TrainState, link: Link) -> int:
+    """The last step the trainer trains at its current weight version: `train` syncs (version
+    + 1) after every step that is a multiple of sync.sync_every, and only with a synchronizer."""
+    if link.publisher is None:
+        return state.exp.trainer.total_steps
+    every = state.exp.sync.sync_every
+    return -(-(state.step + 1) // every) * every
 
 
 # -- the role --------------------------------------------------------------------------------------

@@ -348,6 +348,10 @@ class RpcServer:
     A malformed message is answered with ErrorReply(code="protocol") when its envelope is
     readable, and counted either way; the server keeps serving. Handlers run as tasks, so a
     slow one (a long poll) does not hold up the others.
+
+    A handler may return an async iterator instead of a record: a stream, each record it yields
+    sent under the request's correlation id (`RpcClient.stream` receives them) until it ends,
+    or until a send fails (the peer is gone), which closes it.
     """
 
     def __init__(
@@ -408,6 +412,9 @@ class RpcServer:
             return
         try:
             reply = await handler(request, peer)
+            if hasattr(reply, "__anext__"):
+                await self._stream(peer, corr, reply)
+                return
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -416,6 +423,16 @@ class RpcServer:
             reply = ErrorReply(code="handler", message=f"{type(e).__name__}: {e}")
         if reply is not None:
             await self._reply(peer, corr, reply)
+
+    async def _stream(self, peer: bytes, corr: bytes, items: Any) -> None:
+        try:
+            async for item in items:
+                if not await self._reply(peer, corr, item):
+                    break  # the peer is gone: nobody reads the rest
+        finally:
+            close = getattr(items, "aclose", None)
+            if close is not None:
+                await close()
 
     def _protocol_error(self, reason: str) -> None:
         self.stats.protocol_errors += 1
@@ -426,12 +443,14 @@ class RpcServer:
         if n & (n - 1) == 0 or n % 1000 == 0:
             log.warning("protocol_error", server=self.name, reason=reason, count=n)
 
-    async def _reply(self, peer: bytes, corr: bytes, reply: Any) -> None:
+    async def _reply(self, peer: bytes, corr: bytes, reply: Any) -> bool:
         try:
             await _send(self.sock, [peer, corr, *protocol.encode(reply)])
             self.stats.replies += 1
+            return True
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or HWM: the client will retry
             log.warning("reply_dropped", server=self.name, error=str(e))
+            return False
 
     def close(self) -> None:
         self.sock.close(0)
@@ -462,6 +481,7 @@ class RpcClient:
         self.name = name
         self._ids = itertools.count(1)
         self._pending: dict[bytes, tuple[asyncio.Future, list[Any]]] = {}
+        self._streams: dict[bytes, RpcStream] = {}
         self._sock: zmq.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None  # resends pending requests on a disconnect
@@ -486,6 +506,8 @@ class RpcClient:
         the next connection, instead of waiting out its timeout (the same resend as a retry)."""
         while True:
             await monitor.recv_multipart()
+            for stream in list(self._streams.values()):
+                stream._break("the connection dropped")  # what it was sent may be lost
             for corr, (future, frames) in list(self._pending.items()):
                 if not future.done():
                     try:
@@ -496,6 +518,8 @@ class RpcClient:
                         sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _disconnect(self) -> None:
+        for stream in list(self._streams.values()):
+            stream._break("the socket was rebuilt")  # the server streams to the old one
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()
@@ -521,7 +545,16 @@ class RpcClient:
     def _deliver(self, frames: list[Any]) -> None:
         if not frames:
             return
-        entry = self._pending.get(frames[0].bytes)
+        corr = frames[0].bytes
+        entry = self._pending.get(corr)
+        if entry is None and self._streams:
+            stream = self._streams.get(corr)
+            if stream is not None:
+                try:
+                    stream._items.put_nowait(protocol.decode(frames[1:]))
+                except ProtocolError as e:
+                    stream._items.put_nowait(e)
+                return
         if entry is None or entry[0].done():
             return  # a late reply to a request already answered or abandoned
         try:
@@ -570,6 +603,20 @@ class RpcClient:
             raise RemoteError(reply.code, reply.message)
         return reply
 
+    async def stream(self, rec: Any) -> RpcStream:
+        """Send a request the server answers with a stream of records (see RpcServer); read
+        them with the returned stream's `next`. Not sent again on a timeout or a reconnect:
+        the stream then says it is broken, and the caller asks anew from where it stands."""
+        if self._sock is None:
+            self._connect()
+        elif self._stale:
+            self._rebuild()
+        corr = next(self._ids).to_bytes(8, "big")
+        stream = RpcStream(self, corr, type(rec).__name__)
+        self._streams[corr] = stream
+        await self._send(corr, protocol.encode(rec))
+        return stream
+
     async def _send(self, corr: bytes, frames: list[Any]) -> None:
         assert self._sock is not None
         await _send(self._sock, [corr, *frames])
@@ -592,6 +639,46 @@ class RpcClient:
             if not future.done():
                 future.cancel()
         self._pending.clear()
+        self._streams.clear()
+
+
+class StreamBroken(ConnectionError):
+    """A stream's connection dropped or was rebuilt: what it carried since may be lost."""
+
+
+class RpcStream:
+    """The records a server streams in answer to one request (`RpcClient.stream`)."""
+
+    def __init__(self, client: RpcClient, corr: bytes, request: str):
+        self.client, self.corr, self.request = client, corr, request
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self.broken: str | None = None
+
+    def _break(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            self._items.put_nowait(StreamBroken(f"{self.request} stream from "
+                                                f"{self.client.address}: {why}"))
+
+    async def next(self, timeout_s: float | None = None) -> Any:
+        """The next record; PeerTimeout if none came within `timeout_s`, StreamBroken if the
+        connection dropped (nothing more will come), RemoteError for an ErrorReply."""
+        try:
+            item = await asyncio.wait_for(self._items.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise PeerTimeout(f"nothing from {self.client.address} on the {self.request} stream "
+                              f"for {timeout_s:g}s") from None
+        if isinstance(item, BaseException):
+            if isinstance(item, StreamBroken):
+                self._items.put_nowait(item)  # and again for every later call
+            raise item
+        if isinstance(item, ErrorReply):
+            raise RemoteError(item.code, item.message)
+        return item
+
+    def close(self) -> None:
+        """Stop listening: whatever the server still sends on it is dropped."""
+        self.client._streams.pop(self.corr, None)
 
 
 # --------------------------------------------------------------------------------------------

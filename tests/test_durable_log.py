@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 
 import pytest
 
@@ -175,3 +176,56 @@ except OSError as e:
     log.append(b"after")  # room again (no limit here): appending goes on
     log.close()
     assert DurableLog.open(path)[1][-1] == b"after"
+
+
+def test_several_records_in_one_write_all_in_the_kernel_or_none(tmp_path, monkeypatch):
+    path = tmp_path / "q.log"
+    log, _ = DurableLog.open(path, fsync_interval_s=3600)
+    calls = []
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, b: calls.append(len(b)) or real(fd, b))
+    headers = log.append_records([[b"one"], [b"tw", b"o"], [b""]])
+    assert len(calls) == 1 and log.appended_records == 3
+    # in the file (the kernel) when it returns, before any fsync: another reader sees them
+    assert DurableLog.open(path)[1] == [b"one", b"two", b""] and log.fsyncs == 0
+    assert [HEADER.unpack(h)[0] for h in headers] == [3, 3, 0]
+
+    def fail(fd, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", fail)
+    with pytest.raises(OSError, match="No space left.*q.log"):
+        log.append_records([[b"four"], [b"five"]])
+    monkeypatch.setattr(os, "writev", real)
+    assert log.appended_records == 3 and log.size == path.stat().st_size
+    log.close()
+    assert DurableLog.open(path)[1] == [b"one", b"two", b""]
+
+
+def test_an_fsync_in_another_thread_covers_what_was_written_before_it_began(tmp_path):
+    log, _ = DurableLog.open(tmp_path / "q.log", fsync_interval_s=0.001)
+    log.background_sync = True  # the owner fsyncs: appends never wait for the disk
+    log.append(b"a")
+    time.sleep(0.01)
+    log.append(b"b")
+    assert log.fsyncs == 0 and log.dirty
+    started = log.begin_sync()
+    log.append(b"c")  # written while the fsync runs: not covered by it
+    os.fsync(started[0])
+    log.end_sync(started)
+    assert log.fsyncs == 1 and log.dirty  # "c" still needs one
+    started = log.begin_sync()
+    os.fsync(started[0])
+    log.end_sync(started)
+    assert log.fsyncs == 2 and not log.dirty
+    assert log.begin_sync() is None  # nothing new: nothing to do
+    started = log.begin_sync() if log.append(b"d") else None
+    with pytest.raises(OSError, match="fsync failed: Input/output error.*q.log"):
+        log.end_sync(started, OSError(5, "Input/output error"))
+    log.close()
+    # fsync_interval_s = 0 fsyncs every record before it returns, background or not
+    every, _ = DurableLog.open(tmp_path / "e.log", fsync_interval_s=0)
+    every.background_sync = True
+    every.append_records([[b"x"], [b"y"]])
+    assert every.fsyncs == 1 and not every.dirty
+    every.close()

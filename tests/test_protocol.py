@@ -236,8 +236,11 @@ def test_protocol_uses_no_pickle():
 
 
 def test_a_broker_forwards_received_frames_without_copying():
-    """Decoded from received ZeroMQ frames and encoded again (the MessageQueue's hand-out), each
-    array whole goes out as the very frame it came in; a slice or a new array does not."""
+    """Decoded from received ZeroMQ frames and encoded again (the MessageQueue's hand-out), a
+    group goes out as the very frames it came in, body included; a record made anew from it
+    sends each array whole as the frame it came in; a slice or a new array is copied."""
+    import dataclasses
+
     import zmq
 
     ctx = zmq.Context()
@@ -250,6 +253,11 @@ def test_a_broker_forwards_received_frames_without_copying():
         received = b.recv_multipart(copy=False)
         got = decode(received)
         out = encode(got)
+        assert [id(f) for f in out] == [id(f) for f in received]  # as received, whole
+        assert_same(decode([bytes(memoryview(f)) for f in out]), group)
+        got = dataclasses.replace(got)  # a new record: encoded again, its arrays are not
+        out = encode(got)
+        assert out[1] is not received[1]
         assert [id(f) for f in out[2:]] == [id(f) for f in received[2:]]
         assert_same(decode([bytes(memoryview(f)) for f in out]), group)
         # a part of an array, or an array reversed, is not the frame: copied as usual
@@ -264,3 +272,66 @@ def test_a_broker_forwards_received_frames_without_copying():
         a.close(0)
         b.close(0)
         ctx.term()
+
+
+# ---- records nested as their own frames (a Group in a PutGroups or a Batch) ------------------
+
+
+def nested_ext(first, count):
+    return msgpack.ExtType(2, msgpack.packb([first, count]))
+
+
+EMPTY_GROUP = [b"Group", msgpack.packb({"group_id": "g", "trajectories": []})]
+
+
+def deep_group(levels):
+    """A Group whose only trajectory is a nested Group, `levels` deep."""
+    frames = EMPTY_GROUP
+    for _ in range(levels):
+        body = {"group_id": "g", "trajectories": [nested_ext(0, len(frames))]}
+        frames = [b"Group", msgpack.packb(body), *frames]
+    return frames
+
+
+NESTED_MALFORMED = [
+    ([b"Batch", msgpack.packb({"groups": [msgpack.ExtType(2, msgpack.packb([0]))], "version": 0})],
+     "nested record header must be [first frame, frame count]"),
+    ([b"Batch", msgpack.packb({"groups": [nested_ext(0, 6)], "version": 0}), *EMPTY_GROUP],
+     "nested record in frames 0..5, message has 2"),
+    ([b"Batch", msgpack.packb({"groups": [nested_ext(0, 2), nested_ext(0, 2)], "version": 0}),
+      *EMPTY_GROUP], "frame 0 referenced twice"),
+    ([b"Batch", msgpack.packb({"groups": [nested_ext(0, 2)], "version": 0}), b"Ok", b"\x80"],
+     "nested record in frames 0..1: unexpected message Ok, expected Framed"),
+    ([b"Assign", msgpack.packb({"trajectory": nested_ext(0, 2)}), *EMPTY_GROUP],
+     "Assign.trajectory: expected a map for Trajectory, got Group"),
+    ([b"Batch", msgpack.packb({"groups": [nested_ext(0, 2)], "version": 0}), *EMPTY_GROUP, b"x"],
+     "1 array frame(s) not referenced by the body"),
+    ([b"Batch", msgpack.packb({"groups": [nested_ext(0, 6)], "version": 0}), *deep_group(2)],
+     "records nested deeper than 2"),
+    ([b"Metrics", msgpack.packb({"role": "r", "host": "h", "values": {"g": nested_ext(0, 2)}}),
+      *EMPTY_GROUP], "Metrics.values.g: expected plain data, got Group"),
+]
+
+
+@pytest.mark.parametrize("frames,reason", NESTED_MALFORMED)
+def test_malformed_nested_records_are_protocol_errors(frames, reason):
+    with pytest.raises(ProtocolError) as err:
+        decode(frames)
+    assert reason in str(err.value)
+
+
+def test_a_nested_group_keeps_its_frames_and_a_new_record_is_encoded_anew():
+    import dataclasses
+
+    from rollmesh.protocol import Batch, PutGroups, frames_of
+
+    groups = [Group(group_id=f"g{i}", trajectories=[trajectory(8, f"s{i}")]) for i in range(3)]
+    frames = [bytes(memoryview(f).cast("B")) for f in encode(PutGroups(groups=groups))]
+    assert frames[2::6] == [b"Group"] * 3  # each group: its type, its body, its 4 arrays
+    put = decode(frames)
+    assert [frames_of(g) for g in put.groups] == [frames[2 + 6 * i:8 + 6 * i] for i in range(3)]
+    out = encode(Batch(groups=put.groups[::-1], version=1))
+    assert out[2:] == frames[14:20] + frames[8:14] + frames[2:8]  # as received, reordered
+    assert_same(decode(out).groups, groups[::-1])
+    renamed = dataclasses.replace(put.groups[0], group_id="other")
+    assert frames_of(renamed) is None and decode(encode(renamed)).group_id == "other"

@@ -302,3 +302,54 @@ def test_the_rendezvous_store_listens_only_on_the_address_the_ranks_are_given():
     assert _listeners(port) == {"0100007F"}  # 127.0.0.1 only, not 0.0.0.0 nor [::]
     del server
     assert _listeners(port) == set()  # the store closed the socket it was given
+
+
+def test_a_stream_delivers_in_order_ends_with_an_error_and_breaks_on_a_reconnect():
+    """A handler that returns an async iterator streams its records under one correlation id;
+    an exception in it reaches the client as RemoteError; when the server goes away and another
+    binds its address, the open stream says it is broken (what it carried may be lost) and a new
+    stream on the same client works."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+
+    async def numbers(msg, peer):
+        async def items():
+            for i in range(int(msg.message)):
+                yield Ok(message=str(i))
+            if msg.message == "2":
+                raise ValueError("no more")
+            await asyncio.Event().wait()  # open until the client goes (or the server)
+
+        return items()
+
+    async def main():
+        from rollmesh.transport import StreamBroken
+
+        with Transport() as t:
+            server = RpcServer(t, address, {Ok: numbers})
+            task = serve(server)
+            client = RpcClient(t, address, timeout_s=2)
+            stream = await client.stream(Ok(message="3"))
+            got = [(await stream.next(5)).message for _ in range(3)]
+            with pytest.raises(PeerTimeout):
+                await stream.next(0.2)  # nothing more, still open
+            failing = await client.stream(Ok(message="2"))
+            assert [(await failing.next(5)).message for _ in range(2)] == ["0", "1"]
+            with pytest.raises(RemoteError, match="ValueError: no more"):
+                await failing.next(5)
+            task.cancel()
+            server.close()  # gone: the client's connection drops
+            with pytest.raises(StreamBroken, match="Ok stream from .*: the connection dropped"):
+                await stream.next(5)
+            with pytest.raises(StreamBroken):  # and stays broken
+                await stream.next(5)
+            server = RpcServer(t, address, {Ok: numbers})
+            task = serve(server)
+            again = await client.stream(Ok(message="1"))
+            assert (await again.next(5)).message == "0"
+            client.close()
+            task.cancel()
+            server.close()
+            return got
+
+    assert asyncio.run(main()) == ["0", "1", "2"]
