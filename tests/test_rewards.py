@@ -1,6 +1,6 @@
 """rollmesh.rewards: the built-in functions (gsm8k, exact_match, remote against a local aiohttp
-server), lookup by entry point and by "module:function", output checking, and RewardSandbox with
-functions that raise, hang, exit, crash, hog memory or return non-numbers
+server), lookup by entry point and by "module:function", output checking, the trajectory view,
+and RewardSandbox with functions that raise, hang, exit, crash, hog memory or return non-numbers
 (tests/reward_fixtures.py)."""
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from rollmesh.rewards import (
     gsm8k_reward,
     remote_reward,
 )
+from rollmesh.agent_loops import append_observation, append_tokens, new_trajectory
 from rollmesh.config import RolloutConfig
+from rollmesh.rewards.trajectory import trajectory_view
 from tests import reward_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,6 +207,50 @@ def test_check_reward_output():
     ]:
         with pytest.raises(RewardOutputError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             check_reward_output(bad, "f")
+
+
+# -- the trajectory view -------------------------------------------------------------------------
+
+
+def test_trajectory_view_splits_the_response_into_turns_at_loss_mask_boundaries():
+    from tests.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer("qwen2.5")
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    prompt = enc(tok.apply_chat_template([{"role": "user", "content": "What is 6 times 7?"}],
+                                         tokenize=False, add_generation_prompt=True))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    obs = enc("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+              "<|im_start|>assistant\n")
+    first, resumed = enc("The answer"), enc(" is 42.") + [tok.eos_token_id]
+    t = new_trajectory("s", "g", 0, prompt, agent_loop="tool_agent")
+    append_tokens(t, enc(call) + [tok.eos_token_id], [-0.1] * (len(enc(call)) + 1), 3)
+    append_observation(t, obs)
+    append_tokens(t, first, [-0.1] * len(first), 3)  # interrupted by a weight sync ...
+    append_tokens(t, resumed, [-0.1] * len(resumed), 4)  # ... and resumed: still one turn
+    calls = [{"name": "calculator", "arguments": {"expression": "6*7"}, "result": "42"}]
+    t.loop_state = {"turn": 2, "tool_calls": 1, "calls": calls}
+    t.num_turns, t.finish_reason = 2, "stop"
+
+    view = trajectory_view(t, tok)
+    assert view == {
+        "prompt": "system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+                  "\nuser\nWhat is 6 times 7?\nassistant\n",
+        "turns": [
+            {"role": "assistant", "text": call, "tokens": len(enc(call)) + 1},
+            {"role": "observation", "text": "\nuser\n<tool_response>\n42\n</tool_response>\n"
+                                            "assistant\n", "tokens": len(obs)},
+            {"role": "assistant", "text": "The answer is 42.",
+             "tokens": len(first) + len(resumed)},
+        ],
+        "tool_calls": calls, "num_turns": 2, "finish_reason": "stop", "agent_loop": "tool_agent"}
+    assert msgpack.unpackb(msgpack.packb(view)) == view  # plain data: it crosses the pipe
+
+    bare = trajectory_view(new_trajectory("s", "g", 0, prompt, agent_loop="single_turn"), tok)
+    assert (bare["turns"], bare["tool_calls"], bare["num_turns"]) == ([], [], 0)
 
 
 # -- sandbox -------------------------------------------------------------------------------------
