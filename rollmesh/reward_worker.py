@@ -4,12 +4,15 @@ It joins the rollouter's channel with credits, decodes each trajectory's respons
 after the prompt), and scores it with the experiment's reward function (or the one the row
 names in `metadata["reward"]`) in a `RewardSandbox` child process: a function that raises,
 hangs or crashes is recorded on the sample (reward_status error/timeout, the reason in
-`error`), never turned into a silent 0, and never takes this process down.
+`error`), never turned into a silent 0, and never takes this process down. A function that
+declares a `trajectory` parameter also gets the trajectory's view (`trajectory_view`), built
+here only for such a function.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 
@@ -17,6 +20,7 @@ from rollmesh.agent_loops import load_tokenizer
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.protocol import Heartbeat, Metrics, Score, Scored, StatsRequest, Trajectory, WorkerHello
 from rollmesh.rewards.sandbox import RewardSandbox
+from rollmesh.rewards.trajectory import trajectory_view
 from rollmesh.runtime import RoleContext, rejoin_when_silent
 from rollmesh.transport import ChannelClient
 
@@ -35,8 +39,9 @@ class RewardWorker:
                                          skip_special_tokens=True)
         name = str(traj.metadata.get("reward") or self.exp.rollout.reward)
         try:
-            result = await self.sandbox.score(name, response, traj.label, traj.metadata,
-                                              self.exp.rollout.reward_timeout_s)
+            result = await self.sandbox.score(
+                name, response, traj.label, traj.metadata, self.exp.rollout.reward_timeout_s,
+                trajectory=functools.partial(trajectory_view, traj, self.tokenizer))
             traj.reward, traj.reward_status = result.reward, result.status
             traj.error, traj.reward_info = result.error, result.info
         except Exception as e:  # the sandbox itself failed (e.g. could not start a child)

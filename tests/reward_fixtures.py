@@ -77,3 +77,22 @@ def pid(response: str, label: Any, metadata: dict) -> dict:
 
 
 not_callable = 42
+
+
+def reads_trajectory(response: str, label: Any, metadata: dict, trajectory: dict) -> dict:
+    return {"reward": float(trajectory["num_turns"]),
+            "roles": [t["role"] for t in trajectory["turns"]],
+            "tools": [c["name"] for c in trajectory["tool_calls"]], "response": response}
+
+
+def reads_trajectory_by_keyword(response: str, label: Any, metadata: dict, *,
+                                trajectory: dict | None = None) -> float:
+    return 1.0 if trajectory is not None and trajectory["agent_loop"] == "tool_agent" else 0.0
+
+
+def trajectory_raising(response: str, label: Any, metadata: dict, trajectory: dict) -> float:
+    raise ValueError(f"no answer in {trajectory['num_turns']} turns")
+
+
+def takes_any_keyword(response: str, label: Any, metadata: dict, **kwargs: Any) -> float:
+    return float(len(kwargs))  # 0.0: a `trajectory` parameter must be declared by name

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -27,6 +28,7 @@ from rollmesh.rewards import (
     get_reward_fn,
     gsm8k_reward,
     remote_reward,
+    wants_trajectory,
 )
 from rollmesh.agent_loops import append_observation, append_tokens, new_trajectory
 from rollmesh.config import RolloutConfig
@@ -373,6 +375,120 @@ def test_sandbox_memory_limit_and_cancellation():
             assert (await sb.score(FIX + "constant", "", None, {}, timeout_s=5)).reward == 0.5
 
     asyncio.run(main())
+
+
+VIEW = {"prompt": "What is 6 times 7?",
+        "turns": [{"role": "assistant", "text": "<tool_call>...</tool_call>", "tokens": 9},
+                  {"role": "observation", "text": "tool\n42\nassistant\n", "tokens": 7},
+                  {"role": "assistant", "text": "It is 42.", "tokens": 5}],
+        "tool_calls": [{"name": "calculator", "arguments": {"expression": "6*7"}, "result": "42"}],
+        "num_turns": 2, "finish_reason": "stop", "agent_loop": "tool_agent"}
+
+
+def test_wants_trajectory_reads_the_signature():
+    def positional_only(response, label, metadata, trajectory, /):
+        return 0.0
+
+    assert wants_trajectory(reward_fixtures.reads_trajectory)
+    assert wants_trajectory(reward_fixtures.reads_trajectory_by_keyword)
+    assert not wants_trajectory(reward_fixtures.takes_any_keyword)
+    assert not wants_trajectory(positional_only)
+    assert not wants_trajectory(gsm8k_reward)
+    assert not wants_trajectory(max)  # no signature to read
+
+
+def test_sandbox_builds_and_passes_the_trajectory_only_to_functions_that_take_it():
+    built = []
+
+    def view() -> dict:
+        built.append(1)
+        return VIEW
+
+    async def main():
+        async with RewardSandbox(1, stderr=subprocess.DEVNULL) as sb:
+            res = await sb.score(FIX + "with_info", "abc", [1], {}, timeout_s=5, trajectory=view)
+            assert (res.status, res.reward, res.info) == (
+                "ok", 0.25, {"length": 3, "label_seen": [1]})
+            res = await sb.score(FIX + "takes_any_keyword", "", None, {}, 5, trajectory=view)
+            assert (res.status, res.reward) == ("ok", 0.0)
+            assert built == []  # never built for a function that does not take it
+
+            res = await sb.score(FIX + "reads_trajectory", "It is 42.", None, {}, 5,
+                                 trajectory=view)
+            assert (res.status, res.reward, res.info) == ("ok", 2.0, {
+                "roles": ["assistant", "observation", "assistant"], "tools": ["calculator"],
+                "response": "It is 42."})
+            res = await sb.score(FIX + "reads_trajectory_by_keyword", "", None, {}, 5,
+                                 trajectory=view)
+            assert (res.status, res.reward) == ("ok", 1.0)
+            assert built == [1, 1]
+
+            pid = await pid_of(sb)
+            res = await sb.score(FIX + "trajectory_raising", "", None, {}, 5, trajectory=view)
+            assert (res.status, res.reward, res.error) == (
+                "error", None, "ValueError: no answer in 2 turns")
+            assert "in trajectory_raising" in res.info["traceback"]
+            res = await sb.score(FIX + "reads_trajectory", "", None, {}, 5)  # none given
+            assert (res.status, res.reward, res.error) == (
+                "error", None, "ValueError: reward function 'tests.reward_fixtures:"
+                "reads_trajectory' takes a trajectory (its `trajectory` parameter), and this "
+                "request carries none")
+            assert await pid_of(sb) == pid  # failures like any other: the process serves on
+
+    asyncio.run(main())
+
+
+def test_the_reward_worker_gives_the_trajectory_view_to_functions_that_take_it():
+    """RewardWorker.score with a real sandbox: the view of the trajectory it was sent (tiny's
+    tokenizer), an old-style function scored as before, a raising one recorded as an error."""
+    from types import SimpleNamespace
+
+    from rollmesh.agent_loops import load_tokenizer
+    from rollmesh.log import get_logger
+    from rollmesh.reward_worker import RewardWorker
+
+    tok = load_tokenizer("tiny")
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    def trajectory(reward: str) -> Any:
+        t = new_trajectory("s", "g", 0, enc("What is 6 times 7?"), agent_loop="tool_agent",
+                           label="It is 42.", metadata={"reward": reward})
+        said, seen, answer = enc("Let me compute."), enc(" 42 "), enc("It is 42.")
+        append_tokens(t, said, [-0.1] * len(said), 0)
+        append_observation(t, seen)
+        append_tokens(t, answer, [-0.1] * len(answer), 1)
+        t.loop_state["calls"] = [{"name": "calculator", "arguments": {}, "result": "42"}]
+        t.num_turns, t.status = 2, "finished"
+        return t
+
+    class Channel:
+        def __init__(self) -> None:
+            self.sent: list[Any] = []
+
+        async def send(self, msg: Any) -> None:
+            self.sent.append(msg)
+
+    async def main():
+        ctx = SimpleNamespace(spec=SimpleNamespace(role="reward_worker", instance=0),
+                              log=get_logger("test"))
+        exp = SimpleNamespace(model="tiny", rollout=RolloutConfig(reward="exact_match",
+                                                                  reward_timeout_s=10))
+        async with RewardSandbox(1, stderr=subprocess.DEVNULL) as sb:
+            worker = RewardWorker(ctx, exp, sb, Channel())
+            for reward in (FIX + "reads_trajectory", "exact_match", FIX + "trajectory_raising"):
+                await worker.score(trajectory(reward))
+            return [m.trajectory for m in worker.channel.sent], worker.counts
+
+    (reads, old, raising), counts = asyncio.run(main())
+    assert (reads.reward_status, reads.reward, reads.reward_info) == ("ok", 2.0, {
+        "roles": ["assistant", "observation", "assistant"], "tools": ["calculator"],
+        "response": "Let me compute. 42 It is 42."})
+    assert (old.reward_status, old.reward) == ("ok", 0.0)  # the whole response, not the label
+    assert (raising.reward_status, raising.reward, raising.error) == (
+        "error", None, "ValueError: no answer in 2 turns")
+    assert counts == {"ok": 2, "error": 1, "timeout": 0}
 
 
 def test_serve_answers_malformed_requests():

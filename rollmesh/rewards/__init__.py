@@ -2,7 +2,9 @@
 functions, and `RewardSandbox`, which runs any of them in child processes under a time limit.
 
 A reward function is `fn(response: str, label: Any, metadata: dict) -> float | dict`; a dict
-holds `"reward"` and may add other plain-data fields (the reward's info).
+holds `"reward"` and may add other plain-data fields (the reward's info). One that declares a
+`trajectory` parameter also gets the trajectory's view (turns, tool calls:
+`rollmesh.rewards.trajectory`).
 """
 
 from rollmesh.rewards.builtin import (
@@ -20,6 +22,7 @@ from rollmesh.rewards.registry import (
     available_rewards,
     check_reward_output,
     get_reward_fn,
+    wants_trajectory,
 )
 from rollmesh.rewards.sandbox import RewardResult, RewardSandbox
 
@@ -38,4 +41,5 @@ __all__ = [
     "gsm8k_reward",
     "make_remote_reward",
     "remote_reward",
+    "wants_trajectory",
 ]

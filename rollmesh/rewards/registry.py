@@ -5,12 +5,15 @@ A reward function is `fn(response: str, label: Any, metadata: dict) -> float | d
 Functions are registered under the entry-point group `rollmesh.rewards`, or named directly as
 `"module:function"` (a module importable where the function runs). A function may carry a
 `warmup()` attribute (slow imports, caches): RewardSandbox runs it when a child loads the
-function, outside the time limit of a call.
+function, outside the time limit of a call. A function that declares a parameter named
+`trajectory` is called `fn(response, label, metadata, trajectory=view)` with the trajectory's
+view (`rollmesh.rewards.trajectory`); the others as above.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -27,6 +30,7 @@ __all__ = [
     "available_rewards",
     "check_reward_output",
     "get_reward_fn",
+    "wants_trajectory",
 ]
 
 ENTRY_POINT_GROUP = "rollmesh.rewards"
@@ -71,6 +75,17 @@ def get_reward_fn(name: str) -> RewardFn:
     if not callable(fn):
         raise UnknownRewardError(f"reward function {name!r} is a {type(fn).__name__}, not callable")
     return fn
+
+
+def wants_trajectory(fn: RewardFn) -> bool:
+    """Whether `fn` declares a parameter named `trajectory` (positional-or-keyword or
+    keyword-only): it is then given the trajectory's view."""
+    try:
+        param = inspect.signature(fn).parameters.get("trajectory")
+    except (TypeError, ValueError):  # a callable whose signature Python cannot read
+        return False
+    return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                 inspect.Parameter.KEYWORD_ONLY)
 
 
 def check_reward_output(value: Any, name: str) -> tuple[float, dict[str, Any]]:

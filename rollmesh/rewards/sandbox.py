@@ -9,11 +9,13 @@ killed and replaced by a fresh one for the next call. The caller never goes down
 
 Protocol, one request at a time per child:
   child -> parent at start: {"op": "ready", "pid"}
-  parent -> child: {"op": "load", "fn"}  -> {"ok": true} | {"ok": false, "error"}
+  parent -> child: {"op": "load", "fn"}  -> {"ok": true, "trajectory"} | {"ok": false, "error"}
                    (imports the function and runs its optional `warmup()` attribute, outside
-                   the time limit)
-  parent -> child: {"op": "call", "fn", "response", "label", "metadata"}
+                   the time limit; "trajectory": whether the function takes the trajectory view)
+  parent -> child: {"op": "call", "fn", "response", "label", "metadata"[, "trajectory"]}
                    -> {"ok": true, "reward", "info"} | {"ok": false, "error", "info"}
+                   ("trajectory", the view, only for a function that takes it: the parent
+                   builds it only then)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import struct
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Literal
 
@@ -33,7 +36,7 @@ import msgpack
 
 from rollmesh.isolation import die_with_parent, limit_data
 from rollmesh.log import get_logger
-from rollmesh.rewards.registry import check_reward_output, get_reward_fn
+from rollmesh.rewards.registry import check_reward_output, get_reward_fn, wants_trajectory
 
 __all__ = ["RewardResult", "RewardSandbox", "serve"]
 
@@ -75,11 +78,12 @@ def _exit_reason(code: int | None) -> str:
 
 
 class _Child:
-    """One `rollmesh.rewards serve` process and the functions it has loaded."""
+    """One `rollmesh.rewards serve` process and the functions it has loaded (each name: whether
+    the function takes the trajectory view)."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
-        self.loaded: set[str] = set()
+        self.loaded: dict[str, bool] = {}
 
     async def send(self, msg: dict[str, Any]) -> None:
         body = msgpack.packb(msg)
@@ -214,11 +218,14 @@ class RewardSandbox:
         await child.kill()
 
     async def score(
-        self, name: str, response: str, label: Any, metadata: dict[str, Any], timeout_s: float
+        self, name: str, response: str, label: Any, metadata: dict[str, Any], timeout_s: float,
+        *, trajectory: Callable[[], dict[str, Any]] | None = None,
     ) -> RewardResult:
         """Score `response` with reward function `name` (entry-point name or "module:function"),
         killing it after `timeout_s` seconds of running (waiting for a free child and starting
-        one are not counted)."""
+        one are not counted). `trajectory` builds the trajectory view (in this process), called
+        only if the function takes one (a `trajectory` parameter); such a function scored
+        without it is an error."""
         if self._closed:
             raise RuntimeError("RewardSandbox is closed")
         child = await self._free.get()
@@ -233,7 +240,8 @@ class RewardSandbox:
                     child = await self._spawn()
                 except RuntimeError as e:
                     return RewardResult("error", error=str(e))
-            result = await self._score(child, name, response, label, metadata, timeout_s)
+            result = await self._score(child, name, response, label, metadata, timeout_s,
+                                       trajectory)
             if result.status != "ok" and child.proc.returncode is not None:
                 await self._discard(child)
                 child = None
@@ -248,14 +256,8 @@ class RewardSandbox:
 
     async def _score(
         self, child: _Child, name: str, response: str, label: Any, metadata: dict[str, Any],
-        timeout_s: float,
+        timeout_s: float, trajectory: Callable[[], dict[str, Any]] | None,
     ) -> RewardResult:
-        request = {"op": "call", "fn": name, "response": response, "label": label,
-                   "metadata": metadata}
-        try:
-            msgpack.packb(request)
-        except (TypeError, ValueError, OverflowError) as e:
-            return RewardResult("error", error=f"request is not plain data: {e}")
         try:
             if name not in child.loaded:  # importing is not the function's time
                 reply = await asyncio.wait_for(
@@ -263,7 +265,7 @@ class RewardSandbox:
                 )
                 if not reply.get("ok"):
                     return RewardResult("error", error=str(reply.get("error")))
-                child.loaded.add(name)
+                child.loaded[name] = bool(reply.get("trajectory"))
         except TimeoutError:
             await child.kill()
             why = f"loading {name!r} took over {self.start_timeout_s}s"
@@ -271,6 +273,14 @@ class RewardSandbox:
         except _Died as e:
             return RewardResult("error", error=str(e))
 
+        request = {"op": "call", "fn": name, "response": response, "label": label,
+                   "metadata": metadata}
+        if child.loaded[name] and trajectory is not None:
+            request["trajectory"] = trajectory()
+        try:
+            msgpack.packb(request)
+        except (TypeError, ValueError, OverflowError) as e:
+            return RewardResult("error", error=f"request is not plain data: {e}")
         start = time.monotonic()
         try:
             reply = await asyncio.wait_for(child.request(request), timeout_s)
@@ -304,6 +314,17 @@ class RewardSandbox:
 # ---------------------------------------------------------------------------------------------
 
 
+def _call(fn: Any, name: Any, msg: dict[str, Any]) -> Any:
+    """`fn` on the request's arguments, and its trajectory view if it takes one."""
+    args = (msg.get("response"), msg.get("label"), msg.get("metadata") or {})
+    if not wants_trajectory(fn):
+        return fn(*args)
+    if "trajectory" not in msg:
+        raise ValueError(f"reward function {name!r} takes a trajectory (its `trajectory` "
+                         "parameter), and this request carries none")
+    return fn(*args, trajectory=msg["trajectory"])
+
+
 def _handle(msg: Any, fns: dict[str, Any], memory_limit_mb: int | None = None) -> dict[str, Any]:
     if not isinstance(msg, dict) or msg.get("op") not in ("load", "call"):
         return {"ok": False, "error": f"malformed request: {msg!r:.200}"}
@@ -315,9 +336,8 @@ def _handle(msg: Any, fns: dict[str, Any], memory_limit_mb: int | None = None) -
             warmup = getattr(fns[name], "warmup", None)
             if callable(warmup):
                 warmup()
-            return {"ok": True}
-        value = fns[name](msg.get("response"), msg.get("label"), msg.get("metadata") or {})
-        reward, info = check_reward_output(value, name)
+            return {"ok": True, "trajectory": wants_trajectory(fns[name])}
+        reward, info = check_reward_output(_call(fns[name], name, msg), name)
         return {"ok": True, "reward": reward, "info": info}
     except MemoryError as e:
         where = f" (memory limit {memory_limit_mb} MiB, rollout.reward_memory_mb)" \
