@@ -38,6 +38,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
+import msgpack
 import numpy as np
 
 from rollmesh.config import ModelConfig, RolloutConfig
@@ -280,6 +281,7 @@ class SingleTurn:
 # --------------------------------------------------------------------------------------------
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+RECORDED_RESULT_CHARS = 2000  # of each tool result kept in loop_state["calls"]
 _ASSISTANT_PROBE = "rollmesh-assistant-turn"  # stands for the generated turn when rendering
 
 
@@ -371,13 +373,30 @@ async def run_tool(tools: dict[str, Callable[..., Any]], call: dict[str, Any],
     return result if isinstance(result, str) else json.dumps(result)
 
 
+def recorded_call(call: dict[str, Any], result: str) -> dict[str, Any]:
+    """An executed call as loop_state["calls"] keeps it for the reward (the trajectory view's
+    tool_calls): {"name", "arguments", "result"}, the result cut to RECORDED_RESULT_CHARS; a
+    malformed call has no name and no arguments, its result the error the model was given.
+    Arguments that cannot cross the wire (a JSON integer beyond 64 bits) are kept as their
+    JSON text, {"json": text}."""
+    if "error" in call:
+        return {"name": None, "arguments": {}, "result": result[:RECORDED_RESULT_CHARS]}
+    args = call["arguments"]
+    try:
+        msgpack.packb(args)
+    except OverflowError:
+        args = {"json": json.dumps(args)}
+    return {"name": call["name"], "arguments": args, "result": result[:RECORDED_RESULT_CHARS]}
+
+
 class ToolAgent:
     """Multi-turn: generate -> parse tool calls -> run them concurrently -> feed results back.
 
     loop_state: {"turn": completed turns, "turn_start": token index where the current
-    assistant turn began}. A cancel during generation keeps the partial turn (resumed with the
-    rest of the turn's budget); tool calls already running finish first, their results are
-    appended, and the next turn starts on resume.
+    assistant turn began, "tool_calls": how many calls ran, "calls": each of them in order
+    (`recorded_call`), for the reward}. A cancel during generation keeps the partial turn
+    (resumed with the rest of the turn's budget); tool calls already running finish first,
+    their results are appended, and the next turn starts on resume.
     """
 
     name = "tool_agent"
@@ -412,6 +431,7 @@ class ToolAgent:
             state["turn_start"] = len(traj.token_ids)
             state.setdefault("tool_calls", 0)
             state["tool_calls"] += len(calls)
+            state.setdefault("calls", []).extend(map(recorded_call, calls, results))
             if len(traj.token_ids) >= ctx.max_context - 1:
                 traj.finish_reason = "length"
                 break

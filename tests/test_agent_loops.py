@@ -173,22 +173,20 @@ def test_load_tokenizer_honours_tokenizer_path_and_trust_remote_code(tmp_path, m
     assert seen["trust_remote_code"] is True and seen["local_files_only"] is True
 
 
-def test_tool_agent_appends_the_templates_tool_turn_between_generated_turns():
-    """A whole tool_agent run with the Qwen2.5 template: prompt, a generated tool call, the
-    calculator's answer as the template renders a tool turn (mask 0), the final answer; the
-    token row is exactly the template's rendering of that conversation."""
+USER = [{"role": "user", "content": "What is 12 plus 30?"}]
+SCHEMA = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+CALL = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+30"}}\n'
+        '</tool_call>')
+
+
+def run_tool_agent(tok, replies: list[str], tools: dict | None = None):
+    """tool_agent on USER (rendered with a calculator tool) against an engine that answers
+    `replies` in turn, each ended by eos: the trajectory, and the prompt ids of each request."""
     from rollmesh.agent_loops import LoopContext, ToolAgent
     from rollmesh.config import RolloutConfig
     from rollmesh.data import PromptRow, render_prompt
     from rollmesh.engine.client import GenerateOutput
-    from tests.hf_checkpoints import build_tokenizer
 
-    tok = build_tokenizer("qwen2.5")
-    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
-    user = [{"role": "user", "content": "What is 12 plus 30?"}]
-    call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+30"}}\n'
-            '</tool_call>')
-    replies = [call, "The answer is 42."]
     prompts = []
 
     class Client:
@@ -202,20 +200,62 @@ def test_tool_agent_appends_the_templates_tool_turn_between_generated_turns():
             return GenerateOutput(rid, "e", out, [-0.5] * len(out), "stop", "3", len(ids))
 
     ctx = LoopContext(Client(), tok, RolloutConfig(max_new_tokens=64, max_turns=4),
-                      max_context=2048, cancelling=asyncio.Event())
-    prompt = render_prompt(PromptRow(0, user, tools=tools), tok)
+                      max_context=4096, cancelling=asyncio.Event(), tools=tools)
+    prompt = render_prompt(PromptRow(0, USER, tools=SCHEMA), tok)
     traj = new_trajectory("s", "g", 0, prompt, agent_loop="tool_agent")
     asyncio.run(ToolAgent(ctx).run(traj))
+    return traj, prompts
+
+
+def test_tool_agent_appends_the_templates_tool_turn_between_generated_turns():
+    """A whole tool_agent run with the Qwen2.5 template: prompt, a generated tool call, the
+    calculator's answer as the template renders a tool turn (mask 0), the final answer; the
+    token row is exactly the template's rendering of that conversation."""
+    from tests.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer("qwen2.5")
+    replies = [CALL, "The answer is 42."]
+    traj, prompts = run_tool_agent(tok, replies)
+    prompt = prompts[0]  # the row as the rollouter renders it
     assert traj.num_turns == 2 and traj.loop_state["tool_calls"] == 1
     whole = tok.apply_chat_template(
-        [*user, {"role": "assistant", "content": call}, {"role": "tool", "content": "42"},
-         {"role": "assistant", "content": replies[1]}], tools=tools, tokenize=False)
+        [*USER, {"role": "assistant", "content": CALL}, {"role": "tool", "content": "42"},
+         {"role": "assistant", "content": replies[1]}], tools=SCHEMA, tokenize=False)
     # the template ends the last turn with "<|im_end|>\n"; generation stops at <|im_end|>
     assert tok.decode(traj.token_ids.tolist()) + "\n" == whole
     observation = tok.decode(prompts[1][len(prompt):])
     assert observation.endswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n"
                                 "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     mask = traj.loss_mask[len(prompt):].tolist()
-    first = len(tok.encode(call, add_special_tokens=False)) + 1
+    first = len(tok.encode(CALL, add_special_tokens=False)) + 1
     n_obs = len(prompts[1]) - len(prompt) - first
     assert mask == [1] * first + [0] * n_obs + [1] * (len(mask) - first - n_obs)
+
+
+def test_tool_agent_records_each_executed_call_for_the_reward():
+    """loop_state["calls"]: every call in order with its arguments and its result (cut to
+    2,000 characters), a malformed one without name or arguments; the count stays too."""
+    import msgpack
+
+    from rollmesh.agent_loops import recorded_call
+    from tests.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer("qwen2.5")
+    tools = {"calculator": calculator, "echo": lambda text: text * 1100}
+    replies = [CALL + '<tool_call>{"name": "calculator"</tool_call>',
+               '<tool_call>{"name": "echo", "arguments": {"text": "ab"}}</tool_call>'
+               '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>',
+               "The answer is 42."]
+    traj, _ = run_tool_agent(tok, replies, tools)
+    calls = traj.loop_state["calls"]
+    assert traj.num_turns == 3 and traj.loop_state["tool_calls"] == 4
+    assert calls[0] == {"name": "calculator", "arguments": {"expression": "12+30"},
+                        "result": "42"}
+    assert calls[1]["name"] is None and calls[1]["arguments"] == {}
+    assert calls[1]["result"].startswith("malformed tool call: ")
+    assert calls[2] == {"name": "echo", "arguments": {"text": "ab"}, "result": "ab" * 1000}
+    assert calls[3] == {"name": "search", "arguments": {"q": "x"},
+                        "result": "unknown tool 'search' (available: calculator, echo)"}
+    assert msgpack.unpackb(msgpack.packb(traj.loop_state)) == traj.loop_state  # crosses the wire
+    huge = recorded_call({"name": "calculator", "arguments": {"n": 10 ** 30}}, "x")
+    assert huge["arguments"] == {"json": '{"n": 1000000000000000000000000000000}'}
