@@ -30,6 +30,10 @@ Each POST /v1/chat/completions of the agent becomes part of ONE token row:
   Hermes/Qwen `<tool_call>{json}</tool_call>` blocks parsed into `tool_calls` when the request
   gave tools.
 
+loop_state: "completions", the token spans of each call ([observation start, generation
+start, end]); "calls", the tool messages the agent appended, for the reward
+(`recorded_tool_calls`: the trajectory view's tool_calls); "resumed_calls".
+
 Weight syncs. The user's coroutine cannot move to another worker, so its trajectory stays here
 across a sync. At a Cancel (abort mode) the worker clears `LoopContext.resumed` and aborts every
 generation; a call that was generating keeps its partial tokens (old version) and holds its HTTP
@@ -66,6 +70,7 @@ from aiohttp import web
 
 from rollmesh.agent_loops import (
     ChatTemplateError, ContextFull, Interrupted, LoopContext, append_observation, next_turn_ids,
+    recorded_call,
 )
 from rollmesh.engine.openai_api import (
     _NO_EFFECT, OpenAIError, TokenBytes, _template_message, _tool_choice, _tools, chat_logprobs,
@@ -234,6 +239,24 @@ def message_difference(held: dict[str, Any], sent: dict[str, Any]) -> str | None
                     f"{x[at:at + 30]!r} in the trajectory")
         return f"{key} differs: {b.get(key)!r} here, {a.get(key)!r} in the trajectory"
     return None
+
+
+def recorded_tool_calls(history: list[dict[str, Any]],
+                        new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool messages among `new` as loop_state["calls"] keeps them for the reward
+    (`agent_loops.recorded_call`): the message's name, else that of the assistant's call it
+    answers (matched in `history` by tool_call_id), that call's arguments ({} if none matches),
+    the message's content as the result."""
+    asked = {c["id"]: c["function"] for m in history for c in m.get("tool_calls") or []
+             if c.get("id")}
+    calls = []
+    for m in (m for m in new if m["role"] == "tool"):
+        fn = asked.get(m.get("tool_call_id"), {})
+        args = fn.get("arguments")
+        call = {"name": m.get("name") or fn.get("name"),
+                "arguments": args if isinstance(args, dict) else {}}
+        calls.append(recorded_call(call, m["content"]))
+    return calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,6 +461,7 @@ class OpenAIEndpoint:
                            f"{ctx.max_context}")
                 raise CallError(s.ended, code="context_length_exceeded")
             append_observation(traj, obs)
+            traj.loop_state.setdefault("calls", []).extend(recorded_tool_calls(s.history, new))
         s.history = list(req.messages)
         start = len(traj.token_ids)
         finish, matched = await self.generate(s, req, start)
@@ -599,7 +623,8 @@ class OpenAIEndpoint:
         if tool_calls:
             message["tool_calls"] = tool_calls
         s.history.append(normalize_message(len(s.history), message))
-        traj.loop_state.setdefault("calls", []).append([observation_at, start, len(ids) + start])
+        traj.loop_state.setdefault("completions", []).append(
+            [observation_at, start, len(ids) + start])
         logprobs = None
         if req.logprobs:
             entries = [[float(lp), int(t), tok.decode([int(t)])]

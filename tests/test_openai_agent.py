@@ -26,7 +26,7 @@ from rollmesh.engine.models import build_tiny  # noqa: E402
 from rollmesh.log import get_logger  # noqa: E402
 from rollmesh.openai_agent import (  # noqa: E402
     AgentError, CallError, OpenAIAgent, OpenAIEndpoint, Session, message_difference,
-    normalize_message, resolve_agent,
+    normalize_message, recorded_tool_calls, resolve_agent,
 )
 from tests.engine.engine_harness import teacher_forced_logprobs  # noqa: E402
 
@@ -204,7 +204,9 @@ def test_two_agents_record_exactly_the_sampled_tokens(engine, tiny):
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True),
             add_special_tokens=False)
         ids = t.token_ids.tolist()
-        (o1, s1, e1), (o2, s2, e2) = t.loop_state["calls"]
+        (o1, s1, e1), (o2, s2, e2) = t.loop_state["completions"]
+        # the tool message, for the reward: its id answers none of the reply's calls
+        assert t.loop_state["calls"] == [{"name": None, "arguments": {}, "result": "42"}]
         assert t.prompt_len == len(prompt) == o1 == s1 and ids[:s1] == prompt
         assert e1 == o2 and e2 == len(ids)
         ended = ids[e1 - 1] == tok.eos_token_id
@@ -396,6 +398,13 @@ def test_tool_calls_are_parsed_and_the_tool_turn_rendered_by_the_template():
         [*user, sdk, {"role": "tool", "tool_call_id": tc["id"], "content": "42"}])]
     new = endpoint.new_messages(s, sent)
     assert [m["role"] for m in new] == ["tool"]
+    # recorded for the reward: the call it answers found by tool_call_id
+    assert recorded_tool_calls(s.history, new) == [
+        {"name": "calculator", "arguments": {"expression": "12+30"}, "result": "42"}]
+    other = normalize_message(3, {"role": "tool", "tool_call_id": "call_x", "name": "search",
+                                  "content": "none"})
+    assert recorded_tool_calls(s.history, [other]) == [
+        {"name": "search", "arguments": {}, "result": "none"}]
     obs = next_turn_ids(tok, new, turn_ended=True)
     assert tok.decode(obs) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>"
                                "<|im_end|>\n<|im_start|>assistant\n")
