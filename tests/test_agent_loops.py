@@ -259,3 +259,25 @@ def test_tool_agent_records_each_executed_call_for_the_reward():
     assert msgpack.unpackb(msgpack.packb(traj.loop_state)) == traj.loop_state  # crosses the wire
     huge = recorded_call({"name": "calculator", "arguments": {"n": 10 ** 30}}, "x")
     assert huge["arguments"] == {"json": '{"n": 1000000000000000000000000000000}'}
+
+
+@pytest.mark.parametrize("replies,reward,used_tool", [
+    ([CALL, "The answer is 42."], 1.0, True),
+    (['<tool_call>{"name": "calculator"</tool_call>', "The answer is 42."], 0.0, False),
+    (["The answer is 42."], 0.0, False),  # right, but without the tool
+])
+def test_tool_answer_scores_a_tool_agent_trajectory_by_its_view(replies, reward, used_tool):
+    """tool_agent's token row and recorded calls, through the view, to the built-in reward."""
+    from rollmesh.rewards import tool_answer_reward
+    from rollmesh.rewards.trajectory import trajectory_view
+    from tests.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer("qwen2.5")
+    traj, _ = run_tool_agent(tok, replies)
+    view = trajectory_view(traj, tok)
+    assert [t["role"] for t in view["turns"]] == ["assistant", "observation"] * (
+        len(replies) - 1) + ["assistant"]
+    assert view["turns"][-1]["text"] == "The answer is 42."
+    out = tool_answer_reward("", 42, {}, view)
+    assert out == {"reward": reward, "answer": "42", "tool_calls": len(replies) - 1,
+                   "used_tool": used_tool}

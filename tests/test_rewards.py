@@ -1,5 +1,5 @@
-"""rollmesh.rewards: the built-in functions (gsm8k, exact_match, remote against a local aiohttp
-server), lookup by entry point and by "module:function", output checking, the trajectory view,
+"""rollmesh.rewards: the built-in functions (gsm8k, exact_match, tool_answer, remote against a
+local aiohttp server), lookup by entry point and by "module:function", output checking, the trajectory view,
 and RewardSandbox with functions that raise, hang, exit, crash, hog memory or return non-numbers
 (tests/reward_fixtures.py)."""
 
@@ -28,6 +28,7 @@ from rollmesh.rewards import (
     get_reward_fn,
     gsm8k_reward,
     remote_reward,
+    tool_answer_reward,
     wants_trajectory,
 )
 from rollmesh.agent_loops import append_observation, append_tokens, new_trajectory
@@ -95,6 +96,66 @@ def test_exact_match(response, label, reward):
 def test_exact_match_needs_a_label():
     with pytest.raises(ValueError, match="exact_match needs a label"):
         exact_match_reward("x", None, {})
+
+
+# -- tool_answer ---------------------------------------------------------------------------------
+
+
+def agent_view(last: str, results: list[str], earlier: str = "Let me use the calculator.") -> dict:
+    """A trajectory view: an assistant turn, the tool results, the last assistant turn."""
+    turns = [{"role": "assistant", "text": earlier, "tokens": 8},
+             {"role": "observation", "text": "\n".join(results), "tokens": 4},
+             {"role": "assistant", "text": last, "tokens": 6}]
+    calls = [{"name": "calculator", "arguments": {"expression": "1+1"}, "result": r}
+             for r in results]
+    return {"prompt": "q", "turns": turns, "tool_calls": calls, "num_turns": 2,
+            "finish_reason": "stop", "agent_loop": "tool_agent"}
+
+
+@pytest.mark.parametrize("last,results,label,reward,answer", [
+    ("The answer is 1363.", ["1363"], 1363, 1.0, "1363"),
+    ("So there are 1,363 apples.", ["1363"], 1363, 1.0, "1,363"),
+    ("1363.0", ["1363"], 1363, 1.0, "1363.0"),
+    ("The answer is 1363.", ["1363"], "1,363", 1.0, "1363"),
+    ("The answer is 1363", ["1363"], 1363.0, 1.0, "1363"),
+    ("It fell to -12 degrees.", ["-12"], -12, 1.0, "-12"),
+    ("It fell 12 degrees.", ["-12"], -12, 0.0, "12"),
+    ("About 3.5 hours.", ["3.5"], "3.5", 1.0, "3.5"),
+    ("First 1362, then 1363.", ["1363"], 1363, 1.0, "1363"),  # the last number counts
+    ("1363, or maybe 1362.", ["1363"], 1363, 0.0, "1362"),
+    ("I am not sure.", ["1363"], 1363, 0.0, None),
+])
+def test_tool_answer_compares_the_last_number_of_the_last_turn(last, results, label, reward,
+                                                                answer):
+    out = tool_answer_reward(last, label, {}, agent_view(last, results))
+    assert out == {"reward": reward, "answer": answer, "tool_calls": len(results),
+                   "used_tool": True}
+
+
+@pytest.mark.parametrize("results", [
+    [],  # a correct answer without any tool call
+    ["malformed tool call: Expecting value: line 1 column 2 (char 1)"],
+    ["unknown tool 'search' (available: calculator)"],
+    ["tool calculator failed: ValueError: unsupported expression", "error: CPU time limit "
+     "(10 s) exceeded", "tool python timed out after 10s", "Traceback (most recent call last):"],
+])
+def test_tool_answer_needs_a_tool_used_successfully(results):
+    out = tool_answer_reward("1363", 1363, {}, agent_view("The answer is 1363.", results))
+    assert out == {"reward": 0.0, "answer": "1363", "tool_calls": len(results),
+                   "used_tool": False}
+    ok = tool_answer_reward("", 1363, {}, agent_view("1363", [*results, "1363"]))
+    assert (ok["reward"], ok["used_tool"]) == (1.0, True)  # one successful call is enough
+
+
+def test_tool_answer_reads_only_the_last_assistant_turn_and_needs_a_numeric_label():
+    view = agent_view("Done.", ["1363"], earlier="The answer is 1363.")
+    assert tool_answer_reward("", 1363, {}, view)["answer"] is None
+    no_turns = {**view, "turns": []}
+    assert tool_answer_reward("", 1363, {}, no_turns)["reward"] == 0.0
+    with pytest.raises(ValueError, match="tool_answer needs a label"):
+        tool_answer_reward("", None, {}, view)
+    with pytest.raises(ValueError, match="the label 'many' is not a number"):
+        tool_answer_reward("", "many", {}, view)
 
 
 # -- remote --------------------------------------------------------------------------------------
@@ -168,10 +229,11 @@ def test_remote_reward(monkeypatch):
 
 
 def test_lookup_by_entry_point_and_module_path():
-    assert {"gsm8k", "exact_match", "remote"} <= set(available_rewards())
+    assert {"gsm8k", "exact_match", "remote", "tool_answer"} <= set(available_rewards())
     assert get_reward_fn("gsm8k") is gsm8k_reward
     assert get_reward_fn("exact_match") is exact_match_reward
     assert get_reward_fn("remote") is remote_reward
+    assert get_reward_fn("tool_answer") is tool_answer_reward
     assert get_reward_fn(FIX + "constant") is reward_fixtures.constant
 
 
@@ -440,7 +502,8 @@ def test_sandbox_builds_and_passes_the_trajectory_only_to_functions_that_take_it
 
 def test_the_reward_worker_gives_the_trajectory_view_to_functions_that_take_it():
     """RewardWorker.score with a real sandbox: the view of the trajectory it was sent (tiny's
-    tokenizer), an old-style function scored as before, a raising one recorded as an error."""
+    tokenizer), the built-in tool_answer by its entry point, an old-style function scored as
+    before, a raising one recorded as an error."""
     from types import SimpleNamespace
 
     from rollmesh.agent_loops import load_tokenizer
@@ -452,9 +515,9 @@ def test_the_reward_worker_gives_the_trajectory_view_to_functions_that_take_it()
     def enc(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False)
 
-    def trajectory(reward: str) -> Any:
+    def trajectory(reward: str, label: Any) -> Any:
         t = new_trajectory("s", "g", 0, enc("What is 6 times 7?"), agent_loop="tool_agent",
-                           label="It is 42.", metadata={"reward": reward})
+                           label=label, metadata={"reward": reward})
         said, seen, answer = enc("Let me compute."), enc(" 42 "), enc("It is 42.")
         append_tokens(t, said, [-0.1] * len(said), 0)
         append_observation(t, seen)
@@ -477,18 +540,22 @@ def test_the_reward_worker_gives_the_trajectory_view_to_functions_that_take_it()
                                                                   reward_timeout_s=10))
         async with RewardSandbox(1, stderr=subprocess.DEVNULL) as sb:
             worker = RewardWorker(ctx, exp, sb, Channel())
-            for reward in (FIX + "reads_trajectory", "exact_match", FIX + "trajectory_raising"):
-                await worker.score(trajectory(reward))
+            for reward, label in ((FIX + "reads_trajectory", None), ("tool_answer", 42),
+                                  ("exact_match", "It is 42."),
+                                  (FIX + "trajectory_raising", None)):
+                await worker.score(trajectory(reward, label))
             return [m.trajectory for m in worker.channel.sent], worker.counts
 
-    (reads, old, raising), counts = asyncio.run(main())
+    (reads, builtin, old, raising), counts = asyncio.run(main())
     assert (reads.reward_status, reads.reward, reads.reward_info) == ("ok", 2.0, {
         "roles": ["assistant", "observation", "assistant"], "tools": ["calculator"],
         "response": "Let me compute. 42 It is 42."})
+    assert (builtin.reward_status, builtin.reward, builtin.reward_info) == (
+        "ok", 1.0, {"answer": "42", "tool_calls": 1, "used_tool": True})
     assert (old.reward_status, old.reward) == ("ok", 0.0)  # the whole response, not the label
     assert (raising.reward_status, raising.reward, raising.error) == (
         "error", None, "ValueError: no answer in 2 turns")
-    assert counts == {"ok": 2, "error": 1, "timeout": 0}
+    assert counts == {"ok": 3, "error": 1, "timeout": 0}
 
 
 def test_serve_answers_malformed_requests():

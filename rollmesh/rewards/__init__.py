@@ -13,6 +13,7 @@ from rollmesh.rewards.builtin import (
     gsm8k_reward,
     make_remote_reward,
     remote_reward,
+    tool_answer_reward,
 )
 from rollmesh.rewards.registry import (
     ENTRY_POINT_GROUP,
@@ -41,5 +42,6 @@ __all__ = [
     "gsm8k_reward",
     "make_remote_reward",
     "remote_reward",
+    "tool_answer_reward",
     "wants_trajectory",
 ]

@@ -1,18 +1,21 @@
 """rollmesh's own reward functions: `gsm8k` (math answer checking), `exact_match`, `remote`
-(a reward model behind HTTP). Registered as entry points in pyproject.toml."""
+(a reward model behind HTTP), `letter_share` (the CPU default's toy task), `tool_answer` (an
+agent's numeric answer, reached with a tool). Registered as entry points in pyproject.toml."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import unicodedata
 import urllib.error
 import urllib.request
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 __all__ = ["exact_match_reward", "gsm8k_reward", "letter_share_reward", "make_remote_reward",
-           "remote_reward"]
+           "remote_reward", "tool_answer_reward"]
 
 
 # -- letter_share: the toy task of the embedded CPU default ----------------------------------
@@ -86,6 +89,49 @@ def exact_match_reward(response: str, label: Any, metadata: dict) -> float:
     labels = label if isinstance(label, list) else [label]
     got = _normalise(response)
     return 1.0 if any(got == _normalise(str(x)) for x in labels) else 0.0
+
+
+# -- tool_answer -------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"(?<![\d.])-?\d+(?:,\d{3})*(?:\.\d+)?")  # 42, -12, 1,363, 1363.0
+# What a failed call's result starts with: rollmesh's tool errors (agent_loops.run_tool), the
+# python tool's "error: ..." lines, a traceback.
+_FAILED_CALL = re.compile(r"\s*(error|traceback|unknown tool|malformed tool call|"
+                          r"tool \S+ (failed|timed out))", re.IGNORECASE)
+
+
+def _number(text: str) -> Decimal | None:
+    try:
+        value = Decimal(text.strip().replace(",", ""))
+    except InvalidOperation:
+        return None
+    return value if value.is_finite() else None
+
+
+def tool_answer_reward(response: str, label: Any, metadata: dict,
+                       trajectory: dict[str, Any]) -> dict[str, Any]:
+    """1.0 if the agent used a tool successfully and its final answer equals the label, else 0.
+
+    Reads the trajectory view (`tool_agent`, `openai_agent`). The answer is the last number
+    (integer or decimal, thousands commas allowed) in the last assistant turn, compared with
+    the label as numbers ("1363", "1363.0" and "1,363" all equal 1363). A tool was used
+    successfully if some recorded call's result is not an error (does not start with "error",
+    "unknown tool", "malformed tool call", "tool ... failed/timed out" or a traceback). Info:
+    `answer` (the number as written, or None), `tool_calls` (how many), `used_tool`.
+    """
+    if label is None:
+        raise ValueError("tool_answer needs a label (the reference answer), got None")
+    gold = _number(str(label))
+    if gold is None:
+        raise ValueError(f"tool_answer: the label {label!r} is not a number")
+    said = [t["text"] for t in trajectory["turns"] if t["role"] == "assistant"]
+    found = _NUMBER.findall(said[-1]) if said else []
+    answer = found[-1] if found else None
+    calls = trajectory["tool_calls"]
+    used = any(not _FAILED_CALL.match(c["result"]) for c in calls)
+    correct = answer is not None and _number(answer) == gold
+    return {"reward": 1.0 if used and correct else 0.0, "answer": answer,
+            "tool_calls": len(calls), "used_tool": used}
 
 
 # -- remote ------------------------------------------------------------------------------------
