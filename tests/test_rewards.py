@@ -158,6 +158,20 @@ def test_tool_answer_reads_only_the_last_assistant_turn_and_needs_a_numeric_labe
         tool_answer_reward("", "many", {}, view)
 
 
+def test_the_readme_trajectory_reward_runs():
+    """The README's example of a reward that reads the trajectory, as written there."""
+    readme = (REPO / "README.md").read_text()
+    code = readme.split("# my_rewards.py", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "README.md (my_rewards.py)", "exec"), namespace)
+    fn = namespace["used_calculator"]
+    assert wants_trajectory(fn)
+    assert fn("", 42, {}, trajectory=agent_view("It is 42.", ["42"])) == {"reward": 1.0,
+                                                                          "used": True}
+    assert fn("", 42, {}, trajectory=agent_view("It is 42.", [])) == {"reward": 0.0,
+                                                                      "used": False}
+
+
 # -- remote --------------------------------------------------------------------------------------
 
 
