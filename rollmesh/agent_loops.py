@@ -281,8 +281,8 @@ class SingleTurn:
 # --------------------------------------------------------------------------------------------
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-RECORDED_RESULT_CHARS = 2000  # of each tool result kept in loop_state["calls"]
 _ASSISTANT_PROBE = "rollmesh-assistant-turn"  # stands for the generated turn when rendering
+RECORDED_RESULT_CHARS = 2000  # of each tool result kept in loop_state["calls"]
 
 
 class ChatTemplateError(ValueError):

@@ -248,12 +248,12 @@ def recorded_tool_calls(history: list[dict[str, Any]],
     answers (matched in `history` by tool_call_id), that call's arguments ({} if none matches),
     the message's content as the result."""
     asked = {c["id"]: c["function"] for m in history for c in m.get("tool_calls") or []
-             if c.get("id")}
+             if isinstance(c.get("id"), str)}  # the agent's own history may carry any id
     calls = []
     for m in (m for m in new if m["role"] == "tool"):
         fn = asked.get(m.get("tool_call_id"), {})
-        args = fn.get("arguments")
-        call = {"name": m.get("name") or fn.get("name"),
+        name, args = m.get("name") or fn.get("name"), fn.get("arguments")
+        call = {"name": name if isinstance(name, str) else None,
                 "arguments": args if isinstance(args, dict) else {}}
         calls.append(recorded_call(call, m["content"]))
     return calls

@@ -405,6 +405,12 @@ def test_tool_calls_are_parsed_and_the_tool_turn_rendered_by_the_template():
                                   "content": "none"})
     assert recorded_tool_calls(s.history, [other]) == [
         {"name": "search", "arguments": {}, "result": "none"}]
+    # the agent's own history may hold any id and name: neither breaks the record
+    odd = normalize_message(0, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": ["call_x"], "function": {"name": "f", "arguments": "{}"}},
+        {"id": "call_x", "function": {"name": 5, "arguments": '{"n": 1e999}'}}]})
+    assert recorded_tool_calls([odd], [{**other, "name": None}]) == [
+        {"name": None, "arguments": {"n": math.inf}, "result": "none"}]
     obs = next_turn_ids(tok, new, turn_ended=True)
     assert tok.decode(obs) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>"
                                "<|im_end|>\n<|im_start|>assistant\n")
