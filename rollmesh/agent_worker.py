@@ -61,6 +61,7 @@ class AgentWorker:
                 raise RuntimeError(f"agent loop {traj.agent_loop} returned without finishing")
         except Interrupted:
             traj.status = "interrupted"
+            traj.interrupted_at = [*traj.interrupted_at, len(traj.token_ids)]
         except Exception as e:
             traj.status, traj.error = "failed", f"{type(e).__name__}: {e}"
             self.log.warning("trajectory_failed", sample=traj.sample_id, error=traj.error,

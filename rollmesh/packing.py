@@ -20,13 +20,13 @@ GPUs; it is not used here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from rollmesh.protocol import Group
+from rollmesh.protocol import Group, Trajectory
 
 
 @dataclass
@@ -44,6 +44,8 @@ class BatchData:
     ref: Tensor | None = None  # float32 [B, T]: reference-model log-probs
     advantages: Tensor | None = None  # float32 [B, T]
     truncated: Tensor | None = None  # bool [B]: cut off by the length limit (finish reason length)
+    # What the batch's trajectories went through (`trajectory_counts`), for the step's metrics.
+    counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -89,7 +91,27 @@ def from_groups(groups: list[Group]) -> BatchData:
         versions=torch.from_numpy(versions), rewards=torch.from_numpy(rewards),
         group_index=torch.tensor([gi for gi, _ in trajs]),
         truncated=torch.tensor([t.finish_reason == "length" for _, t in trajs], dtype=torch.bool),
+        counts=trajectory_counts([t for _, t in trajs]),
     )
+
+
+def trajectory_counts(trajs: list[Trajectory]) -> dict[str, int]:
+    """How many of the batch's response tokens are observations (tool results, environment and
+    template tokens after the prompt: loss mask 0, version -1) and in how many samples
+    (`observation_tokens`, `samples_with_observations`); how many samples a weight sync
+    interrupted and that went on (`samples_resumed`), and of those, how many in the middle of
+    a generated turn: generated tokens on both sides of the cut (`samples_resumed_mid_turn`)."""
+    obs_tokens = with_obs = resumed = mid_turn = 0
+    for t in trajs:
+        after = slice(t.prompt_len, None)
+        n = int(((t.loss_mask[after] == 0) & (t.versions[after] == -1)).sum())
+        obs_tokens += n
+        with_obs += n > 0
+        cuts = [p for p in t.interrupted_at if 0 < p < len(t.token_ids)]
+        resumed += bool(cuts)
+        mid_turn += any(t.loss_mask[p - 1] and t.loss_mask[p] for p in cuts)
+    return {"observation_tokens": obs_tokens, "samples_with_observations": with_obs,
+            "samples_resumed": resumed, "samples_resumed_mid_turn": mid_turn}
 
 
 def staleness(versions: Tensor, mask: Tensor, trainer_version: int) -> Tensor:

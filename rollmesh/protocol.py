@@ -208,6 +208,9 @@ class Trajectory:
     loop_state: dict[str, Any] = dataclasses.field(default_factory=dict)
     reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Token counts at which a weight sync interrupted it (it went on from there, on whichever
+    # worker resumed it): where the tokens on both sides are generated, mid-turn.
+    interrupted_at: list[int] = dataclasses.field(default_factory=list)
 
 
 @record

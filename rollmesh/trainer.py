@@ -635,7 +635,7 @@ def step_metrics(state: TrainState, data: BatchData, stats: dict[str, float],
         "reward_mean": float(data.rewards.mean()), "samples": data.size,
         **_shaping_metrics(data),
         "response_tokens_mean": float(data.mask.sum(dim=1).mean()),
-        "samples_consumed": state.samples_consumed,
+        "samples_consumed": state.samples_consumed, **data.counts,
     }
 
 
