@@ -14,6 +14,7 @@ _DELEGATED = {
     "launch": ("rollmesh.launcher:main", "start every role of a cluster file"),
     "status": ("rollmesh.launcher:status_main", "show a run's processes (rollmesh status RUN)"),
     "stop": ("rollmesh.launcher:stop_main", "stop a run from another terminal"),
+    "sft": ("rollmesh.sft:main", "supervised warm-start on chat transcripts (before RL)"),
 }
 
 

@@ -508,6 +508,28 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
+class SftConfig:
+    init: str | None = _field(
+        "`rollmesh sft`: the checkpoint the supervised warm-start starts from (a local Hugging "
+        "Face directory or `tiny[:spec]`); it writes the result to `model.path`, the policy RL "
+        "then starts from", None)
+    data_path: str | None = _field(
+        "`rollmesh sft`: demonstrations, a .jsonl file of chat transcripts (`{\"messages\": "
+        "[...]}` per line), rendered by the tokenizer's chat template; the loss is on the "
+        "assistant messages' tokens", None)
+    steps: int = _field("`rollmesh sft`: optimizer steps", 300, gt=0)
+    batch_size: int = _field("`rollmesh sft`: transcripts per optimizer step", 32, gt=0)
+    lr: float | None = _field("`rollmesh sft`: peak learning rate (default: trainer.lr), "
+                              "linear warm-up, then cosine decay to 0", None, gt=0)
+    warmup_steps: int = _field("`rollmesh sft`: linear warm-up steps", 10, ge=0)
+
+    def validate(self) -> None:
+        if self.warmup_steps > self.steps:
+            raise _Invalid("warmup_steps",
+                           f"expected int <= steps ({self.steps}), got {self.warmup_steps}")
+
+
+@dataclass(kw_only=True)
 class ExperimentConfig:
     name: str | None = _field("experiment name, for logs", None)
     seed: int = _field("base seed; data.seed and trainer.seed default to it", 1)
@@ -521,6 +543,7 @@ class ExperimentConfig:
     engine: EngineConfig = _field("inference servers", factory=EngineConfig)
     metrics: MetricsConfig = _field("where metrics go besides metrics.jsonl (W&B)",
                                     factory=MetricsConfig)
+    sft: SftConfig = _field("the supervised warm-start (`rollmesh sft`)", factory=SftConfig)
 
     def __post_init__(self) -> None:
         # Resolved here so that the logged config shows the seeds actually used.
@@ -1437,7 +1460,9 @@ def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
                     f"expected 'tiny', 'tiny:<spec>' or an existing model directory (the {role} "
                     f"runs on host {p.host!r}, "
                     f"{'a Slurm node: a shared filesystem' if host.launch == 'slurm' else 'this machine'}"
-                    f"), got {_show(path)}",
+                    f"), got {_show(path)}" + (
+                        f": it is the warm-start's output, run `rollmesh sft "
+                        f"{cluster.experiment}` first" if exp.sft.init else ""),
                 )
 
 

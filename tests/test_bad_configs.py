@@ -58,7 +58,7 @@ def registered(group: str, *builtin: str) -> str:
     return ", ".join(map(repr, names))
 
 
-EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics"
+EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics, sft"
 ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, "
                 "max_turns, tool_timeout_s, python_tool, openai_agent, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
                 "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
