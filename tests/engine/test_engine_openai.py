@@ -293,13 +293,64 @@ def test_answers_have_sglangs_shape(served: Engine, name: str):
               if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
+    # Tokens made while the engine's event loop was busy go out together (SGLang's tokenizer
+    # manager, too, sends only a request's newest output): the fixture's three completion
+    # tokens may come as one chunk, content and finish at once. That chunk then holds the whole
+    # answer; the content chunk's own shape: test_a_stream_fed_token_by_token_has_sglangs_chunks.
+    kinds = [_chunk_kind(c) for c in chunks]
+    if fx["path"] == "/v1/completions" and [k for k in kinds if k != "usage"] == ["finish"]:
+        del request["stream"], request["stream_options"]
+        status, whole = _post_raw(served, fx["path"], request)
+        assert status == 200, whole
+        assert chunks[0]["choices"][0]["text"] == json.loads(whole)["choices"][0]["text"]
+        required = {"finish", "usage"}
+    else:
+        required = None
+    assert _stream_errors(fx, chunks, required) == []
+
+
+def _stream_errors(fx: dict[str, Any], chunks: list[dict[str, Any]],
+                   required: set[str] | None = None) -> list[str]:
+    """Where a stream's chunks differ from the fixture's chunks of their kind (role, content,
+    finish, usage); every kind of the fixture must be there unless `required` says which."""
+    from test_sglang_fixtures import Shape
+
+    shape = Shape(fx)
     templates = {_chunk_kind(c): c for c in fx["stream"]}
     templates.setdefault("finish", templates["content"])  # completions: on the last content
     kinds = [_chunk_kind(c) for c in chunks]
-    assert set(kinds) == set(templates), kinds
-    errors = [f"chunk {i} ({k}): {e}" for i, (c, k) in enumerate(zip(chunks, kinds))
-              for e in shape.errors(c, templates[k])]
-    assert errors == [], "\n".join(errors)
+    errors = [f"chunk kinds {kinds}, SGLang's {sorted(templates)}"] \
+        if set(kinds) - set(templates) or (required or set(templates)) - set(kinds) else []
+    return errors + [f"chunk {i} ({k}): {e}" for i, (c, k) in enumerate(zip(chunks, kinds))
+                     if k in templates for e in shape.errors(c, templates[k])]
+
+
+@pytest.mark.parametrize("name", ["v1_completions_stream", "v1_chat_completions_stream"])
+def test_a_stream_fed_token_by_token_has_sglangs_chunks(name: str):
+    """The streamer driven one token at a time (over HTTP, tokens may coalesce into one chunk):
+    every kind of SGLang's chunks, content included, in SGLang's shape."""
+    from test_sglang_fixtures import load
+
+    fx = load(name)
+    tok = tiny_tokenizer()
+    served = openai_api.ServedModel("default", api.ModelLimits(context_length=4096,
+                                                               vocab_size=len(tok)))
+    parse = openai_api.parse_completion if "messages" not in fx["request"] \
+        else openai_api.parse_chat
+    call = parse({**fx["request"], "ignore_eos": True}, served, tok)
+    (live,) = call.requests
+    streamer = openai_api._Streamer(call, tok, openai_api.TokenBytes(tok), None)
+    tokens = tok.encode(" Paris is the capital", add_special_tokens=False)[:live.max_new_tokens]
+    assert len(tokens) == live.max_new_tokens >= 2
+    chunks = []
+    for k, token in enumerate(tokens):
+        live.output_ids.append(token)
+        if k == len(tokens) - 1:
+            live.finish_reason = {"type": "length", "length": len(tokens)}
+        chunks += streamer.events(0)
+    chunks += streamer.closing()
+    chunks = json.loads(json.dumps(chunks))  # as sent
+    assert _stream_errors(fx, chunks) == []  # every kind required
 
 
 # ---- pure functions ------------------------------------------------------------------------
