@@ -43,8 +43,9 @@ from rollmesh.protocol import (
     decode, encode,
 )
 from rollmesh.runtime import Supervisor
-from rollmesh.transport import Puller, Pusher, StatusProxy, Subscriber, Transport, free_port
+from rollmesh.transport import StatusProxy, Subscriber, Transport, free_port
 from tests.engine.engine_harness import Engine
+from tests.helpers.wire import Puller, Pusher
 from tests.rollout_stack import ENV, experiment, write_dataset
 from tests.wire_strategies import any_record
 

@@ -1,0 +1,1 @@
+"""Test-only support code: what the tests need and the package does not."""
