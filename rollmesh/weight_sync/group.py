@@ -36,7 +36,8 @@ def init_weight_update_group(
 ) -> dist.ProcessGroup:
     """Join the weight-update group; blocks until all `world_size` ranks have joined.
 
-    Rank 0 hosts the TCPStore, listening on `master_address` only. Call it once per group name per process (destroy first to rejoin).
+    Rank 0 hosts the TCPStore, listening on `master_address` only. Call it once per group name
+    per process (destroy first to rejoin).
     """
     timeout = timedelta(seconds=timeout_s)
     # rank 0 (the trainer) listens on master_address only, not on every interface: the store

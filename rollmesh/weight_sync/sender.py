@@ -80,7 +80,7 @@ from rollmesh.weight_sync.buckets import (
 )
 from rollmesh.weight_sync.group import init_weight_update_group
 
-log = get_logger("publish")
+log = get_logger("rollmesh.weight_sync")
 
 GROUP = "weight_update_group"
 SYNC_ATTEMPTS = 3  # broadcasts tried for one version before the trainer gives up
