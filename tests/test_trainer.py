@@ -24,8 +24,8 @@ from rollmesh.training import batching
 from rollmesh.training.batching import BatchData, from_groups
 from rollmesh.training.state import TrainState, build_state
 from rollmesh.training.step import (
-    StepBatch, critic_micro_batch_loss, critic_values, micro_batch_loss, micro_batches, old_values,
-    prepare, step_metrics, update_policy,
+    StepBatch, critic_micro_batch_loss, critic_values, micro_batch_loss, micro_batches, prepare,
+    step_metrics, update_policy,
 )
 from rollmesh.transport import RpcClient, Transport, free_port
 
@@ -120,6 +120,13 @@ def evaluate_loss(state: TrainState, data: BatchData) -> float:
     for _, mb in micro_batches(state, data):
         total += micro_batch_loss(state, mb, norm)[1]["loss"]
     return float(state.ranks.sum_(torch.tensor([total], dtype=torch.float64)))
+
+
+def old_values(state: TrainState, data: BatchData) -> torch.Tensor | None:
+    """The critic's values for the whole batch [B, T] (0 outside the mask) before this step's
+    updates; None without a critic."""
+    both = critic_values(state, data)
+    return None if both is None else both[0]
 
 
 @torch.no_grad()

@@ -147,14 +147,6 @@ def reference_logprobs(state: TrainState, data: BatchData) -> Tensor | None:
 
 
 @torch.no_grad()
-def old_values(state: TrainState, data: BatchData) -> Tensor | None:
-    """The critic's values for the whole batch [B, T] (0 outside the mask) before this step's
-    updates; None without a critic. Each rank its share, then summed."""
-    both = critic_values(state, data)
-    return None if both is None else both[0]
-
-
-@torch.no_grad()
 def critic_values(state: TrainState, data: BatchData) -> tuple[Tensor, Tensor] | None:
     """(old_values, V after each sequence's last token [B]); None without a critic."""
     if state.critic is None:
