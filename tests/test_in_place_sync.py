@@ -91,7 +91,7 @@ def test_an_in_place_sync_keeps_the_requests_and_stamps_each_token(tmp_path):
                      for i in range(2)]
             loops = [asyncio.create_task(SingleTurn(ctx).run(t)) for t in trajs]
             await wait_decoding(engine, running=2)
-            await client.pause("in_place")  # publish.py, right after SyncGo
+            await client.pause("in_place")  # weight_sync/sender.py, right after SyncGo
             made_at_0 = (await asyncio.to_thread(engine.stats))["generated_tokens"]
             replies = await asyncio.to_thread(broadcast, engine.url, "tiny:seed=1", "1")
             assert replies["update"]["success"], replies
