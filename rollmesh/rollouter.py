@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from rollmesh.agent_loops import load_tokenizer, new_trajectory
+from rollmesh.trajectories import load_tokenizer, new_trajectory
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.data import (
     Dataset, PromptGroup, PromptRow, PromptSource, chat_messages, render_prompt,
