@@ -76,7 +76,7 @@ from rollmesh.protocol import (  # noqa: E402
     Batch, GetBatch, Group, Pause, PutGroup, Resume, Returned, StatsRequest, Trajectory,
     WeightVersion, decode, encode,
 )
-from rollmesh.rollouter import Worker, WorkerPool  # noqa: E402
+from rollmesh.rollout.workers import Worker, WorkerPool  # noqa: E402
 from rollmesh.runtime import Supervisor  # noqa: E402
 from rollmesh.transport import RpcClient, Transport, free_port  # noqa: E402
 

@@ -549,7 +549,7 @@ def test_held_trajectories_are_counted_once_whatever_happens_to_them(tmp_path):
     in flight; one that comes back, or whose worker dies, leaves the held count; the accounting
     identity holds at every step; the row's chat messages reach openai_agent trajectories."""
     from rollmesh.protocol import WorkerHello
-    from rollmesh.rollouter import Worker
+    from rollmesh.rollout.workers import Worker
     from rollmesh.transport import ChannelClient
 
     async def body():
