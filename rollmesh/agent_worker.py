@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Any
 
-from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops, load_tokenizer
+from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.protocol import (
@@ -35,6 +35,7 @@ from rollmesh.protocol import (
     WorkerHello,
 )
 from rollmesh.runtime import RoleContext, rejoin_when_silent
+from rollmesh.trajectories import load_tokenizer
 from rollmesh.transport import ChannelClient
 
 

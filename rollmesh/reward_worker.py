@@ -16,12 +16,12 @@ import functools
 import os
 import time
 
-from rollmesh.agent_loops import load_tokenizer
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.protocol import Heartbeat, Metrics, Score, Scored, StatsRequest, Trajectory, WorkerHello
 from rollmesh.rewards.sandbox import RewardSandbox
 from rollmesh.rewards.trajectory import trajectory_view
 from rollmesh.runtime import RoleContext, rejoin_when_silent
+from rollmesh.trajectories import load_tokenizer
 from rollmesh.transport import ChannelClient
 
 

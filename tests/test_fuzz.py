@@ -474,7 +474,7 @@ def _recv_from(r: Run, peer: bytes, want: type, timeout_s: float = 30) -> Any:
 
 
 def _score_request(r: Run, answer: str) -> Trajectory:
-    from rollmesh.agent_loops import load_tokenizer
+    from rollmesh.trajectories import load_tokenizer
 
     tok = load_tokenizer("tiny")
     prompt = tok.encode("q", add_special_tokens=False)

@@ -26,13 +26,14 @@ import numpy as np
 import pytest
 import torch
 
-from rollmesh.agent_loops import LoopContext, SingleTurn, new_trajectory, token_stamps
+from rollmesh.agent_loops import LoopContext, SingleTurn, token_stamps
 from rollmesh.config import RolloutConfig
 from rollmesh.engine.client import EngineClient, GenerateOutput
 from rollmesh.engine.models import build_tiny
 from rollmesh.message_queue import MessageQueue
 from rollmesh.protocol import Group
 from rollmesh.training import batching
+from rollmesh.trajectories import new_trajectory
 from tests.engine.engine_harness import REPO, Engine, chat_prompt, free_port, repo_env
 
 HERE = Path(__file__).parent
