@@ -12,7 +12,8 @@
               role that dies ends the run with its first failure, exit code and log
     watchdog  no trainer step for trainer.progress_timeout_s while samples are dropped or none
               generated: the run stops with the cause named (rollmesh.watchdog)
-    finish    when the trainer finishes: drain the rollouter, write summary.json, stop all
+    finish    when the trainer finishes: drain the rollouter, write summary.json (the
+              accounting identity, rollmesh.accounting), stop all
     stop      Ctrl-C / SIGTERM / `rollmesh stop RUN` (StopRun on the control socket, from any
               machine holding the run's keys): every process on every host, one deadline
     death     a launcher killed outright takes its processes with it: local ones get SIGTERM
@@ -42,6 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollmesh.accounting import (
+    QueueStatus, RolloutStatus, TrainerStatus, dropped_by_reason, identity,
+)
 from rollmesh.console import Console, LogStream
 from rollmesh.cpus import (
     available_cpus, format_cpulist, missing_problem, parse_cpulist, pin_self, pinned, thread_env,
@@ -723,20 +727,19 @@ class Launcher:
                         versions.append(None if info is None else int(v))
                     except (TypeError, ValueError):
                         versions.append(None)
-        dropped: dict[str, int] = {}
-        for d in ((r or {}).get("dropped") or {}, (q or {}).get("dropped") or {}):
-            for k, v in d.items():
-                dropped[k] = dropped.get(k, 0) + int(v)
+        trainer_status = TrainerStatus.parse(tr) if tr else None
+        rollout = RolloutStatus.parse(r) if r else None
+        queue = QueueStatus.parse(q) if q else None
         return Snapshot(
             t=time.monotonic(),
-            trainer_step=tr.get("step") if tr else None,
-            trainer_version=tr.get("version") if tr else None,
-            engine_versions=versions, dropped=dropped,
-            generated=r.get("queued_samples") if r else None,
-            queue_depth=q.get("depth_samples") if q else None,
+            trainer_step=trainer_status.step if trainer_status else None,
+            trainer_version=trainer_status.version if trainer_status else None,
+            engine_versions=versions,
+            dropped=dropped_by_reason(*(s.dropped for s in (rollout, queue) if s is not None)),
+            generated=rollout.queued_samples if rollout else None,
+            queue_depth=queue.depth_samples if queue else None,
             batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size,
-            outstanding=(r["pending"] + r["cancel_queue"]
-                         + sum(w["out"] for w in r["workers"].values())) if r else None)
+            outstanding=rollout.outstanding if rollout else None)
 
     async def shutdown(self) -> None:
         """Drain the rollouter for the summary, then stop roles (reverse order), then engines."""
@@ -770,16 +773,11 @@ class Launcher:
             for _ in range(100):  # let scored groups reach the queue: nothing in transit
                 r = (await r_client.request(StatsRequest())).values
                 q = (await q_client.request(StatsRequest())).values
-                if r["to_score"] == 0 and r["ready_groups"] == 0:
+                if RolloutStatus.parse(r).settled:
                     break
                 await asyncio.sleep(0.1)
-            dropped: dict[str, int] = {}
-            for d in (r["dropped"], q["dropped"]):
-                for k, v in d.items():
-                    dropped[k] = dropped.get(k, 0) + v
-            summary.update(admitted=r["admitted_samples"], consumed=q["consumed_samples"],
-                           in_flight=r["in_flight"] + q["depth_samples"], dropped=dropped,
-                           rollouter=r, message_queue=q)
+            ident = identity(RolloutStatus.parse(r), QueueStatus.parse(q))
+            summary.update(**ident.summary(), rollouter=r, message_queue=q)
         except Exception as e:  # the run is ending anyway: record why there is no accounting
             summary["error"] = f"could not collect the accounting: {type(e).__name__}: {e}"
         finally:

@@ -4,7 +4,8 @@ Owns: finding the run (a run directory, or the newest run of a cluster file), th
 socket on the launcher's status hub (CURVE with the run's keys; a refused handshake ends the
 monitor with a clear error instead of a silent wait), the latest status of every role with the
 time it was heard, the trainer's reward and loss history, `snapshot()` (plain data: everything
-the dashboard shows) and the dashboard drawn from it with rich.
+the dashboard shows; the accounting identity comes from `rollmesh.accounting`) and the
+dashboard drawn from it with rich.
 
 The monitor never sends to the run: it subscribes, and detaches by closing its socket.
 """
@@ -33,6 +34,7 @@ from rich.table import Table
 from rich.text import Text
 from zmq.utils.monitor import parse_monitor_message
 
+from rollmesh.accounting import QueueStatus, RolloutStatus, StatusError, identity
 from rollmesh.protocol import Metrics
 from rollmesh.transport import CurveKeys, Subscriber, Transport, TransportError
 
@@ -361,27 +363,23 @@ class StatusBoard:
 
     @staticmethod
     def _accounting(r: dict[str, Any] | None, q: dict[str, Any] | None) -> dict[str, Any]:
-        """admitted = consumed + dropped + in flight, from the rollouter's and the queue's
-        latest status. The two are heard at different moments, so samples moving between them
-        can put it off while nothing is lost; each side's own balance (rollouter: admitted =
-        in flight + dropped + queued; queue: put = consumed + depth + dropped) tells a leak
-        from that: difference = rollouter off + queue off + between."""
-        if r is None or q is None:
-            return {k: None for k in ("admitted", "consumed", "dropped_total", "in_flight",
-                                      "difference", "holds", "rollouter_balances",
-                                      "queue_balances", "between")}
-        n = lambda d, k: _num(d.get(k)) or 0  # noqa: E731
-        r_dropped = sum(_counts(r.get("dropped")).values())
-        q_dropped = sum(_counts(q.get("dropped")).values())
-        admitted, consumed = n(r, "admitted_samples"), n(q, "consumed_samples")
-        in_flight = n(r, "in_flight") + n(q, "depth_samples")
-        difference = admitted - (consumed + r_dropped + q_dropped + in_flight)
-        rollouter_off = admitted - (n(r, "in_flight") + r_dropped + n(r, "queued_samples"))
-        queue_off = n(q, "put_samples") - (consumed + n(q, "depth_samples") + q_dropped)
-        return {"admitted": admitted, "consumed": consumed, "dropped_total": r_dropped + q_dropped,
-                "in_flight": in_flight, "difference": difference, "holds": difference == 0,
-                "rollouter_balances": rollouter_off == 0, "queue_balances": queue_off == 0,
-                "between": n(r, "queued_samples") - n(q, "put_samples")}
+        """admitted = consumed + dropped + in flight (`accounting.identity`), from the
+        rollouter's and the queue's latest status. The two are heard at different moments, so
+        samples moving between them can put it off while nothing is lost; each side's own
+        balance (`RolloutStatus.off`, `QueueStatus.off`) tells a leak from that: difference =
+        rollouter off + queue off + between. Unknown (None) until both have reported it."""
+        try:
+            rollouter, queue = RolloutStatus.parse(r), QueueStatus.parse(q)
+        except StatusError:  # not heard yet, or a status without its accounting (yet)
+            return dict.fromkeys(("admitted", "consumed", "dropped_total", "in_flight",
+                                  "difference", "holds", "rollouter_balances",
+                                  "queue_balances", "between"))
+        ident = identity(rollouter, queue)
+        return {"admitted": ident.admitted, "consumed": ident.consumed,
+                "dropped_total": ident.dropped_total, "in_flight": ident.in_flight,
+                "difference": ident.difference, "holds": ident.holds,
+                "rollouter_balances": rollouter.off == 0, "queue_balances": queue.off == 0,
+                "between": rollouter.queued_samples - queue.put_samples}
 
 
 # -- the dashboard ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollmesh.accounting import QueueStatus, RolloutStatus, identity
 from rollmesh.config import ExperimentConfig, load_experiment, to_dict
 from rollmesh.engine.client import EngineClient
 from rollmesh.protocol import Batch, GetBatch, Group, Pause, Paused, Resume, StatsRequest, WeightVersion
@@ -100,10 +101,10 @@ class Driver:
 
 def accounting(stats: dict[str, Any], consumed: int) -> tuple[int, int]:
     """(admitted, consumed + dropped + in flight) across the rollouter and the queue."""
-    r, q = stats["rollouter"], stats["mq"]
-    dropped = sum(r["dropped"].values()) + sum(q["dropped"].values())
-    assert q["consumed_samples"] == consumed
-    return r["admitted_samples"], consumed + dropped + r["in_flight"] + q["depth_samples"]
+    queue = QueueStatus.parse(stats["mq"])
+    assert queue.consumed_samples == consumed
+    ident = identity(RolloutStatus.parse(stats["rollouter"]), queue)
+    return ident.admitted, ident.accounted
 
 
 async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents: int = 1,

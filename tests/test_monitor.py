@@ -372,3 +372,15 @@ def test_a_log_that_cannot_be_written_is_shown_with_its_path():
     text = console.export_text()
     assert "queue log: RUN/message_queue/queue.log: No space left on device" in text
     assert "rollouter journal: RUN/rollouter/rollouter.log: File too large" in text
+
+
+def test_accounting_is_unknown_until_the_rollouter_reports_it():
+    board = StatusBoard()
+    feed(board, 0, now=1.0, rollouter={"status_error": "RuntimeError: not yet"})
+    acc = board.snapshot(now=1.0)["accounting"]
+    assert acc["holds"] is None and acc["admitted"] is None  # not "admitted 0 ... off by -46"
+    console = Console(record=True, width=200)
+    console.print(render(board.snapshot(now=1.0), width=200))
+    assert "waiting for the rollouter and the MessageQueue" in console.export_text()
+    feed(board, 1, now=2.0)
+    assert board.snapshot(now=2.0)["accounting"]["holds"] is True
