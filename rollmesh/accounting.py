@@ -10,7 +10,8 @@ count; and the identity itself (`identity`, `Identity`), with its terms, whether
 its form in `summary.json` (`Identity.summary`, `Identity.from_summary`).
 
 Every term counts training samples (trajectories); evaluation trajectories are outside it.
-- admitted: the rollouter's `admitted_samples` (journaled: it survives a restart);
+- admitted: the rollouter's `admitted_samples` (journaled: it survives a restart; like
+  `queued_samples`, one of its counters, absent from its status until first counted: 0);
 - consumed: the MessageQueue's `consumed_samples`, samples in batches handed out;
 - dropped: the rollouter's `dropped` by reason, then the MessageQueue's (`stale`);
 - in flight: the rollouter's `in_flight` plus the MessageQueue's `depth_samples`.
@@ -47,6 +48,11 @@ class _Fields:
 
     def count(self, key: str) -> int:
         return _count(self.values, key, self.what, key)
+
+    def counter(self, key: str) -> int:
+        """One of the rollouter's `counters` (a Counter: a key appears when first counted, so
+        an absent one is 0)."""
+        return _count(self.values, key, self.what, key) if key in self.values else 0
 
     def mapping(self, key: str) -> Mapping[Any, Any]:
         if key not in self.values:
@@ -86,6 +92,7 @@ class RolloutStatus:
 
     admitted_samples: int  # data.group_size per group admitted
     queued_samples: int  # put to the MessageQueue
+    queued_any: bool  # queued_samples counted yet (the watchdog: generated unknown until then)
     in_flight: int  # held right now (`Rollouter.in_flight`)
     dropped: dict[str, int]  # by reason: filtered, reward_failed, generation_failed, ...
     pending: int  # trajectories not dispatched yet
@@ -97,8 +104,9 @@ class RolloutStatus:
     @classmethod
     def parse(cls, values: Any) -> RolloutStatus:
         f = _Fields(values, "rollouter status")
-        return cls(admitted_samples=f.count("admitted_samples"),
-                   queued_samples=f.count("queued_samples"), in_flight=f.count("in_flight"),
+        return cls(admitted_samples=f.counter("admitted_samples"),
+                   queued_samples=f.counter("queued_samples"),
+                   queued_any="queued_samples" in f.values, in_flight=f.count("in_flight"),
                    dropped=f.counts("dropped"), pending=f.count("pending"),
                    cancel_queue=f.count("cancel_queue"), to_score=f.count("to_score"),
                    ready_groups=f.count("ready_groups"), out=f.total("workers", "out"))

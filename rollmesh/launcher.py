@@ -736,7 +736,7 @@ class Launcher:
             trainer_version=trainer_status.version if trainer_status else None,
             engine_versions=versions,
             dropped=dropped_by_reason(*(s.dropped for s in (rollout, queue) if s is not None)),
-            generated=rollout.queued_samples if rollout else None,
+            generated=rollout.queued_samples if rollout and rollout.queued_any else None,
             queue_depth=queue.depth_samples if queue else None,
             batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size,
             outstanding=rollout.outstanding if rollout else None)

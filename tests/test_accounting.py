@@ -47,6 +47,17 @@ def test_a_lost_sample_breaks_the_identity_and_names_the_side():
     assert identity(ahead, QueueStatus.parse(QUEUE)).difference == 8 and ahead.off == 0
 
 
+def test_a_counter_not_counted_yet_is_zero():
+    # The rollouter's counters are a Counter: before its first admission and its first put,
+    # neither key is in its status.
+    fresh = {k: v for k, v in ROLLOUTER.items() if k not in ("admitted_samples", "queued_samples")}
+    r = RolloutStatus.parse({**fresh, "in_flight": 0, "dropped": {}})
+    assert (r.admitted_samples, r.queued_samples, r.queued_any) == (0, 0, False)
+    assert identity(r, QueueStatus.parse({**QUEUE, "put_samples": 0, "consumed_samples": 0,
+                                          "depth_samples": 0, "dropped": {}})).holds
+    assert RolloutStatus.parse(ROLLOUTER).queued_any
+
+
 def test_summary_round_trips_through_json_in_the_launchers_order():
     ident = identity(RolloutStatus.parse(ROLLOUTER), QueueStatus.parse(QUEUE))
     written = json.dumps(ident.summary())
@@ -80,7 +91,7 @@ def test_trainer_status():
     (RolloutStatus.parse, {**ROLLOUTER, "workers": {"agent_worker-0": {"kind": "agent"}}},
      "rollouter status: missing 'workers.agent_worker-0.out'"),
     (RolloutStatus.parse, {"pid": 101, "ready": False, "status_error": "boom"},
-     "rollouter status: missing 'admitted_samples'"),
+     "rollouter status: missing 'in_flight'"),
     (QueueStatus.parse, {**QUEUE, "dropped": {"stale": 1.5}},
      "message_queue status: dropped.stale: expected an int, got 1.5"),
     (QueueStatus.parse, {k: v for k, v in QUEUE.items() if k != "put_samples"},
