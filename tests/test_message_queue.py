@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rollmesh.accounting import QueueStatus
 from rollmesh.config import load_experiment, to_dict
 from rollmesh.durable_log import HEADER, DurableLog
 from rollmesh.message_queue import LOG_NAME, MessageQueue, decode_entry, encode_entry
@@ -50,8 +51,7 @@ def ids(groups: list[Group]) -> list[str]:
 
 def balance(s: dict) -> int:
     """put - (consumed + depth + dropped): 0 when the queue accounts for every sample."""
-    return s["put_samples"] - (s["consumed_samples"] + s["depth_samples"]
-                               + sum(s["dropped"].values()))
+    return QueueStatus.parse(s).off
 
 
 def durable_view(stats: dict) -> dict:
