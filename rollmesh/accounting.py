@@ -88,12 +88,12 @@ def _count(values: Mapping[Any, Any], key: Any, what: str, where: str) -> int:
 
 @dataclass(frozen=True)
 class RolloutStatus:
-    """What the accounting reads of the rollouter's stats (`Rollouter.stats`)."""
+    """What the accounting reads of the rollouter's stats (`rollout.core.RolloutCore.stats`)."""
 
     admitted_samples: int  # data.group_size per group admitted
     queued_samples: int  # put to the MessageQueue
     queued_any: bool  # queued_samples counted yet (the watchdog: generated unknown until then)
-    in_flight: int  # held right now (`Rollouter.in_flight`)
+    in_flight: int  # held right now (`RolloutCore.in_flight`)
     dropped: dict[str, int]  # by reason: filtered, reward_failed, generation_failed, ...
     pending: int  # trajectories not dispatched yet
     cancel_queue: int
@@ -161,7 +161,7 @@ class QueueStatus:
 
 @dataclass(frozen=True)
 class TrainerStatus:
-    """What the launcher reads of the trainer's stats (`Trainer._stats`)."""
+    """What the launcher reads of the trainer's stats (`trainer.Link._stats`)."""
 
     step: int
     version: int
