@@ -119,6 +119,7 @@ def _trainer_logprobs(model, prompt: list[int], output: list[int]) -> list[float
     return token_logprobs(logits, tokens, 1.0, shift=True)[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_engine_greedy_is_transformers_generate(served):
     _, path, engine, model, tokenizer = served
     prompt = _prompt(tokenizer)
@@ -130,6 +131,7 @@ def test_engine_greedy_is_transformers_generate(served):
     assert info["model_path"] == str(path)
 
 
+@pytest.mark.slow
 def test_trainer_logprobs_match_the_engines(served):
     """The trainer as it runs: its state built from the checkpoint (sharded loading, FSDP),
     the engine's sample packed into a batch, `batch_logprobs` on it (the old log-probs it
@@ -175,6 +177,7 @@ def _trained_state(path, *overrides: str):
     return exp, state
 
 
+@pytest.mark.slow
 def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
     """The trainer as it runs: state built from the checkpoint (sharded loading, FSDP), one
     policy update, then its own publisher (FSDP gather, buckets, the weight-update group) to the
@@ -235,6 +238,7 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
     assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) < LOGPROB_ATOL
 
 
+@pytest.mark.slow
 def test_exported_policy_reloads_in_transformers(served, tmp_path):
     """The trainer's export of its FSDP policy reloads in transformers (tied or not, the chat
     template kept) with the trainer's logits, bit for bit."""
@@ -256,6 +260,7 @@ def test_exported_policy_reloads_in_transformers(served, tmp_path):
         assert torch.equal(reloaded(input_ids=ids).logits, state.model(input_ids=ids).logits)
 
 
+@pytest.mark.slow
 def test_gemma2_is_served_with_the_attention_it_supports(engines):
     """Gemma2 has no SDPA path (soft-capped attention logits): the engine loads it eagerly
     instead of failing, and decodes as transformers does."""

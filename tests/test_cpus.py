@@ -286,6 +286,7 @@ def test_the_prelude_refuses_cpus_the_host_lacks_naming_process_host_and_what_it
     assert out.returncode == 2 and "'0-' is neither" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_spawned_role_runs_on_its_cpus_with_its_thread_count_also_after_a_respawn(tmp_path):
     """A real role process (tests.roles:echo) started by the Supervisor as the launcher starts
     every role: /proc says where it may run, its environment its thread count."""

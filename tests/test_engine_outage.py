@@ -67,6 +67,7 @@ def restart_on(port: int, log: Path) -> subprocess.Popen:
                             env=repo_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 def test_a_generation_whose_engine_is_killed_completes_on_the_other(tmp_path):
     a, b = Engine(tmp_path / "a.log"), Engine(tmp_path / "b.log")
 
@@ -94,6 +95,7 @@ def test_a_generation_whose_engine_is_killed_completes_on_the_other(tmp_path):
     assert healthy == [False, True]
 
 
+@pytest.mark.slow
 def test_with_every_engine_down_a_generation_waits_and_completes_when_one_is_back(tmp_path):
     engine = Engine(tmp_path / "e.log")
     port = engine.port
@@ -120,6 +122,7 @@ def test_with_every_engine_down_a_generation_waits_and_completes_when_one_is_bac
     assert out.server == engine.url
 
 
+@pytest.mark.slow
 def test_a_restarted_engine_with_older_weights_serves_only_once_it_holds_the_current_ones(
         tmp_path):
     """An engine restarted after a crash comes back with the initial weights (version 0):
@@ -157,6 +160,7 @@ def test_a_restarted_engine_with_older_weights_serves_only_once_it_holds_the_cur
     assert len(out.output_ids) == SHORT["max_new_tokens"]
 
 
+@pytest.mark.slow
 def test_an_outage_longer_than_the_limit_is_a_clear_error_and_a_cancel_ends_the_wait(tmp_path):
     engine = Engine(tmp_path / "e.log")
     kill9(engine)
@@ -183,6 +187,7 @@ def test_an_outage_longer_than_the_limit_is_a_clear_error_and_a_cancel_ends_the_
     assert "engine_wait_s" in message and engine.url in message and "2s" in message, message
 
 
+@pytest.mark.slow
 def test_a_trajectory_waiting_for_an_engine_is_interrupted_by_a_cancel_with_its_tokens(tmp_path):
     """LoopContext.generate: the worker's Cancel (a weight sync) ends the wait; the trajectory
     comes back `Interrupted` with every token it held (so the rollouter re-queues it)."""

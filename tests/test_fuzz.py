@@ -48,6 +48,8 @@ from tests.engine.engine_harness import Engine
 from tests.rollout_stack import ENV, experiment, write_dataset
 from tests.wire_strategies import any_record
 
+pytestmark = pytest.mark.slow
+
 RSS_BOUND_MB = {"role": 600, "growth": 150, "engine": 2500}
 TRIED: collections.Counter[str] = collections.Counter()
 RSS: dict[str, tuple[float, float]] = {}

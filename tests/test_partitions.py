@@ -42,6 +42,7 @@ async def until(predicate, timeout_s: float, step_s: float = 0.05) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_connections", [True, False], ids=["held", "lost"])
 def test_worker_channel_through_a_partition_is_declared_dead_then_recovers(keep_connections):
     async def main():
@@ -98,6 +99,7 @@ def test_worker_channel_through_a_partition_is_declared_dead_then_recovers(keep_
         assert connections >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_connections", [True, False], ids=["held", "lost"])
 def test_rpc_through_a_partition_times_out_then_recovers(keep_connections):
     async def main():
@@ -149,6 +151,7 @@ def test_rpc_through_a_partition_times_out_then_recovers(keep_connections):
     assert dead_after <= INTERVAL_S * LIVENESS + 1.0 and cut_s > INTERVAL_S * LIVENESS
 
 
+@pytest.mark.slow
 def test_a_link_that_delays_every_message_is_slower_not_wrong():
     async def main():
         with Transport(**ZMTP) as t:

@@ -327,7 +327,7 @@ def test_a_paused_journal_does_not_hold_a_new_launch_and_a_lost_resume_does_not_
     assert "resume_never_came" in log
 
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_over_sampling_without_a_filter_generates_nothing_that_goes_stale(tmp_path):

@@ -50,6 +50,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_role_process_round_trips_large_and_bf16_records(tmp_path):
     async def body(t, sup):
         child = sup.spawn("echo", "tests.roles:echo", env=ENV)
@@ -78,6 +79,7 @@ def test_role_process_round_trips_large_and_bf16_records(tmp_path):
     assert any(line["event"] == "ready" for line in lines)
 
 
+@pytest.mark.slow
 def test_live_role_survives_10000_garbage_messages():
     async def body(t, sup):
         child = sup.spawn("echo", "tests.roles:echo", env=ENV)
@@ -111,6 +113,7 @@ def test_live_role_survives_10000_garbage_messages():
     assert replies > 5_000  # every garbage message with a readable envelope was answered
 
 
+@pytest.mark.slow
 def test_fatal_error_is_reported_before_exit(tmp_path):
     async def body(t, sup):
         child = sup.spawn("crash", "tests.roles:crash", env=ENV)
@@ -125,6 +128,7 @@ def test_fatal_error_is_reported_before_exit(tmp_path):
     assert child.state == "fatal" and "Traceback" in child.fatal.traceback
 
 
+@pytest.mark.slow
 def test_missing_entry_point_is_fatal_with_its_name():
     async def body(t, sup):
         child = sup.spawn("nope", "tests.roles:no_such_role", env=ENV)
@@ -134,6 +138,7 @@ def test_missing_entry_point_is_fatal_with_its_name():
     with_supervisor(body)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_gracefully_and_stubborn_roles_are_killed_at_the_deadline():
     async def body(t, sup):
         good = sup.spawn("echo", "tests.roles:echo", env=ENV)
@@ -149,6 +154,7 @@ def test_sigterm_stops_gracefully_and_stubborn_roles_are_killed_at_the_deadline(
     assert 1.4 < took < 5
 
 
+@pytest.mark.slow
 def test_shutdown_request_over_the_wire():
     async def body(t, sup):
         child = sup.spawn("echo", "tests.roles:echo", env=ENV)
@@ -165,6 +171,7 @@ def test_shutdown_request_over_the_wire():
     assert with_supervisor(body) == 0
 
 
+@pytest.mark.slow
 def test_silent_child_is_declared_dead_within_liveness_and_recovers():
     async def body(t, sup):
         child = sup.spawn("echo", "tests.roles:echo", env=ENV)
@@ -205,6 +212,7 @@ PARENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "freeze"])
 def test_role_exits_when_its_parent_dies_or_goes_silent(how, tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(ROOT), str(tmp_path)],
@@ -238,6 +246,7 @@ def test_role_exits_when_its_parent_dies_or_goes_silent(how, tmp_path):
             pass
 
 
+@pytest.mark.slow
 def test_hello_with_another_protocol_version_is_refused():
     async def body(t, sup):
         client = RpcClient(t, sup.control, timeout_s=5)

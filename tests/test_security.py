@@ -74,6 +74,7 @@ async def first_handshake(transport: Transport, target: str, secure: bool,
         sock.close(0)
 
 
+@pytest.mark.slow
 def test_a_role_refuses_clients_without_the_runs_keys(tmp_path, monkeypatch):
     run_dir, keys = launcher_keys(tmp_path, monkeypatch)
     _, other = launcher_keys(tmp_path / "other", monkeypatch)
@@ -407,6 +408,7 @@ def test_engine_http_binds_loopback_by_default():
 # -- the engines' HTTP: the run's API key ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_engine_http_needs_the_runs_api_key(tmp_path):
     """Every route but /health needs `Authorization: Bearer <key>`: without it anyone who
     reaches the port could point the engine at their own weight-update group."""

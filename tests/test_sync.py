@@ -46,6 +46,7 @@ async def start_training(stack, exp, tmp_path):
 # each rank count, each wire form and each sync mode once (all eight took ~300 s of the suite;
 # both forms arrive whole in test_buckets_arrive_whole_in_either_wire_form, the overlapped
 # sync's bit-exact weights also in tests/test_sync_overlap.py)
+@pytest.mark.slow
 @pytest.mark.parametrize(("ranks", "load_format", "overlap"), [
     (1, "tensor", False), (2, "flattened_bucket", True)])
 def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path, ranks,
@@ -118,6 +119,7 @@ def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path,
         engine_lp, teacher_forced_logprobs(initial, prompt, out["output_ids"]))) > 1e-3
 
 
+@pytest.mark.slow
 def test_two_ranks_retry_a_broadcast_an_engine_failed(tmp_path):
     """Two trainer ranks; after the first sync the engine leaves the weight-update group (as a
     restarted engine would have), so the next broadcast really fails. Rank 0 finishes the
