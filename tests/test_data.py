@@ -18,12 +18,12 @@ from rollmesh.data import (
     PromptCursor,
     PromptRow,
     PromptSource,
-    drop_long_prompts,
     gsm8k_final_answer,
     load_dataset,
     render_prompt,
     with_system_prompt,
 )
+from tests.helpers.prompts import drop_long_prompts
 
 GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(
