@@ -4,7 +4,7 @@ directory; its greedy output is transformers' `generate`; the trainer's log-prob
 output are the engine's; a weight sync leaves the engine with the trainer's weights; and the
 exported `policy/` reloads in transformers with the same logits.
 
-The checkpoints are written by tests/hf_checkpoints.py (random weights, tiny shapes, each
+The checkpoints are written by tests/helpers/hf_checkpoints.py (random weights, tiny shapes, each
 family's special tokens and chat template)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rollmesh.checkpoint import export_hf
 from rollmesh.engine.models import ModelSpecError, load_model
 from rollmesh.weights import check_update, load_weights
 from tests.engine.engine_harness import Engine
-from tests.hf_checkpoints import write_checkpoint
+from tests.helpers.hf_checkpoints import write_checkpoint
 
 CPU = torch.device("cpu")
 # (family, tied embeddings, max_shard_size): every family once with a sharded checkpoint
@@ -293,7 +293,7 @@ def test_trust_remote_code_runs_the_checkpoints_own_code(tmp_path):
     command lines carry it and `model.tokenizer_path`."""
     from rollmesh.config import EngineConfig, ModelConfig
     from rollmesh.engine.sglang import engine_launch
-    from tests.hf_checkpoints import write_remote_code_checkpoint
+    from tests.helpers.hf_checkpoints import write_remote_code_checkpoint
 
     path = write_remote_code_checkpoint(tmp_path / "remote")
     with pytest.raises(ValueError, match="trust_remote_code"):
@@ -315,7 +315,7 @@ def test_trust_remote_code_runs_the_checkpoints_own_code(tmp_path):
 def test_the_trainer_takes_tokenizer_path_and_trust_remote_code(tmp_path):
     """The trainer's loaders (sharded from a directory; whole for tiny) honour both keys."""
     from rollmesh.trainer import build_state
-    from tests.hf_checkpoints import build_tokenizer, write_remote_code_checkpoint
+    from tests.helpers.hf_checkpoints import build_tokenizer, write_remote_code_checkpoint
     from tests.test_trainer import experiment
 
     path = write_remote_code_checkpoint(tmp_path / "remote")

@@ -32,7 +32,7 @@ from rollmesh.monitor import StatusBoard, render
 from rollmesh.protocol import Metrics, Pause
 from rollmesh.transport import Transport
 from tests.engine.engine_harness import REPO, Engine, repo_env
-from tests.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
+from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
 from tests.test_launcher import (
     assert_nothing_trained_twice, check_accounting, finish, kill_and_await_restart, launch,
     metrics, trained_history, wait_for,
@@ -44,7 +44,7 @@ SHORT = {"max_new_tokens": 8, "ignore_eos": True}
 
 
 def run_stack(tmp_path, exp, body, **kw):
-    """A real rollout side (tests/rollout_stack.py) whose rollouter watches the engine."""
+    """A real rollout side (tests/helpers/rollout_stack.py) whose rollouter watches the engine."""
     async def main():
         with Transport() as t:
             stack = await start_stack(t, tmp_path, exp, watch_engines=True, **kw)

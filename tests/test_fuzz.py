@@ -45,8 +45,8 @@ from rollmesh.protocol import (
 from rollmesh.runtime import Supervisor
 from rollmesh.transport import Puller, Pusher, StatusProxy, Subscriber, Transport, free_port
 from tests.engine.engine_harness import Engine
-from tests.rollout_stack import ENV, experiment, write_dataset
-from tests.wire_strategies import any_record
+from tests.helpers.rollout_stack import ENV, experiment, write_dataset
+from tests.helpers.wire_strategies import any_record
 
 pytestmark = pytest.mark.slow
 

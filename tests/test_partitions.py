@@ -1,5 +1,5 @@
 """Network partitions (issue 13, item 5) at the transport level: a TCP relay the test controls
-(`tests/relay.py`) sits between the two ends of a link, black-holes it for longer than the
+(`tests/helpers/relay.py`) sits between the two ends of a link, black-holes it for longer than the
 heartbeat limit (interval x liveness), then heals it.
 
 The links the roles use are these two patterns: the worker channel (ROUTER <-> DEALER: agent
@@ -23,7 +23,7 @@ from rollmesh.protocol import Heartbeat, Ok
 from rollmesh.transport import (
     Channel, ChannelClient, Heartbeater, Liveness, PeerTimeout, RpcClient, RpcServer, Transport,
 )
-from tests.relay import Relay
+from tests.helpers.relay import Relay
 
 INTERVAL_S, LIVENESS = 0.2, 3  # the heartbeat limit: 0.6 s
 ZMTP = {"heartbeat_ms": 200, "heartbeat_timeout_ms": 1000}
@@ -207,7 +207,7 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
     from rollmesh.runtime import Supervisor
     from rollmesh.transport import free_port
     from tests.engine.engine_harness import Engine
-    from tests.rollout_stack import ENV, Driver, accounting, experiment, write_dataset
+    from tests.helpers.rollout_stack import ENV, Driver, accounting, experiment, write_dataset
 
     exp = experiment(write_dataset(tmp_path / "rows.jsonl", ROWS))
     spec = to_dict(exp)

@@ -87,7 +87,7 @@ def test_a_role_refuses_clients_without_the_runs_keys(tmp_path, monkeypatch):
             sup = Supervisor(t, heartbeat_s=0.5, liveness=6, log_dir=tmp_path / "logs",
                              keys_dir=str(keys.directory))
             # "*": every interface, so not loopback: the role's transport must make it CURVE.
-            child = sup.spawn("echo", "tests.roles:echo", env=ENV,
+            child = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV,
                               config={"bind": f"tcp://*:{free_port('0.0.0.0')}"})
             try:
                 address = (await sup.wait_ready(child, 60))["rpc"]

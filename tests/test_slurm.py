@@ -1,7 +1,7 @@
 """`rollmesh launch` on Slurm: hosts from the allocation, processes as job steps, `--sbatch`.
 
 The first tests read cluster files against a faked allocation (no Slurm needed). The last ones
-run a private one-node Slurm cluster (tests/slurm_cluster.py; they skip with the reason where
+run a private one-node Slurm cluster (tests/helpers/slurm_cluster.py; they skip with the reason where
 slurm-wlm and munge are missing or this is not root): the embedded default submitted with
 `--sbatch` runs to the end with an agent worker's step killed and restarted, and
 `rollmesh stop` ends a job; nothing is left running.
@@ -20,7 +20,7 @@ import pytest
 from rollmesh import slurm
 from rollmesh.config import ConfigError, load_cluster
 from rollmesh.hosts import make_host
-from tests.slurm_cluster import Slurm
+from tests.helpers.slurm_cluster import Slurm
 from tests.test_launcher import (
     check_accounting, cpus_allowed, free_ports_base, metrics, status, wait_for,
 )

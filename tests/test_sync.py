@@ -20,7 +20,7 @@ from rollmesh.transport import RemoteError, RpcClient, Transport, free_port
 from rollmesh.weight_buckets import WeightSpec, announce, plan_buckets, send_bucket
 from rollmesh.weights import destroy_weight_update_group, init_weight_update_group
 from tests.engine.engine_harness import chat_prompt, greedy_decode, teacher_forced_logprobs
-from tests.rollout_stack import ENV, experiment, start_stack, stop_stack, write_dataset
+from tests.helpers.rollout_stack import ENV, experiment, start_stack, stop_stack, write_dataset
 from tests.test_trainer import read_metrics, spawn_trainers, wait_exit
 
 ROWS = [{"prompt": f"What is {a} plus {b}?", "label": str(a + b)}
