@@ -98,7 +98,8 @@ def part_engine(args: argparse.Namespace, device: torch.device) -> list[dict]:
 def part_train(args: argparse.Namespace, device: torch.device) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from rollmesh.trainer import build_state, prepare, update_policy
+    from rollmesh.training.state import build_state
+    from rollmesh.training.step import prepare, update_policy
 
     data = real_scale.batch(args.seqs, args.tokens)
     tokens = args.seqs * args.tokens
@@ -149,8 +150,8 @@ def part_train(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 
 def part_sync(args: argparse.Namespace, device: torch.device) -> list[dict]:
-    from rollmesh.publish import Publisher
-    from rollmesh.trainer import build_state
+    from rollmesh.training.state import build_state
+    from rollmesh.weight_sync.sender import WeightSender
     from rollmesh.transport import Transport
 
     exp = real_scale.experiment(args.dir, f'trainer.device="{device.type}"',
@@ -161,7 +162,7 @@ def part_sync(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
     async def two_syncs() -> tuple[float, int]:
         with Transport() as t:
-            publisher = Publisher(t, {"engines": [url], "synchronizer": "tcp://127.0.0.1:9"},
+            publisher = WeightSender(t, {"engines": [url], "synchronizer": "tcp://127.0.0.1:9"},
                                   exp.sync, device)
             await publisher.open()
             try:

@@ -182,6 +182,61 @@ def raw_forward(p: dict[str, Any]) -> None:
     zmq.proxy(pull, push)
 
 
+def py_forward(p: dict[str, Any]) -> None:
+    """The second hop in Python, doing the least any Python broker must per message: receive
+    it, (`durable`) append it to a log with a crc32 per record, fsynced every second from a
+    thread and started anew at 64 MiB, then send it on (zero-copy both ways; no decode, no
+    validation, no accounting, no reply). Its gap to `raw_forward` is Python's and the log's
+    own cost; the MessageQueue's gap to it is rollmesh's."""
+    import threading
+    import zlib
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for s in (pull, push):
+        s.setsockopt(zmq.SNDHWM, 1000)
+        s.setsockopt(zmq.RCVHWM, 1000)
+    pull.bind(p["bind"])
+    push.connect(p["connect"])
+    log_dir = p["log_dir"]
+    fd, size, files, lock = -1, 0, 0, threading.Lock()
+
+    def roll() -> None:
+        nonlocal fd, size, files
+        old = fd
+        path = os.path.join(log_dir, f"log.{files}")
+        fd, size, files = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 0, files + 1
+        if old >= 0:
+            os.close(old)
+            os.unlink(os.path.join(log_dir, f"log.{files - 2}"))
+
+    def syncing() -> None:
+        while True:
+            time.sleep(1.0)
+            with lock:
+                dup = os.dup(fd)
+            os.fsync(dup)
+            os.close(dup)
+
+    if log_dir:
+        roll()
+        threading.Thread(target=syncing, daemon=True).start()
+    print("ready", flush=True)
+    while True:
+        frames = pull.recv_multipart(copy=False)
+        if log_dir:
+            views = [f.buffer for f in frames]
+            crc = 0
+            for v in views:
+                crc = zlib.crc32(v, crc)
+            size += os.writev(fd, [sum(v.nbytes for v in views).to_bytes(4, "little")
+                                   + crc.to_bytes(4, "little"), *views])
+            if size > 64 << 20:
+                with lock:
+                    roll()
+        push.send_multipart(frames, copy=False)
+
+
 # ---- rollmesh MessageQueue -------------------------------------------------------------------
 
 
@@ -291,7 +346,8 @@ def phases(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run_raw(a: argparse.Namespace, ph: dict[str, Any], hops: int) -> dict[str, Any]:
+def run_raw(a: argparse.Namespace, ph: dict[str, Any], hops: int,
+            forward: str = "raw-forward", durable: bool = False) -> dict[str, Any]:
     total = ph["groups"] + ph["warmup"]
     address = f"tcp://127.0.0.1:{free_port()}"
     consumer = child("raw-consume", {"address": address, "groups": total,
@@ -300,7 +356,8 @@ def run_raw(a: argparse.Namespace, ph: dict[str, Any], hops: int) -> dict[str, A
     forwarder = None
     if hops == 2:
         front = f"tcp://127.0.0.1:{free_port()}"
-        forwarder = child("raw-forward", {"bind": front, "connect": address})
+        log_dir = tempfile.mkdtemp(prefix="rollmesh-bench-pylog-") if durable else None
+        forwarder = child(forward, {"bind": front, "connect": address, "log_dir": log_dir})
         ready(forwarder)
         address = front
     producer = child("raw-produce", {"address": address, "groups": total, "rate": ph["rate"],
@@ -312,6 +369,8 @@ def run_raw(a: argparse.Namespace, ph: dict[str, Any], hops: int) -> dict[str, A
         if forwarder is not None:
             forwarder.kill()
             forwarder.wait()
+        if durable:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 async def run_mq(a: argparse.Namespace, which: list[str]) -> dict[str, dict[str, Any]]:
@@ -401,8 +460,8 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         role, params = a.child[0], json.loads(a.child[1])
-        if role == "raw-forward":
-            raw_forward(params)
+        if role in ("raw-forward", "py-forward"):
+            (raw_forward if role == "raw-forward" else py_forward)(params)
             return
         fn = {"raw-produce": raw_produce, "raw-consume": raw_consume, "mq-produce": mq_produce,
               "mq-consume": mq_consume}[role]
@@ -440,6 +499,9 @@ def main() -> None:
             if s in ("raw1", "raw2"):
                 for name, phase in ph.items():
                     runs[s][name].append(run_raw(a, phase, 1 if s == "raw1" else 2))
+            elif s in ("py2", "py2d"):
+                for name, phase in ph.items():
+                    runs[s][name].append(run_raw(a, phase, 2, "py-forward", s == "py2d"))
             elif s == "mq":
                 for name, r in asyncio.run(run_mq(a, list(ph))).items():
                     runs[s][name].append(r)
@@ -453,13 +515,15 @@ def main() -> None:
                 for name in ph:
                     runs[s][name].append(r[name])
             else:
-                raise SystemExit(f"unknown system {s!r} (raw1, raw2, mq, ray)")
+                raise SystemExit(f"unknown system {s!r} (raw1, raw2, py2, py2d, mq, ray)")
             tp = runs[s]["throughput"][-1]
             print(f"  run {rep + 1}/{a.repeat} {s:5s} {rate(tp):9.0f} samples/s "
                   f"({time.time() - t0:.1f}s with start-up)", flush=True)
 
     names = {"raw1": "raw ZeroMQ 1-hop PUSH/PULL (floor)",
              "raw2": "raw ZeroMQ 2-hop via zmq.proxy (floor)",
+             "py2": "2-hop via a Python forwarder",
+             "py2d": "2-hop via a Python forwarder + log",
              "mq": "rollmesh MessageQueue (puts/stream)",
              "ray": f"Ray actor queue, verl-style ({a.ray_serialize})"}
     summary = {s: {k: summarize(v) for k, v in runs[s].items()} for s in runs}

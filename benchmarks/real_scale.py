@@ -13,7 +13,7 @@ What a user's first run on CPU meets, each figure beside a baseline measured in 
             rank count of --ranks, vs one plain step (transformers forward, token cross-entropy,
             backward, torch AdamW) on the same tokens in one process;
     sync    one weight sync trainer -> built-in engine over gloo on the real path
-            (`rollmesh.publish.Publisher.broadcast`: gather, buckets, HTTP announcements, the
+            (`rollmesh.weight_sync.sender.WeightSender.broadcast`: gather, buckets, HTTP announcements, the
             engine loading each bucket), float32, vs one raw gloo broadcast of a flat buffer of
             the same bytes to another process (the floor);
     decode  built-in engine tokens/s for --requests greedy requests x --new-tokens (ignore_eos),
@@ -119,7 +119,7 @@ def batch(seqs: int, tokens: int, vocab_used: int = 2000) -> Any:
     """One group of `seqs` sequences of `tokens` tokens (1/8 prompt), rewards 0 and 1."""
     import numpy as np
 
-    from rollmesh.packing import from_groups
+    from rollmesh.training.batching import from_groups
     from rollmesh.protocol import Group, Trajectory
 
     rng = np.random.default_rng(0)
@@ -144,7 +144,8 @@ def batch(seqs: int, tokens: int, vocab_used: int = 2000) -> Any:
 def rank_process(args: argparse.Namespace) -> dict[str, Any]:
     """One trainer rank: build (load), or build and take one step (train)."""
     from rollmesh.ranks import close_ranks, init_ranks
-    from rollmesh.trainer import build_state, prepare, update_policy
+    from rollmesh.training.state import build_state
+    from rollmesh.training.step import prepare, update_policy
 
     torch.set_num_threads(args.threads)
     ranks = init_ranks(args.rendezvous, args.rank, args.world, "gloo")
@@ -190,7 +191,7 @@ def plain_step(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def floor_receiver(args: argparse.Namespace) -> None:
-    from rollmesh.weights import init_weight_update_group
+    from rollmesh.weight_sync.group import init_weight_update_group
 
     group = init_weight_update_group("127.0.0.1", args.port, 1, 2, "floor", "gloo", 600)
     flat = torch.zeros(args.bytes, dtype=torch.uint8)
@@ -311,15 +312,15 @@ async def sync_three(args: argparse.Namespace, url: str) -> tuple[dict[str, floa
     3 one broadcast per tensor (the config's default): {what: seconds}, bytes, peak RSS."""
     import dataclasses
 
-    from rollmesh.publish import Publisher
-    from rollmesh.trainer import build_state
+    from rollmesh.training.state import build_state
+    from rollmesh.weight_sync.sender import WeightSender
     from rollmesh.transport import Transport
 
     exp = experiment(args.dir)
     state = build_state(exp)
     times = {}
     with Transport() as t:
-        publisher = Publisher(t, {"engines": [url], "synchronizer": "tcp://127.0.0.1:9"},
+        publisher = WeightSender(t, {"engines": [url], "synchronizer": "tcp://127.0.0.1:9"},
                               exp.sync, torch.device("cpu"))
         await publisher.open()
         try:
@@ -336,7 +337,7 @@ async def sync_three(args: argparse.Namespace, url: str) -> tuple[dict[str, floa
 
 def floor_broadcast(args: argparse.Namespace, nbytes: int, repeats: int = 2) -> float:
     from rollmesh.transport import free_port
-    from rollmesh.weights import init_weight_update_group
+    from rollmesh.weight_sync.group import init_weight_update_group
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--role", "floor", "--port", str(port),
@@ -390,7 +391,7 @@ def part_sync_decode(args: argparse.Namespace, parts: set[str]) -> list[dict]:
         return rows
     nbytes = 0
     if "sync" in parts:
-        from rollmesh.publish import weight_specs
+        from rollmesh.weight_sync.sender import weight_specs
         from rollmesh.sharded_load import empty_causal_lm
 
         nbytes = sum(s.nbytes for s in weight_specs(empty_causal_lm(args.dir, torch.float32),

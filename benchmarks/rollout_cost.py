@@ -71,12 +71,12 @@ from rollmesh.config import load_experiment, to_dict  # noqa: E402
 from rollmesh.data import PromptRow, render_prompt  # noqa: E402
 from rollmesh.engine.client import EngineClient  # noqa: E402
 from rollmesh.engine.models import tiny_tokenizer  # noqa: E402
-from rollmesh.agent_loops import new_trajectory  # noqa: E402
+from rollmesh.trajectories import new_trajectory  # noqa: E402
 from rollmesh.protocol import (  # noqa: E402
     Batch, GetBatch, Group, Pause, PutGroup, Resume, Returned, StatsRequest, Trajectory,
     WeightVersion, decode, encode,
 )
-from rollmesh.rollouter import Worker, WorkerPool  # noqa: E402
+from rollmesh.rollout.workers import Worker, WorkerPool  # noqa: E402
 from rollmesh.runtime import Supervisor  # noqa: E402
 from rollmesh.transport import RpcClient, Transport, free_port  # noqa: E402
 

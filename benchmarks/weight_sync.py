@@ -8,11 +8,11 @@
    151936, hidden 896, intermediate 4864, 24 layers, 14 query / 2 key-value heads, tied
    embeddings: 494M parameters; bfloat16 by default, 0.99 GB) from a trainer-like process
    (rank 0) to --receivers engine-like processes, in one weight-update group built as the
-   engines build it (`rollmesh.weights.init_weight_update_group`):
+   engines build it (`rollmesh.weight_sync.group.init_weight_update_group`):
      floor     one raw `torch.distributed.broadcast` of a single flat buffer of the same bytes,
                prepared beforehand (nothing else timed);
-     flattened `rollmesh.weight_buckets.send_buckets(load_format="flattened_bucket")` for each
-               bucket size of --buckets (MiB), pipelined as `rollmesh.publish` sends them: bucket
+     flattened `rollmesh.weight_sync.buckets.BucketSender` (`send_buckets` below) for each
+               bucket size of --buckets (MiB), pipelined as `weight_sync.sender` sends them: bucket
                i+1 is copied into one of two bucket buffers while bucket i is on the wire
                (`async_op=True`), a one-tensor bucket is sent as it is; receivers load as the
                built-in engine does (`receive_bucket_into`): the first run leaves each bucket's
@@ -26,7 +26,7 @@
    every receiver holds every tensor. Reported: median seconds over --repeats, GB/s of payload,
    and the ratio to the floor. `--json PATH` writes the rows of benchmarks/results.py.
    snapshot  what an overlapped sync (`sync.overlap`) costs the trainer instead: copying the
-               same tensors into rank 0's snapshot (`rollmesh.weight_buckets.Snapshot`, host
+               same tensors into rank 0's snapshot (`rollmesh.weight_sync.buckets.Snapshot`, host
                memory, kept from sync to sync), beside the best flattened broadcast (what a
                blocking sync costs it, pause and verification left out).
 2. The rollout pause window: the real rollout side (built-in engine with the tiny model,
@@ -47,7 +47,9 @@ import statistics
 import subprocess
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,13 +58,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results import row, write  # noqa: E402
-from rollmesh.weight_buckets import (  # noqa: E402
+from rollmesh.weight_sync.buckets import (  # noqa: E402
     BucketSender, Snapshot, WeightSpec, plan_buckets, receive_bucket, receive_bucket_into,
-    send_buckets,
 )
-from rollmesh.weights import (  # noqa: E402
-    destroy_weight_update_group, dtype_from_name, init_weight_update_group,
+from rollmesh.weight_sync.group import (  # noqa: E402
+    destroy_weight_update_group, init_weight_update_group,
 )
+from rollmesh.weight_sync.tensors import dtype_from_name  # noqa: E402
 
 GROUP = "weight_update_group"
 
@@ -97,6 +99,18 @@ def experiments(args: argparse.Namespace) -> list[tuple[str, float]]:
     runs += [("flattened_bucket", float(b)) for b in args.buckets]
     runs.append(("tensor", 0.0))
     return runs
+
+
+def send_buckets(sender: BucketSender, buckets: list[list[WeightSpec]], tensors: Any) -> int:
+    """Rank 0: every bucket, pipelined (bucket i+1 packed while bucket i is on the wire), with
+    no announcement in between (the receivers know them). `tensors`: every bucket's tensors in
+    order."""
+    it = iter(tensors)
+    sent = 0
+    for bucket in buckets:
+        sent += sender.start(sender.pack(bucket, islice(it, len(bucket))))
+    sender.wait()
+    return sent
 
 
 def barrier(group: dist.ProcessGroup) -> None:
@@ -190,11 +204,10 @@ def sender(args: argparse.Namespace) -> list[dict]:
             else:
                 size = int(bucket_mb * 2**20) if mode != "tensor" else total
                 buckets = plan_buckets(specs, size)
-                # pipelined, as rollmesh.publish does it (its two buffers kept across syncs)
+                # pipelined, as weight_sync.sender does it (its two buffers kept across syncs)
                 sender = sender or BucketSender(group, mode, capacity=max(
                     (sum(s.nbytes for s in b) for b in buckets if len(b) > 1), default=0))
-                send_buckets(group, buckets, (params[s.name] for s in specs), mode,
-                             sender=sender)
+                send_buckets(sender, buckets, (params[s.name] for s in specs))
                 broadcasts = len(buckets) if mode != "tensor" else len(specs)
             barrier(group)
             times.append(time.perf_counter() - start)

@@ -39,11 +39,11 @@ from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 import msgpack
-import numpy as np
 
-from rollmesh.config import ModelConfig, RolloutConfig
+from rollmesh.config import RolloutConfig
 from rollmesh.engine.client import EngineClient, GenerateOutput, GenerationCancelled
 from rollmesh.protocol import Trajectory
+from rollmesh.trajectories import append_observation, append_tokens
 
 
 class Interrupted(Exception):
@@ -57,44 +57,6 @@ class AgentLoop(Protocol):
 
     async def run(self, traj: Trajectory) -> None:
         """Advance `traj` until it is finished (set traj.status = "finished")."""
-
-
-def new_trajectory(sample_id: str, group_id: str, index: int, prompt_ids: list[int], *,
-                   agent_loop: str, label: Any = None, metadata: dict[str, Any] | None = None,
-                   loop_state: dict[str, Any] | None = None) -> Trajectory:
-    n = len(prompt_ids)
-    return Trajectory(
-        sample_id=sample_id, group_id=group_id, index=index,
-        token_ids=np.asarray(prompt_ids, dtype=np.int32), logprobs=np.zeros(n, np.float32),
-        versions=np.full(n, -1, np.int32), loss_mask=np.zeros(n, np.uint8), prompt_len=n,
-        agent_loop=agent_loop, label=label, metadata=metadata or {},
-        loop_state=loop_state or {},
-    )
-
-
-def append_tokens(traj: Trajectory, ids: list[int], logprobs: list[float] | None,
-                  version: int | Sequence[int]) -> None:
-    """Append tokens; `version` is one version for all of them or one per token."""
-    n = len(ids)
-    generated = logprobs is not None
-    traj.token_ids = np.concatenate([traj.token_ids, np.asarray(ids, np.int32)])
-    traj.logprobs = np.concatenate(
-        [traj.logprobs, np.asarray(logprobs if generated else np.zeros(n), np.float32)])
-    if not generated:
-        versions = np.full(n, -1, np.int32)
-    elif isinstance(version, (int, np.integer)):
-        versions = np.full(n, version, np.int32)
-    else:
-        versions = np.asarray(version, np.int32)
-        if versions.shape != (n,):
-            raise ValueError(f"{versions.size} weight versions for {n} tokens")
-    traj.versions = np.concatenate([traj.versions, versions])
-    traj.loss_mask = np.concatenate([traj.loss_mask, np.full(n, int(generated), np.uint8)])
-
-
-def append_observation(traj: Trajectory, ids: list[int]) -> None:
-    """Tool, environment or template tokens: in the context, not in the loss."""
-    append_tokens(traj, ids, None, -1)
 
 
 def token_stamps(out: GenerateOutput, start: int | None) -> int | list[int]:
@@ -500,14 +462,3 @@ def get_agent_loop(name: str, loops: dict[str, type] | None = None) -> type:
         raise KeyError(f"unknown agent loop {name!r} (registered under 'rollmesh.agent_loops': "
                        f"{', '.join(sorted(loops)) or 'none'})")
     return loops[name]
-
-
-def load_tokenizer(model: ModelConfig | str) -> Any:
-    """The tokenizer of `[model]`: `model.tokenizer_path` when set, else tiny's built-in one or
-    the checkpoint's own; `model.trust_remote_code` lets a checkpoint's tokenizer code run. A
-    bare string is a model path with the defaults."""
-    from rollmesh.engine.models import load_tokenizer as load
-
-    if isinstance(model, str):
-        return load(model)
-    return load(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)

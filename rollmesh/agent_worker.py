@@ -27,11 +27,12 @@ import time
 import traceback
 from typing import Any
 
-from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops, load_tokenizer
+from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.protocol import Assign, Cancel, Held, Resume, Returned, Trajectory
 from rollmesh.runtime import RoleContext
+from rollmesh.trajectories import load_tokenizer
 from rollmesh.transport import ChannelClient
 from rollmesh.worker_loop import serve_worker
 

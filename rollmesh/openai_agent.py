@@ -69,8 +69,7 @@ import numpy as np
 from aiohttp import web
 
 from rollmesh.agent_loops import (
-    ChatTemplateError, ContextFull, Interrupted, LoopContext, append_observation, next_turn_ids,
-    recorded_call,
+    ChatTemplateError, ContextFull, Interrupted, LoopContext, next_turn_ids, recorded_call,
 )
 from rollmesh.engine.openai_api import (
     _NO_EFFECT, OpenAIError, TokenBytes, _template_message, _tool_choice, _tools, chat_logprobs,
@@ -78,6 +77,7 @@ from rollmesh.engine.openai_api import (
 )
 from rollmesh.log import get_logger
 from rollmesh.protocol import Trajectory
+from rollmesh.trajectories import append_observation
 
 log = get_logger("rollmesh.openai_agent")
 

@@ -133,13 +133,6 @@ class Heartbeat:
 
 
 @record
-class Shutdown:
-    """Ask a process to stop gracefully."""
-
-    reason: str = ""
-
-
-@record
 class Fatal:
     """Sent by a role just before it exits on an unrecoverable error."""
 

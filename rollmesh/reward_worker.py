@@ -17,12 +17,12 @@ import os
 import time
 from typing import Any
 
-from rollmesh.agent_loops import load_tokenizer
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.protocol import Score, Scored, Trajectory
 from rollmesh.rewards.sandbox import RewardSandbox
 from rollmesh.rewards.trajectory import trajectory_view
 from rollmesh.runtime import RoleContext
+from rollmesh.trajectories import load_tokenizer
 from rollmesh.transport import ChannelClient
 from rollmesh.worker_loop import serve_worker
 

@@ -11,9 +11,10 @@ model directory at `model.path`, the checkpoint the RL run of the same config lo
   header, the template's generation prompt, is not). The template must render each prefix of
   the conversation as a prefix of the whole; a row where it does not, or that does not parse,
   is an error naming the file and line.
-- Training: the RL trainer's own model, AdamW and schedule (`trainer.build_state`, one rank),
-  micro-batches cut by `trainer.micro_batch_tokens` (`packing.micro_batches`), the token-mean
-  cross-entropy of a whole batch accumulated exactly over its micro-batches.
+- Training: the RL trainer's own model, AdamW and schedule (`training.state.build_state`, one
+  rank), micro-batches cut by `trainer.micro_batch_tokens` (`training.step.micro_batches`, the
+  trainer's own iterator), the token-mean cross-entropy of a whole batch accumulated exactly
+  over its micro-batches.
 - Output: `checkpoint.export_hf`, the format of a run's `policy/` export, plus `sft.json` (the
   data, steps and the loss per step).
 
@@ -33,9 +34,11 @@ from typing import Any
 
 import torch
 
-from rollmesh import checkpoint, packing
+from rollmesh import checkpoint
 from rollmesh.config import ConfigError, ExperimentConfig, load_experiment
 from rollmesh.log import configure_logging
+from rollmesh.training.batching import BatchData
+from rollmesh.training.step import micro_batches
 
 __all__ = ["Example", "SftError", "load_transcripts", "main", "render_transcript", "train"]
 
@@ -129,25 +132,30 @@ def _warm_start_config(exp: ExperimentConfig) -> ExperimentConfig:
                                trainer=trainer, algorithm=algorithm)
 
 
+def _batch_data(batch: list[Example]) -> BatchData:
+    """The examples right-padded as one batch; the loss mask is on the assistant tokens."""
+    lengths = [len(e.ids) for e in batch]
+    size, width = len(batch), max(lengths)
+    tokens = torch.zeros(size, width, dtype=torch.long)
+    mask = torch.zeros(size, width)
+    for row, example in enumerate(batch):
+        tokens[row, :lengths[row]] = torch.tensor(example.ids)
+        mask[row, :lengths[row]] = torch.tensor(example.mask, dtype=torch.float32)
+    return BatchData(tokens=tokens, lengths=torch.tensor(lengths), mask=mask,
+                     behaviour=torch.zeros(size, width),
+                     versions=torch.full((size, width), -1, dtype=torch.long),
+                     rewards=torch.zeros(size), group_index=torch.arange(size))
+
+
 def _batch_loss(state: Any, batch: list[Example]) -> tuple[float, int]:
     """Backward of the token-mean cross-entropy over `batch`'s assistant tokens, accumulated
     over micro-batches; (loss, assistant tokens)."""
-    lengths = [len(e.ids) for e in batch]
     targets = sum(sum(e.mask[1:]) for e in batch)
     total = 0.0
-    for index in packing.micro_batches(lengths, list(range(len(batch))),
-                                       state.exp.trainer.micro_batch_tokens):
-        width = max(lengths[i] for i in index)
-        ids = torch.zeros(len(index), width, dtype=torch.long)
-        mask = torch.zeros(len(index), width)
-        attention = torch.zeros(len(index), width, dtype=torch.long)
-        for row, i in enumerate(index):
-            n = lengths[i]
-            ids[row, :n] = torch.tensor(batch[i].ids)
-            mask[row, :n] = torch.tensor(batch[i].mask, dtype=torch.float32)
-            attention[row, :n] = 1
-        ids, mask, attention = (t.to(state.device) for t in (ids, mask, attention))
-        logits = state.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    for _, mb in micro_batches(state, _batch_data(batch)):
+        ids, mask = mb["tokens"], mb["mask"]
+        logits = state.model(input_ids=ids,
+                             attention_mask=mb["attention_mask"]).logits[:, :-1].float()
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = -(logp * mask[:, 1:]).sum() / targets
         loss.backward()
@@ -159,7 +167,7 @@ def train(exp: ExperimentConfig, log: Any, *, progress: Any = None) -> dict[str,
     """Warm-start `exp.sft.init` on `exp.sft.data_path` and export it to `exp.model.path`;
     returns the summary written beside it (`sft.json`)."""
     from rollmesh.engine.models import resolve_device
-    from rollmesh.trainer import build_state
+    from rollmesh.training.state import build_state
 
     warm = _warm_start_config(exp)
     device = resolve_device(exp.trainer.device)

@@ -26,9 +26,10 @@ an engine that answers with another version (it restarted during or after the br
 the initial weights) makes SyncDone(ok) fail with an error naming it, the sync stays in
 progress, and the trainer reports the attempt failed and tries again with the group rebuilt.
 An engine that does not answer is not serving (the launcher is restarting it); when it is back,
-the trainer's check (`rollmesh.publish.Publisher.engines_behind`, at every step and whenever
-its wait for a batch comes back empty) sees it behind and sends it the current weights again:
-SyncRequest(republish=True), accepted at any version, always with the group rebuilt.
+the trainer's check (`rollmesh.weight_sync.sender.WeightSender.engines_behind`, at every step
+and whenever its wait for a batch comes back empty) sees it behind and sends it the current
+weights again: SyncRequest(republish=True), accepted at any version, always with the group
+rebuilt.
 
 Failure: SyncDone(ok=False) resumes rollout at the old version (the trainer fails loudly, the
 engines' weights are suspect); a trainer that never reports back within `sync.timeout_s` after

@@ -6,8 +6,6 @@
 - `RpcServer` (ROUTER) / `RpcClient` (DEALER): request-reply with correlation ids, timeouts
   and retries (the "lazy pirate": on a timeout the socket is rebuilt and pending requests are
   sent again), a dispatcher from record type to handler, protocol errors answered and counted.
-- `Pusher` / `Puller`: PUSH/PULL streams; a full high-water mark blocks the sender
-  (back-pressure is visible, never an unbounded queue).
 - `StatusProxy` (XSUB/XPUB in a thread), `Publisher`, `Subscriber`: status and metrics.
 - `Liveness`, `Heartbeater`: heartbeats both ways; a peer silent for `liveness` intervals is dead.
 """
@@ -760,45 +758,6 @@ class ChannelClient(_Receiver):
 
     def close(self) -> None:
         self.sock.close(0)
-
-
-# --------------------------------------------------------------------------------------------
-# Streams
-# --------------------------------------------------------------------------------------------
-
-
-class Pusher:
-    """PUSH end of a stream. `send` waits while the high-water mark is reached."""
-
-    def __init__(self, transport: Transport, *, bind: str | None = None,
-                 connect: str | None = None, secure: bool | None = None, hwm: int | None = None):
-        self.sock = transport.socket(zmq.PUSH, bind=bind, connect=connect, secure=secure, hwm=hwm)
-
-    async def send(self, rec: Any, timeout_s: float | None = None) -> None:
-        frames = protocol.encode(rec)
-        if _send_now(self.sock, frames):
-            return
-        coro = self.sock.send_multipart(frames, copy=False)
-        if timeout_s is None:
-            await coro
-        else:
-            await asyncio.wait_for(coro, timeout_s)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-class Puller(_Receiver):
-    """PULL end of a stream. Malformed messages are counted and skipped."""
-
-    where = "pull"
-
-    def __init__(self, transport: Transport, *, bind: str | None = None,
-                 connect: str | None = None, secure: bool | None = None, hwm: int | None = None):
-        self.sock = transport.socket(zmq.PULL, bind=bind, connect=connect, secure=secure, hwm=hwm)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 # --------------------------------------------------------------------------------------------

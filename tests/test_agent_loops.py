@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from rollmesh.agent_loops import (
-    append_observation, append_tokens, calculator, load_agent_loops, new_trajectory,
-    parse_tool_calls, parse_version, run_tool,
+    calculator, load_agent_loops, parse_tool_calls, parse_version, run_tool,
 )
+from rollmesh.trajectories import append_observation, append_tokens, new_trajectory
 
 
 def test_token_rows_carry_mask_version_and_logprob():
@@ -152,7 +152,7 @@ def test_load_tokenizer_honours_tokenizer_path_and_trust_remote_code(tmp_path, m
     transformers."""
     import transformers
 
-    from rollmesh.agent_loops import load_tokenizer
+    from rollmesh.trajectories import load_tokenizer
     from rollmesh.config import ModelConfig
     from tests.helpers.hf_checkpoints import build_tokenizer
 

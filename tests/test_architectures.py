@@ -18,7 +18,7 @@ import torch
 from rollmesh.algorithms.logits import token_logprobs
 from rollmesh.checkpoint import export_hf
 from rollmesh.engine.models import ModelSpecError, load_model
-from rollmesh.weights import check_update, load_weights
+from rollmesh.weight_sync.tensors import check_update, load_weights
 from tests.engine.engine_harness import Engine
 from tests.helpers.hf_checkpoints import write_checkpoint
 
@@ -138,9 +138,10 @@ def test_trainer_logprobs_match_the_engines(served):
     recomputes) against the engine's behaviour log-probs."""
     import numpy as np
 
-    from rollmesh.packing import from_groups
     from rollmesh.protocol import Group, Trajectory
-    from rollmesh.trainer import batch_logprobs, build_state
+    from rollmesh.training.batching import from_groups
+    from rollmesh.training.state import build_state
+    from rollmesh.training.step import batch_logprobs
     from tests.test_trainer import experiment
 
     _, path, engine, model, tokenizer = served
@@ -167,8 +168,9 @@ def test_trainer_logprobs_match_the_engines(served):
 def _trained_state(path, *overrides: str):
     """(experiment, trainer state) built from the checkpoint as the trainer builds it (sharded
     loading, FSDP), after one policy update."""
-    from rollmesh.packing import from_groups
-    from rollmesh.trainer import build_state, prepare, update_policy
+    from rollmesh.training.batching import from_groups
+    from rollmesh.training.state import build_state
+    from rollmesh.training.step import prepare, update_policy
     from tests.test_trainer import experiment, make_groups
 
     exp = experiment(f'model.path="{path}"', *overrides)
@@ -187,7 +189,7 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
     import asyncio
 
     from rollmesh.checkpoint import full_state_dict
-    from rollmesh.publish import Publisher
+    from rollmesh.weight_sync.sender import WeightSender
     from rollmesh.ranks import Ranks
     from rollmesh.transport import Transport
 
@@ -208,7 +210,7 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
 
     async def publish() -> int:
         with Transport() as transport:
-            publisher = Publisher(transport, {"engines": [engine.url],
+            publisher = WeightSender(transport, {"engines": [engine.url],
                                               "synchronizer": "tcp://127.0.0.1:1"},
                                   exp.sync, CPU)
             await publisher.open()
@@ -314,7 +316,7 @@ def test_trust_remote_code_runs_the_checkpoints_own_code(tmp_path):
 
 def test_the_trainer_takes_tokenizer_path_and_trust_remote_code(tmp_path):
     """The trainer's loaders (sharded from a directory; whole for tiny) honour both keys."""
-    from rollmesh.trainer import build_state
+    from rollmesh.training.state import build_state
     from tests.helpers.hf_checkpoints import build_tokenizer, write_remote_code_checkpoint
     from tests.test_trainer import experiment
 

@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from rollmesh import checkpoint
-from rollmesh.packing import from_groups
-from rollmesh.trainer import build_state, prepare, update_policy
+from rollmesh.training.batching import from_groups
+from rollmesh.training.state import build_state
+from rollmesh.training.step import prepare, update_policy
 from tests.engine.engine_harness import Engine, chat_prompt, greedy_decode
 from tests.test_trainer import (
     GAE, experiment, make_groups, max_diff, params_of, put_groups, read_metrics, reference_run,

@@ -21,7 +21,7 @@ from rollmesh.data import PromptGroup, PromptRow
 from rollmesh.durable_log import DurableLog
 from rollmesh.message_queue import LOG_NAME
 from rollmesh.protocol import PutGroup
-from rollmesh.rollouter import Journal, JournalDiskError
+from rollmesh.rollout.journal import Journal, JournalDiskError
 from rollmesh.transport import RemoteError, RpcClient
 from tests.test_message_queue import balance, group, kill_and_respawn, spawn_queue, stats
 from tests.test_trainer import with_supervisor

@@ -43,9 +43,10 @@ from rollmesh.protocol import (
     decode, encode,
 )
 from rollmesh.runtime import Supervisor
-from rollmesh.transport import Puller, Pusher, StatusProxy, Subscriber, Transport, free_port
+from rollmesh.transport import StatusProxy, Subscriber, Transport, free_port
 from tests.engine.engine_harness import Engine
 from tests.helpers.rollout_stack import ENV, experiment, write_dataset
+from tests.helpers.wire import Puller, Pusher
 from tests.helpers.wire_strategies import any_record
 
 pytestmark = pytest.mark.slow
@@ -475,7 +476,7 @@ def _recv_from(r: Run, peer: bytes, want: type, timeout_s: float = 30) -> Any:
 
 
 def _score_request(r: Run, answer: str) -> Trajectory:
-    from rollmesh.agent_loops import load_tokenizer
+    from rollmesh.trajectories import load_tokenizer
 
     tok = load_tokenizer("tiny")
     prompt = tok.encode("q", add_special_tokens=False)

@@ -26,13 +26,14 @@ import numpy as np
 import pytest
 import torch
 
-from rollmesh import packing
-from rollmesh.agent_loops import LoopContext, SingleTurn, new_trajectory, token_stamps
+from rollmesh.agent_loops import LoopContext, SingleTurn, token_stamps
 from rollmesh.config import RolloutConfig
 from rollmesh.engine.client import EngineClient, GenerateOutput
 from rollmesh.engine.models import build_tiny
 from rollmesh.message_queue import MessageQueue
 from rollmesh.protocol import Group
+from rollmesh.training import batching
+from rollmesh.trajectories import new_trajectory
 from tests.engine.engine_harness import REPO, Engine, chat_prompt, free_port, repo_env
 
 HERE = Path(__file__).parent
@@ -91,7 +92,7 @@ def test_an_in_place_sync_keeps_the_requests_and_stamps_each_token(tmp_path):
                      for i in range(2)]
             loops = [asyncio.create_task(SingleTurn(ctx).run(t)) for t in trajs]
             await wait_decoding(engine, running=2)
-            await client.pause("in_place")  # publish.py, right after SyncGo
+            await client.pause("in_place")  # weight_sync/sender.py, right after SyncGo
             made_at_0 = (await asyncio.to_thread(engine.stats))["generated_tokens"]
             replies = await asyncio.to_thread(broadcast, engine.url, "tiny:seed=1", "1")
             assert replies["update"]["success"], replies
@@ -116,12 +117,12 @@ def test_an_in_place_sync_keeps_the_requests_and_stamps_each_token(tmp_path):
         made_at.append(k)
     assert sum(made_at) == made_at_0  # exactly what the engine had made when it paused
 
-    # What the trainer reports as batch staleness (trainer.py: packing.staleness)
+    # What the trainer reports as batch staleness (trainer.py: batching.staleness)
     for t in trajs:
         t.reward = 1.0  # scored (the reward workers' part)
-    data = packing.from_groups([group_of("g", trajs)])
-    assert packing.staleness(data.versions, data.mask, 1).tolist() == [1, 1]
-    assert packing.staleness(data.versions, data.mask, 2).tolist() == [2, 2]
+    data = batching.from_groups([group_of("g", trajs)])
+    assert batching.staleness(data.versions, data.mask, 1).tolist() == [1, 1]
+    assert batching.staleness(data.versions, data.mask, 2).tolist() == [2, 2]
 
     # The MessageQueue's bound (max_staleness 1): handed out at version 1, dropped at 2.
     q = MessageQueue(capacity_groups=8, max_staleness=1)

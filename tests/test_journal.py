@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 
 from rollmesh.data import PromptGroup, PromptRow
-from rollmesh.rollouter import Journal
+from rollmesh.rollout.journal import Journal
 
 LOG = structlog.get_logger("test")
 

@@ -19,7 +19,7 @@ pytest.importorskip("openai")
 import openai  # noqa: E402
 from aiohttp import ClientSession, web  # noqa: E402
 
-from rollmesh.agent_loops import LoopContext, new_trajectory  # noqa: E402
+from rollmesh.agent_loops import LoopContext  # noqa: E402
 from rollmesh.config import RolloutConfig  # noqa: E402
 from rollmesh.engine.client import EngineClient  # noqa: E402
 from rollmesh.engine.models import build_tiny  # noqa: E402
@@ -28,6 +28,7 @@ from rollmesh.openai_agent import (  # noqa: E402
     AgentError, CallError, OpenAIAgent, OpenAIEndpoint, Session, message_difference,
     normalize_message, recorded_tool_calls, resolve_agent,
 )
+from rollmesh.trajectories import new_trajectory  # noqa: E402
 from tests.engine.engine_harness import teacher_forced_logprobs  # noqa: E402
 
 HERE = "tests.test_openai_agent"
@@ -367,7 +368,8 @@ def test_tool_calls_are_parsed_and_the_tool_turn_rendered_by_the_template():
     """With Qwen2.5's template: a Hermes <tool_call> reply becomes `tool_calls` (finish_reason
     tool_calls); the agent's echo of it (the SDK's dump) continues the trajectory, and the tool
     result is appended as the template renders a tool turn; a changed argument is named."""
-    from rollmesh.agent_loops import append_tokens, next_turn_ids
+    from rollmesh.agent_loops import next_turn_ids
+    from rollmesh.trajectories import append_tokens
     from rollmesh.openai_agent import ChatRequest
     from tests.helpers.hf_checkpoints import build_tokenizer
 
@@ -432,7 +434,7 @@ SPEC = SimpleNamespace(role="agent", instance=0, host="local", heartbeat_s=60.0,
 def _rollouter(tmp_path: Path, agent: str):
     """An in-process rollouter on a real ZeroMQ channel (one row, groups of 2, one group per
     version), with its transport and experiment."""
-    from rollmesh.agent_loops import load_tokenizer
+    from rollmesh.trajectories import load_tokenizer
     from rollmesh.data import PromptSource
     from rollmesh.rollouter import Rollouter
     from rollmesh.transport import Channel, RpcClient, Transport
@@ -547,7 +549,7 @@ def test_held_trajectories_are_counted_once_whatever_happens_to_them(tmp_path):
     in flight; one that comes back, or whose worker dies, leaves the held count; the accounting
     identity holds at every step; the row's chat messages reach openai_agent trajectories."""
     from rollmesh.protocol import WorkerHello
-    from rollmesh.rollouter import Worker
+    from rollmesh.rollout.workers import Worker
     from rollmesh.transport import ChannelClient
 
     async def body():

@@ -14,7 +14,7 @@ import structlog
 from rollmesh.engine.client import EngineClient
 from rollmesh.message_queue import oldest_version
 from rollmesh.protocol import Pause, Resume, WeightVersion
-from rollmesh.rollouter import Journal
+from rollmesh.rollout.journal import Journal
 from rollmesh.transport import Transport
 from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
 

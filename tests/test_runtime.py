@@ -17,9 +17,10 @@ import pytest
 import torch
 import zmq
 
-from rollmesh.protocol import PROTOCOL_VERSION, Group, Hello, Metrics, Ok, Shutdown, Trajectory, to_torch
+from rollmesh.protocol import PROTOCOL_VERSION, Group, Hello, Metrics, Ok, Trajectory, to_torch
 from rollmesh.runtime import EXIT_FATAL, RoleFailed, Supervisor
 from rollmesh.transport import RemoteError, RpcClient, Transport
+from tests.helpers.wire import Shutdown
 from tests.helpers.wire_strategies import assert_same
 
 ROOT = Path(__file__).resolve().parents[1]

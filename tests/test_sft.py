@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from rollmesh.agent_loops import append_observation, append_tokens, new_trajectory
 from rollmesh.config import load_experiment
 from rollmesh.engine.models import load_model, tiny_tokenizer
 from rollmesh.log import get_logger
-from rollmesh.packing import trajectory_counts
+from rollmesh.training.batching import trajectory_counts
 from rollmesh.sft import SftError, load_transcripts, render_transcript, train
+from rollmesh.trajectories import append_observation, append_tokens, new_trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,11 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rollmesh.engine.models import load_model, tiny_tokenizer
-from rollmesh.packing import from_groups
+from rollmesh.training.batching import from_groups
 from rollmesh.sharded_load import (
     CheckpointFiles, UnsupportedCheckpoint, checkpoint_keys, empty_causal_lm,
 )
-from rollmesh.trainer import build_state, prepare, update_policy
+from rollmesh.training.state import build_state
+from rollmesh.training.step import prepare, update_policy
 from rollmesh.transport import free_port
 from tests.test_trainer import GAE, experiment, make_groups
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from rollmesh.engine.models import build_tiny
 from rollmesh.protocol import Ok, Pause, Paused, StatsRequest, SyncDone, SyncRequest
 from rollmesh.transport import RemoteError, RpcClient, Transport, free_port
-from rollmesh.weight_buckets import WeightSpec, announce, plan_buckets, send_bucket
-from rollmesh.weights import destroy_weight_update_group, init_weight_update_group
+from rollmesh.weight_sync.buckets import BucketSender, WeightSpec, announce, plan_buckets
+from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
 from tests.engine.engine_harness import chat_prompt, greedy_decode, teacher_forced_logprobs
 from tests.helpers.rollout_stack import ENV, experiment, start_stack, stop_stack, write_dataset
 from tests.test_trainer import read_metrics, spawn_trainers, wait_exit
@@ -174,8 +174,8 @@ def test_two_ranks_retry_a_broadcast_an_engine_failed(tmp_path):
 RECEIVER = textwrap.dedent("""
     import json, os, sys
     from safetensors.torch import save_file
-    from rollmesh.weight_buckets import receive_bucket
-    from rollmesh.weights import destroy_weight_update_group, init_weight_update_group
+    from rollmesh.weight_sync.buckets import receive_bucket
+    from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
     port, load_format, out = int(sys.argv[1]), sys.argv[2], sys.argv[4]
     buckets = json.loads(sys.argv[3])
     group = init_weight_update_group("127.0.0.1", port, 1, 2, "weight_update_group", "gloo", 60)
@@ -189,6 +189,17 @@ RECEIVER = textwrap.dedent("""
     # active exception") after the work is done: leave without running it
     os._exit(0)
 """)
+
+
+def send_bucket(group, bucket, tensors, load_format="tensor", device="cpu", buffer=None) -> int:
+    """Rank 0: broadcast the bucket's tensors (given in bucket order, any dtype: each is cast
+    to its spec's dtype) and wait. Returns the bytes sent. `buffer`: a uint8 tensor to build
+    flattened buckets in."""
+    sender = BucketSender(group, load_format, device, slots=1,
+                          buffers=[buffer] if buffer is not None else ())
+    sent = sender.start(sender.pack(bucket, tensors))
+    sender.wait()
+    return sent
 
 
 @pytest.mark.parametrize("load_format", ["tensor", "flattened_bucket"])

@@ -1,6 +1,6 @@
 """Weight syncs overlapped with training (`sync.overlap`), against the blocking ones.
 
-The trainer's own code in this process (TrainState, `update_policy`, `Publisher`,
+The trainer's own code in this process (TrainState, `update_policy`, `WeightSender`,
 `sync_weights`), the real synchronizer (`Synchronizer` served over RPC) and a real built-in
 engine process; the rollouter and the MessageQueue, which the synchronizer only asks to pause,
 resume and take a version, are recorders (`Peer`) that a test can hold up. After every sync the
@@ -19,14 +19,15 @@ import torch
 
 from rollmesh.engine.client import EngineError
 from rollmesh.log import get_logger
-from rollmesh.packing import from_groups
+from rollmesh.training.batching import from_groups
 from rollmesh.protocol import Ok, Pause, Paused, SyncDone, SyncRequest, WeightVersion
-from rollmesh.publish import Publisher, finish_sync, sync_weights
+from rollmesh.weight_sync.sender import WeightSender, finish_sync, sync_weights
 from rollmesh.ranks import full_tensor
 from rollmesh.synchronizer import Synchronizer
-from rollmesh.trainer import build_state, prepare, update_policy
+from rollmesh.training.state import build_state
+from rollmesh.training.step import prepare, update_policy
 from rollmesh.transport import RpcServer, Transport, free_port
-from rollmesh.weight_buckets import Snapshot, WeightSpec
+from rollmesh.weight_sync.buckets import Snapshot, WeightSpec
 from tests.engine.engine_harness import Engine
 from tests.test_trainer import experiment, make_groups
 
@@ -66,7 +67,7 @@ class Rig:
         self.serving = asyncio.create_task(self.server.serve())
         self.engine = engine
         self.state = build_state(self.exp)
-        self.publisher = Publisher(transport, {"engines": [engine.url],
+        self.publisher = WeightSender(transport, {"engines": [engine.url],
                                                "synchronizer": self.server.address},
                                    self.exp.sync, torch.device("cpu"))
         # every step trains on it (the weights move); small, as steps are all it needs

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.agent_loops import LoopContext, ToolAgent, builtin_tools, new_trajectory, run_tool
+from rollmesh.agent_loops import LoopContext, ToolAgent, builtin_tools, run_tool
 from rollmesh.config import PythonToolConfig, RolloutConfig, parse_config
 from rollmesh.tools import PythonTool
+from rollmesh.trajectories import new_trajectory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,15 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollmesh import packing
 from rollmesh.algorithms import aggregate, gae_advantages, grpo_advantages, kl_estimate
 from rollmesh.config import ConfigError, ExperimentConfig, apply_overrides, parse_config, to_dict
 from rollmesh.engine.models import build_tiny
-from rollmesh.packing import from_groups
 from rollmesh.protocol import Group, PutGroup, StatsRequest, Trajectory
 from rollmesh.runtime import Child, Supervisor
-from rollmesh.trainer import (
-    build_state, critic_values, evaluate_loss, evaluate_value_loss, old_values, prepare,
+from rollmesh.training import batching
+from rollmesh.training.batching import BatchData, from_groups
+from rollmesh.training.state import TrainState, build_state
+from rollmesh.training.step import (
+    StepBatch, critic_micro_batch_loss, critic_values, micro_batch_loss, micro_batches, prepare,
     step_metrics, update_policy,
 )
 from rollmesh.transport import RpcClient, Transport, free_port
@@ -108,6 +109,34 @@ def reference_run(exp: ExperimentConfig, batches: list[list[Group]]) -> tuple[An
             stats.append(update_policy(state, data))
             state.step += 1
         return state, stats
+
+
+@torch.no_grad()
+def evaluate_loss(state: TrainState, data: BatchData) -> float:
+    """The step's objective on `data` with the current parameters (no update)."""
+    norm = {"global_tokens": max(float(data.mask.sum()), 1.0),
+            "global_seqs": max(float((data.mask.sum(dim=1) > 0).sum()), 1.0)}
+    total = 0.0
+    for _, mb in micro_batches(state, data):
+        total += micro_batch_loss(state, mb, norm)[1]["loss"]
+    return float(state.ranks.sum_(torch.tensor([total], dtype=torch.float64)))
+
+
+def old_values(state: TrainState, data: BatchData) -> torch.Tensor | None:
+    """The critic's values for the whole batch [B, T] (0 outside the mask) before this step's
+    updates; None without a critic."""
+    both = critic_values(state, data)
+    return None if both is None else both[0]
+
+
+@torch.no_grad()
+def evaluate_value_loss(state: TrainState, data: StepBatch) -> float:
+    """The critic's clipped value loss on a prepared `data` with its current parameters."""
+    norm = {"global_tokens": max(float(data.mask.sum()), 1.0)}
+    total = 0.0
+    for _, mb in micro_batches(state, data):
+        total += critic_micro_batch_loss(state, mb, norm)[1]["value_loss"]
+    return float(state.ranks.sum_(torch.tensor([total], dtype=torch.float64)))
 
 
 def params_of(state, model: str = "model") -> dict[str, torch.Tensor]:
@@ -368,7 +397,7 @@ def test_micro_batches_accumulate_to_exactly_one_big_batch(overrides):
 def test_micro_batch_plan_covers_every_sequence_once_within_the_budget():
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 300, 37).tolist()
-    plan = packing.plan(lengths, list(range(37)), 3, 600)
+    plan = batching.plan(lengths, list(range(37)), 3, 600)
     assert len({len(mbs) for mbs in plan}) == 1  # every rank runs as many micro-batches
     seen = sorted(i for mbs in plan for mb in mbs for i in mb)
     assert seen == list(range(37))
@@ -383,7 +412,7 @@ def test_micro_batch_plan_covers_every_sequence_once_within_the_budget():
 def test_staleness_is_trainer_version_minus_oldest_generated_version():
     versions = torch.tensor([[-1, 3, 4, 5], [-1, -1, 5, 5], [-1, -1, -1, -1]])
     mask = (versions >= 0).float()
-    assert packing.staleness(versions, mask, 6).tolist() == [3, 1, 0]
+    assert batching.staleness(versions, mask, 6).tolist() == [3, 1, 0]
 
 
 def test_gae_without_a_critic_learning_rate_is_a_config_error():

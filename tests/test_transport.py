@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import zmq
 
-from rollmesh.protocol import Group, Heartbeat, Metrics, Ok, Shutdown, Trajectory
+from rollmesh.protocol import Group, Heartbeat, Metrics, Ok, Trajectory
 from rollmesh.transport import (
-    CurveKeys, Heartbeater, Liveness, PeerTimeout, Publisher, Puller, Pusher, RemoteError,
+    CurveKeys, Heartbeater, Liveness, PeerTimeout, Publisher, RemoteError,
     RpcClient, RpcServer, StatusProxy, Subscriber, Transport, TransportError, free_port,
     is_loopback,
 )
+from tests.helpers.wire import Puller, Pusher, Shutdown
 
 
 async def echo(msg, peer):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-from rollmesh.rollouter import Worker, WorkerPool
+from rollmesh.rollout.workers import Worker, WorkerPool
 
 
 def scan(pool: WorkerPool, kind: str) -> int:

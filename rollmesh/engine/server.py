@@ -43,21 +43,20 @@ from rollmesh.engine import api, models, openai_api
 from rollmesh.engine.sampling import BadRequest
 from rollmesh.engine.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, Scheduler
 from rollmesh.log import configure_logging
-from rollmesh.weight_buckets import (
+from rollmesh.weight_sync.buckets import (
     LOAD_FORMATS,
     WeightSpec,
     receive_bucket,
     receive_bucket_into,
+    receive_weights,
 )
-from rollmesh.weights import (
+from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
+from rollmesh.weight_sync.tensors import (
     WeightUpdateError,
     check_update,
-    destroy_weight_update_group,
     dtype_from_name,
-    init_weight_update_group,
     load_weights,
     model_tensors,
-    receive_weights,
 )
 
 PAUSE_MODES = ("abort", "retract", "in_place")

@@ -1,6 +1,6 @@
 """A trainer-like process that sends flattened buckets to an engine: rank 0 of the weight-update
 group, following the contract's ordering (fire each HTTP call without waiting, join / broadcast,
-then collect the reply), with the library's sender (`rollmesh.weight_buckets.BucketSender`).
+then collect the reply), with the library's sender (`rollmesh.weight_sync.buckets.BucketSender`).
 
     python bucket_broadcast.py ENGINE_URL MASTER_PORT STEPS_JSON
 
@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rollmesh.engine.models import build_tiny
-from rollmesh.weight_buckets import BucketSender, WeightSpec, plan_buckets, update_body
-from rollmesh.weights import destroy_weight_update_group, init_weight_update_group
+from rollmesh.weight_sync.buckets import BucketSender, WeightSpec, plan_buckets, update_body
+from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
 
 
 def post(url: str, body: dict) -> dict:

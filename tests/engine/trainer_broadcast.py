@@ -10,18 +10,57 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bucket_broadcast import post  # the script beside this one (its directory is on sys.path)
 from rollmesh.engine.models import build_tiny
-from rollmesh.weights import (
-    broadcast_from_trainer,
-    destroy_weight_update_group,
-    init_weight_update_group,
-    update_request,
-)
+from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
+from rollmesh.weight_sync.tensors import dtype_name
+
+
+def update_request(
+    named_tensors: Sequence[tuple[str, torch.Tensor]],
+    weight_version: str,
+    group_name: str = "weight_update_group",
+    **extra: Any,
+) -> dict[str, Any]:
+    """The JSON body of `/update_weights_from_distributed` announcing `named_tensors`."""
+    return {
+        "names": [n for n, _ in named_tensors],
+        "dtypes": [dtype_name(t.dtype) for _, t in named_tensors],
+        "shapes": [list(t.shape) for _, t in named_tensors],
+        "group_name": group_name,
+        "weight_version": str(weight_version),
+        "flush_cache": True,
+        "abort_all_requests": False,
+        **extra,
+    }
+
+
+def broadcast_from_trainer(
+    group: dist.ProcessGroup,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device | str | None = None,
+) -> int:
+    """Rank 0: broadcast each tensor in order (the order of the announced `names`).
+
+    `device` is where the collective runs: cpu for gloo, the rank's GPU for nccl (default: the
+    tensor's own device). Returns the number of bytes sent.
+    """
+    sent = 0
+    for _, tensor in named_tensors:
+        t = tensor.detach()
+        if device is not None:
+            t = t.to(device)
+        t = t.contiguous()
+        dist.broadcast(t, src=0, group=group)
+        sent += t.numel() * t.element_size()
+    return sent
 
 
 def main() -> None:

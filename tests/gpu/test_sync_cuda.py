@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from rollmesh.checkpoint import full_state_dict
-from rollmesh.packing import from_groups
-from rollmesh.publish import Publisher
+from rollmesh.training.batching import from_groups
+from rollmesh.weight_sync.sender import WeightSender
 from rollmesh.ranks import Ranks
-from rollmesh.trainer import build_state, prepare, update_policy
+from rollmesh.training.state import build_state
+from rollmesh.training.step import prepare, update_policy
 from rollmesh.transport import Transport
 from tests.engine.engine_harness import Engine
 from tests.test_trainer import experiment, make_groups
@@ -33,7 +34,7 @@ def test_cuda_trainer_syncs_a_cuda_engine_bit_for_bit(tmp_path):
     try:
         async def publish() -> int:
             with Transport() as transport:
-                publisher = Publisher(transport, {"engines": [engine.url],
+                publisher = WeightSender(transport, {"engines": [engine.url],
                                                   "synchronizer": "tcp://127.0.0.1:1"},
                                       exp.sync, torch.device("cuda"))
                 await publisher.open()
@@ -73,7 +74,7 @@ def test_an_overlapped_sync_sends_the_snapshot_while_the_cuda_trainer_steps_on(t
     try:
         async def publish() -> tuple[int, bool]:
             with Transport() as transport:
-                publisher = Publisher(transport, {"engines": [engine.url],
+                publisher = WeightSender(transport, {"engines": [engine.url],
                                                   "synchronizer": "tcp://127.0.0.1:1"},
                                       exp.sync, torch.device("cuda"))
                 await publisher.open()
@@ -113,7 +114,7 @@ def test_an_nccl_snapshot_lies_on_the_gpu_and_survives_the_next_step():
     trained = {n: p.detach().to(torch.bfloat16).clone()
                for n, p in state.model.named_parameters()}
     with Transport() as transport:
-        publisher = Publisher(transport, {"engines": ["http://127.0.0.1:1"],
+        publisher = WeightSender(transport, {"engines": ["http://127.0.0.1:1"],
                                           "synchronizer": "tcp://127.0.0.1:1"},
                               exp.sync, torch.device("cuda"))
         snapshot = publisher.take_snapshot(state.model, torch.bfloat16, state.optimizer)

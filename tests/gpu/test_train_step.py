@@ -10,8 +10,9 @@ import socket
 import pytest
 import torch
 
-from rollmesh.packing import from_groups
-from rollmesh.trainer import build_state, prepare, update_policy
+from rollmesh.training.batching import from_groups
+from rollmesh.training.state import build_state
+from rollmesh.training.step import prepare, update_policy
 from tests.test_trainer import experiment, make_groups
 
 CUDA = torch.device("cuda")

@@ -1,1 +1,1 @@
-"""Code that only the tests use: kept out of the rollmesh package, imported as `tests.helpers.*`."""
+"""Test-only support code: what the tests need and the package does not."""

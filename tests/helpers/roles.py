@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from rollmesh.protocol import Group, Metrics, Ok, Shutdown, Trajectory
+from rollmesh.protocol import Group, Metrics, Ok, Trajectory
 from rollmesh.runtime import RoleContext
 from rollmesh.transport import RpcServer
+from tests.helpers.wire import Shutdown
 
 
 async def echo(ctx: RoleContext) -> None:

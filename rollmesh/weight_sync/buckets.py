@@ -1,12 +1,15 @@
 """Weight buckets: the trainer's parameters on their way to the engines, in bounded pieces.
 
+Both ends of the broadcast: rank 0's sender (`BucketSender`, `Snapshot`) and the engines'
+receivers (`receive_weights`, `receive_bucket`, `receive_bucket_into`).
+
 A bucket is a run of consecutive parameters (model order) whose bytes fit in `bucket_mb` (a
 larger parameter is a bucket by itself). Each bucket is one `/update_weights_from_distributed`
 call announcing its names, dtypes and shapes, and travels in one of two forms, always in the
 order of the announced names:
 
 - "tensor": one broadcast per tensor. This is the contract (docs/sglang-api.md) that both
-  SGLang and the built-in engine (`rollmesh.weights.receive_weights`) implement.
+  SGLang and the built-in engine (`receive_weights`) implement.
 - "flattened_bucket": one broadcast of a uint8 buffer holding the bucket's tensors back to back,
   each tensor's raw bytes at its offset, no padding: the layout of SGLang's
   FlattenedTensorBucket, which SGLang receives when the body says
@@ -31,13 +34,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rollmesh.weights import WeightUpdateError, dtype_from_name, dtype_name
+from rollmesh.weight_sync.tensors import WeightUpdateError, dtype_from_name, dtype_name
 
 LOAD_FORMATS = ("tensor", "flattened_bucket")
 
@@ -289,34 +291,30 @@ class Snapshot:
         return {s.name: self.tensor(i) for i, s in enumerate(self.specs)}
 
 
-def send_bucket(group: dist.ProcessGroup, bucket: Sequence[WeightSpec],
-                tensors: Iterable[torch.Tensor], load_format: str = "tensor",
-                device: torch.device | str = "cpu", buffer: torch.Tensor | None = None) -> int:
-    """Rank 0: broadcast the bucket's tensors (given in bucket order, any dtype: each is cast
-    to its spec's dtype) and wait. Returns the bytes sent. `tensors` may be a generator that
-    gathers each tensor just in time; it is consumed one tensor at a time. `buffer`: a uint8
-    tensor to build flattened buckets in."""
-    sender = BucketSender(group, load_format, device, slots=1,
-                          buffers=[buffer] if buffer is not None else ())
-    sent = sender.start(sender.pack(bucket, tensors))
-    sender.wait()
-    return sent
+def receive_weights(
+    group: dist.ProcessGroup,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    device: torch.device | str = "cpu",
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Engine ranks: yield (name, tensor) received by broadcast(src=0), one at a time.
+
+    A generator so that the caller can load each tensor before the next one arrives (one
+    tensor's worth of extra memory). Always consume it to the end: the trainer sends them all.
+    """
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise WeightUpdateError(
+            "names, dtypes and shapes differ in length "
+            f"({len(names)}, {len(dtypes)}, {len(shapes)})"
+        )
+    torch_dtypes = [dtype_from_name(d) for d in dtypes]
+    for name, dtype, shape in zip(names, torch_dtypes, shapes):
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        dist.broadcast(t, src=0, group=group)
+        yield name, t
 
 
-def send_buckets(group: dist.ProcessGroup, buckets: Sequence[Sequence[WeightSpec]],
-                 tensors: Iterable[torch.Tensor], load_format: str = "flattened_bucket",
-                 device: torch.device | str = "cpu", sender: BucketSender | None = None) -> int:
-    """Rank 0: every bucket, pipelined (bucket i+1 packed while bucket i is on the wire), with
-    no announcement in between (the caller announced them all, or the receivers know them).
-    `tensors`: every bucket's tensors in order."""
-    sender = sender or BucketSender(group, load_format, device, capacity=max(
-        (sum(s.nbytes for s in b) for b in buckets if len(b) > 1), default=0))
-    it = iter(tensors)
-    sent = 0
-    for bucket in buckets:
-        sent += sender.start(sender.pack(bucket, islice(it, len(bucket))))
-    sender.wait()
-    return sent
 
 
 def receive_bucket(group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[str],

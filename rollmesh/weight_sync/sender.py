@@ -9,7 +9,7 @@ sync: `rollmesh.synchronizer`.
 The broadcast follows docs/sglang-api.md: the first sync fires `/init_weights_update_group`
 at every engine, joins the group as rank 0, then collects the replies; every bucket fires
 `/update_weights_from_distributed` (its names, dtypes, shapes), broadcasts the bucket's tensors
-in that order (`rollmesh.weight_buckets`), then collects. Engines report the new version only
+in that order (`rollmesh.weight_sync.buckets`), then collects. Engines report the new version only
 with the last bucket. `sync.load_format = "flattened_bucket"` sends each bucket as one broadcast
 of its bytes (SGLang and the built-in engine both take it), pipelined: bucket i+1 is packed while
 bucket i is on the wire. Memory on rank 0: one gathered tensor, plus at most two bucket buffers
@@ -38,7 +38,7 @@ or restarted do not count towards SYNC_ATTEMPTS (up to SYNC_ATTEMPTS_WITH_RESTAR
 
 Overlapped (`sync.overlap = true`): at a sync every rank gathers the parameters once, in
 lock-step as for a broadcast, and rank 0 copies them, cast to the engines' dtype, into its
-snapshot (`rollmesh.weight_buckets.Snapshot`, kept from sync to sync); the trainer's version is
+snapshot (`rollmesh.weight_sync.buckets.Snapshot`, kept from sync to sync); the trainer's version is
 the snapshot's from then on (the batches it asks for, its staleness, as after a blocking sync)
 and it goes on with its next step, while a background task on rank 0 runs the very same sync
 (SyncRequest, broadcast, verify, SyncDone, the retries and their group rebuilds) from the
@@ -48,7 +48,7 @@ ranks take no part in it (the snapshot is whole on rank 0). At most one is in fl
 sync, a checkpoint and the end of training first wait for it (`finish_sync`); a failure of the
 background sync (after its retries) is raised there, on every rank, as a blocking sync would
 raise it; while one is in flight the engines are behind by design and the trainer does not
-re-publish (`Publisher.pending`). On a GPU the snapshot lies on the GPU when it fits (free
+re-publish (`WeightSender.pending`). On a GPU the snapshot lies on the GPU when it fits (free
 memory beyond the snapshot >= SNAPSHOT_HEADROOM of the device), else in pinned host memory;
 it is copied on a side stream that first waits for the compute stream (an event recorded after
 the optimizer's update), the next optimizer step waits for the copy (a pre-step hook), and the
@@ -75,12 +75,12 @@ from rollmesh.protocol import SyncDone, SyncGo, SyncRequest
 from rollmesh.ranks import full_tensor
 from rollmesh.synchronizer import engine_version
 from rollmesh.transport import RpcClient, Transport, free_port
-from rollmesh.weight_buckets import (
+from rollmesh.weight_sync.buckets import (
     BucketSender, Snapshot, WeightSpec, plan_buckets, update_body,
 )
-from rollmesh.weights import init_weight_update_group
+from rollmesh.weight_sync.group import init_weight_update_group
 
-log = get_logger("publish")
+log = get_logger("rollmesh.weight_sync")
 
 GROUP = "weight_update_group"
 SYNC_ATTEMPTS = 3  # broadcasts tried for one version before the trainer gives up
@@ -119,7 +119,7 @@ def gathered(model: torch.nn.Module, names: list[str]) -> Iterator[torch.Tensor]
         yield full_tensor(params[name])
 
 
-class Publisher:
+class WeightSender:
     """Rank 0's connections for syncs: the synchronizer and the engines' weight-update group."""
 
     def __init__(self, transport: Transport, config: dict[str, Any], sync: Any,
@@ -485,7 +485,7 @@ def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
 
-async def _attempts(publisher: Publisher, version: int, step: int, old: int, ranks: int, *,
+async def _attempts(sender: WeightSender, version: int, step: int, old: int, ranks: int, *,
                     republish: bool, send: Any, before_each: Any = None) -> dict[str, Any]:
     """Rank 0: one sync, attempt after attempt (SyncRequest -> `before_each()` -> `send()` ->
     verify -> SyncDone) until one works or the attempts are used up; returns its timings.
@@ -493,13 +493,13 @@ async def _attempts(publisher: Publisher, version: int, step: int, old: int, ran
     started = time.monotonic()
     failures = 0  # failed attempts that no engine restart explains
     for attempt in range(1, SYNC_ATTEMPTS_WITH_RESTARTS + 1):
-        go: SyncGo = await publisher.synchronizer.request(
+        go: SyncGo = await sender.synchronizer.request(
             SyncRequest(version=version, step=step, republish=republish))
         if before_each is not None:
             await before_each()
         paused = time.monotonic()
         if go.rebuild_group or attempt > 1:
-            publisher.reset_group()
+            sender.reset_group()
         try:
             # Whatever fails, this returns (or raises) only after the whole gather loop,
             # so the other ranks are back waiting for the next order.
@@ -508,15 +508,15 @@ async def _attempts(publisher: Publisher, version: int, step: int, old: int, ran
             # ok only if every serving engine holds the version (one that restarted
             # during the sync has the initial weights): checked here, and again by the
             # synchronizer before it publishes the version (it refuses SyncDone if not)
-            await publisher.verify(version)
-            await publisher.synchronizer.request(SyncDone(
+            await sender.verify(version)
+            await sender.synchronizer.request(SyncDone(
                 version=version, broadcast_s=broadcast - paused, bytes=sent))
             break
         except BaseException as e:
             # Drop the group now (the failed broadcast's frames hold it too): the engines
             # still in it stop waiting for the rest of this broadcast.
             forget_frames(e)
-            publisher.reset_group()
+            sender.reset_group()
             # An engine died or refused mid-sync (the launcher restarts a dead one): keep
             # rollout paused, build the group anew once every engine answers, and send the
             # whole weights again (blocking: on every rank, they gather again; overlapped: the
@@ -524,19 +524,19 @@ async def _attempts(publisher: Publisher, version: int, step: int, old: int, ran
             # this trainer stops. An engine restart is what an attempt is retried for: it does
             # not use up the attempts.
             restarted = (isinstance(e, Exception)
-                         and await publisher.engine_restarted(old, version))
+                         and await sender.engine_restarted(old, version))
             failures += not restarted
             retrying = (failures < SYNC_ATTEMPTS and attempt < SYNC_ATTEMPTS_WITH_RESTARTS
                         and isinstance(e, Exception))
             log.warning("sync_broadcast_failed", version=version, attempt=attempt,
                         retrying=retrying, engine_restarted=restarted, ranks=ranks,
                         error=str(e)[:500])
-            await publisher.synchronizer.request(SyncDone(version=version, ok=False,
+            await sender.synchronizer.request(SyncDone(version=version, ok=False,
                                                           error=str(e)[:2000],
                                                           retrying=retrying))
             if not retrying:
                 raise
-            await publisher.wait_serving()
+            await sender.wait_serving()
     done = time.monotonic()
     return {"published_version": version, "sync_pause_s": go.pause_s,
             "sync_wait_s": paused - started, "sync_broadcast_s": broadcast - paused,
@@ -544,7 +544,7 @@ async def _attempts(publisher: Publisher, version: int, step: int, old: int, ran
             "sync_attempts": attempt}
 
 
-async def sync_weights(state: Any, publisher: Publisher | None, *,
+async def sync_weights(state: Any, sender: WeightSender | None, *,
                        republish: bool = False) -> dict[str, Any]:
     """Publish version + 1 (every rank calls; rank 0 talks, the others gather with it).
     `state` is the trainer's TrainState; returns rank 0's timings. `republish`: send the
@@ -552,7 +552,7 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
     always blocking. With `sync.overlap` a sync returns once the snapshot is taken
     (`start_overlapped`)."""
     if state.exp.sync.overlap and not republish:
-        return await start_overlapped(state, publisher)
+        return await start_overlapped(state, sender)
     ranks = state.ranks
     version = state.version if republish else state.version + 1
     if not ranks.is_main:  # gather with rank 0 once per broadcast attempt, until it says done
@@ -567,21 +567,21 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
                 raise RuntimeError(f"rank 0 could not sync version {version}")
             names = [s.name for s in weight_specs(state.model, state.compute_dtype)]
             await asyncio.to_thread(lambda: [None for _ in gathered(state.model, names)])
-    if publisher is None:
+    if sender is None:
         await asyncio.to_thread(ranks.share, {"op": "skip"})
         return {}
     told = False  # the other ranks have their last order ("done" or "abort")
     try:
-        if publisher.pending():  # the trainer checks first: never two syncs at once
+        if sender.pending():  # the trainer checks first: never two syncs at once
             raise RuntimeError(f"version {version}: an overlapped sync is still in flight")
 
         async def gather_along() -> None:
             await asyncio.to_thread(ranks.share, {"op": "broadcast"})
 
         timings = await _attempts(
-            publisher, version, state.step, state.version, ranks.world, republish=republish,
+            sender, version, state.step, state.version, ranks.world, republish=republish,
             before_each=gather_along,
-            send=lambda: publisher.broadcast(state.model, state.compute_dtype, version))
+            send=lambda: sender.broadcast(state.model, state.compute_dtype, version))
         told = True
         await asyncio.to_thread(ranks.share, {"op": "done"})
     except BaseException:
@@ -593,7 +593,7 @@ async def sync_weights(state: Any, publisher: Publisher | None, *,
     return timings
 
 
-async def start_overlapped(state: Any, publisher: Publisher | None) -> dict[str, Any]:
+async def start_overlapped(state: Any, sender: WeightSender | None) -> dict[str, Any]:
     """An overlapped sync of version + 1 (every rank calls): wait for the one in flight, take
     the snapshot (every rank gathers, rank 0 copies), start its background sync on rank 0, and
     return. Returns rank 0's timings: `sync_idle_s` (the trainer held here: `sync_finish_s`
@@ -613,33 +613,33 @@ async def start_overlapped(state: Any, publisher: Publisher | None) -> dict[str,
             raise RuntimeError(f"rank 0 could not take the snapshot of version {version}")
         state.version = version
         return {}
-    if publisher is None:
+    if sender is None:
         await asyncio.to_thread(ranks.share, {"op": "skip"})
         return {}
     started = time.monotonic()
     try:
-        await publisher.finish()  # at most one in flight; its failure is raised here
+        await sender.finish()  # at most one in flight; its failure is raised here
     except BaseException:
         await asyncio.to_thread(ranks.share, {"op": "abort"})
         raise
     finished = time.monotonic()
     await asyncio.to_thread(ranks.share, {"op": "snapshot"})
     try:
-        snapshot = await asyncio.to_thread(publisher.take_snapshot, state.model,
+        snapshot = await asyncio.to_thread(sender.take_snapshot, state.model,
                                            state.compute_dtype, state.optimizer)
     except BaseException:
         await asyncio.to_thread(ranks.share, {"op": "abort"})
         raise
     await asyncio.to_thread(ranks.share, {"op": "done"})
     taken = time.monotonic()
-    publisher.start_background(snapshot, version, state.step, state.version, ranks.world)
+    sender.start_background(snapshot, version, state.step, state.version, ranks.world)
     state.version = version  # the trainer's parameters are the snapshot's version
     return {"published_version": version, "sync_idle_s": taken - started,
             "sync_finish_s": finished - started, "sync_snapshot_s": taken - finished,
-            **publisher.take_finished()}
+            **sender.take_finished()}
 
 
-async def finish_sync(state: Any, publisher: Publisher | None) -> dict[str, Any]:
+async def finish_sync(state: Any, sender: WeightSender | None) -> dict[str, Any]:
     """Every rank, before a checkpoint and at the end of training: wait for the overlapped
     sync in flight, if any (nothing to do without `sync.overlap`). Its failure is raised on
     every rank, as a blocking sync raises it."""
@@ -651,10 +651,10 @@ async def finish_sync(state: Any, publisher: Publisher | None) -> dict[str, Any]
             raise RuntimeError(f"rank 0 could not sync version {state.version}")
         return {}
     try:
-        if publisher is not None:
-            await publisher.finish()
+        if sender is not None:
+            await sender.finish()
     except BaseException:
         await asyncio.to_thread(ranks.share, {"op": "abort"})
         raise
     await asyncio.to_thread(ranks.share, {"op": "done"})
-    return publisher.finished if publisher is not None else {}
+    return sender.finished if sender is not None else {}

@@ -1,0 +1,493 @@
+"""The rollouter's state and rules, without sockets: what `rollmesh.rollouter` runs.
+
+    admit prompt groups under the staleness capacity
+      -> dispatch trajectories to agent workers that hold credit (the cancel queue first)
+      -> finished: dispatch to reward workers; interrupted: back into the cancel queue
+      -> a group scored whole: filter (e.g. DAPO), then `ready` for the role's put loop
+
+`RolloutCore` holds every sample from admission until the MessageQueue accepts its group, and
+changes only by its methods. Those that send return actions (`Send`: this message to this
+worker; `dispatch` yields them one at a time, so a worker lost on a send is dropped before the
+next choice): the role sends them, and a worker it cannot reach goes to `worker_lost`.
+
+Capacity (AReaL's bound, in groups): min(max_concurrent - running,
+(max_staleness + v + 1) * groups_per_version - (accepted + running)), where v is the live weight
+version and groups_per_version = batch_groups * sync_every. A filtered or failed group frees its
+place; an accepted one counts for good. Over-sampling (`rollout.over_sampling`) applies only to
+what is still to be accepted, and only with a group filter that drops groups: the headroom
+left (the bound minus the accepted groups) is multiplied by min(over_sampling, 1 / (1 - the
+filter's observed rejection rate)), so accepted groups never take more than their share and an
+unfiltered run never generates groups that could only end up stale. Groups the MessageQueue
+dropped as stale give their places back (`queue_stale`).
+
+Pause bookkeeping: `pause` stops dispatching and, but for `in_place`, names the agent workers
+to Cancel; the role answers Paused once `drained` (no trajectory out with an agent worker, but
+for those a worker holds: `held`). `resume` goes on at the new version: the agent workers are
+told at the next dispatch, the cancel queue goes first, and an evaluation round starts if due.
+
+Counters: those of the accounting identity (admitted, accepted, queued, rejected groups; the
+dropped samples by reason) are the journal's, changed by its records only (`Journal._apply`);
+`events` are this process's own (interrupted, skipped prompts, workers lost...). `counters`
+shows both.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.metadata
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollmesh.config import ExperimentConfig
+from rollmesh.data import PromptGroup, PromptRow, PromptSource, chat_messages, render_prompt
+from rollmesh.protocol import Assign, Cancel, Group, Resume, Score, Trajectory, WorkerHello
+from rollmesh.rollout.eval_round import EvalRounds, is_eval
+from rollmesh.rollout.filters import get_group_filter, keep_all
+from rollmesh.rollout.journal import Journal
+from rollmesh.rollout.workers import Worker, WorkerPool
+from rollmesh.trajectories import new_trajectory
+
+__all__ = ["GroupState", "RolloutCore", "Send"]
+
+
+@dataclass(frozen=True)
+class Send:
+    """An action: send `msg` to `worker` (a worker that cannot be reached is lost)."""
+
+    worker: Worker
+    msg: Any
+
+
+@dataclass
+class GroupState:
+    size: int
+    version_admitted: int
+    scored: list[Trajectory] = field(default_factory=list)
+
+
+class RolloutCore:
+    def __init__(self, exp: ExperimentConfig, source: PromptSource, tokenizer: Any,
+                 journal: Journal | None, log: Any):
+        self.exp, self.source, self.tokenizer, self.log = exp, source, tokenizer, log
+        self.journal = journal if journal is not None else Journal(None, log)
+        self.group_filter = get_group_filter(exp.rollout.group_filter)
+        self.version = 0
+        self.paused = False
+        self.synchronizer_spoke = False  # a Pause or Resume since this process started
+        self.workers = WorkerPool()
+        self.pending: collections.deque[Trajectory] = collections.deque()  # admitted, new
+        self.cancel_queue: collections.deque[Trajectory] = collections.deque()
+        self.to_score: collections.deque[Trajectory] = collections.deque()
+        self.groups: dict[str, GroupState] = {}
+        self.ready: collections.deque[Group] = collections.deque()  # accepted, not yet queued
+        self.events: collections.Counter[str] = collections.Counter()
+        self.announce_resume = False  # tell the agent workers at the next dispatch
+        # Trajectories agent workers hold through the sync in progress (`Held`), and those
+        # workers: a pause does not wait for them (kept as a count: `drained` is asked at
+        # every return, and must not scan the workers).
+        self.held_count = 0
+        self.holding: dict[bytes, Worker] = {}
+        # The loop classes rows name, loaded as they come (`loop_metadata`); None: unknown.
+        self.loops: dict[str, type | None] = {}
+        self.eval = EvalRounds(exp, log, self.events)
+        # Engine health (`engines_seen`): None until the first probe, or without engine URLs.
+        self.engines: list[str] = []
+        self.engines_healthy: int | None = None
+        self.queue_stale_groups = 0  # groups the MessageQueue dropped as stale (`queue_stale`)
+        self.admission_stopped_since: float | None = None
+
+    # -- counters ----------------------------------------------------------------------------
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        """Every counter, read-only: this process's `events` and the journal's."""
+        c = collections.Counter(self.events)
+        c.update(self.journal.counters)
+        if self.ready:
+            c["accepted_groups"] += len(self.ready)
+        return c
+
+    @property
+    def dropped(self) -> collections.Counter[str]:
+        """Samples dropped, by reason (the journal's)."""
+        return self.journal.dropped
+
+    def accepted_groups(self) -> int:
+        """Groups accepted: queued (the journal's) and ready to be put."""
+        return self.journal.counters["accepted_groups"] + len(self.ready)
+
+    # -- capacity and admission --------------------------------------------------------------
+
+    @property
+    def running_groups(self) -> int:
+        return len(self.groups)  # admitted and not yet accepted or rejected
+
+    def over_sampling(self) -> float:
+        """The factor on the headroom still to be accepted (module docstring): 1 without a
+        filter that drops groups; else `rollout.over_sampling`, lowered to what the filter's
+        observed rejection rate calls for once enough groups went through it."""
+        r = self.exp.rollout
+        if self.group_filter is keep_all or r.over_sampling <= 1.0:
+            return 1.0
+        filtered = self.events["filtered_groups"]
+        seen = filtered + self.accepted_groups()
+        if seen < 2 * r.batch_groups:  # too few to tell: the configured prior
+            return r.over_sampling
+        rate = min(filtered / seen, 0.95)
+        return min(r.over_sampling, 1.0 / (1.0 - rate))
+
+    def capacity(self) -> int:
+        r, s = self.exp.rollout, self.exp.staleness
+        per_version = r.batch_groups * self.exp.sync.sync_every
+        concurrency = r.max_concurrent - self.running_groups
+        # Groups the queue dropped as stale never reach the trainer: their places in the bound
+        # are given back (else each stale drop would lower admission for good, down to 0).
+        headroom = ((s.max_staleness + self.version + 1) * per_version
+                    - (self.accepted_groups() - self.queue_stale_groups))
+        staleness = int(max(0, headroom) * self.over_sampling()) - self.running_groups
+        return min(concurrency, staleness)
+
+    @property
+    def admission(self) -> str:
+        if self.paused:
+            return "paused (weight sync)"
+        if self.engines_healthy == 0:
+            return "stopped: no healthy engine"
+        return "open"
+
+    def admit(self) -> None:
+        if self.engines_healthy == 0:  # nothing could generate it: keep the cursor where it is
+            return
+        while not self.paused and self.capacity() > 0:
+            group = self.source.next_group()
+            prompt = render_prompt(group.row, self.tokenizer, self.exp.data.system_prompt)
+            if len(prompt) > self.exp.data.max_prompt_tokens:
+                self.events["skipped_prompts"] += 1
+                continue
+            self._start_group(group, prompt, self.version)
+            self.journal.admitted(group, self.source.state(), self.version)
+
+    def _start_group(self, group: PromptGroup, prompt: list[int], version: int) -> None:
+        loop = group.row.agent_loop or self.exp.data.default_agent_loop
+        meta = {**group.row.metadata, "row": group.row.index,
+                **self.loop_metadata(group.row, loop)}
+        if group.row.tools is not None:
+            meta["tools"] = group.row.tools
+        for i in range(group.group_size):
+            self.pending.append(new_trajectory(
+                f"{group.group_id}-{i:03d}", group.group_id, i, prompt, agent_loop=loop,
+                label=group.row.label, metadata=meta))
+        self.groups[group.group_id] = GroupState(group.group_size, version)
+
+    def loop_metadata(self, row: PromptRow, loop: str) -> dict[str, Any]:
+        """What the row's loop needs besides the prompt's tokens: the row's chat messages (the
+        system prompt applied) for loops with `takes_messages` (openai_agent)."""
+        if loop not in self.loops:  # only the loops rows name; one that fails to load fails
+            try:  # on the workers, where it runs, not here
+                eps = importlib.metadata.entry_points(group="rollmesh.agent_loops", name=loop)
+                self.loops[loop] = next(iter(eps)).load() if eps else None
+            except Exception as e:
+                self.log.warning("agent_loop_not_loaded", loop=loop, error=str(e))
+                self.loops[loop] = None
+        if getattr(self.loops[loop], "takes_messages", False):
+            return {"messages": chat_messages(row, self.exp.data.system_prompt)}
+        return {}
+
+    def start_eval(self) -> None:
+        """An evaluation round at this version, if one is due (`EvalRounds.start`)."""
+        self.eval.start(self.version, self.tokenizer, self.loop_metadata)
+
+    def restore(self, restarted: bool) -> None:
+        """Go on from the journal of a previous rollouter of this run, if there is one.
+        `restarted`: this process replaces one of the same launch (not a `--resume`)."""
+        j = self.journal
+        if not j.replayed:
+            return
+        if j.cursor is not None:
+            self.source.restore(j.cursor)
+        self.version = j.version
+        if j.paused and restarted:
+            # Killed between a sync's Pause and its Resume: the engines may be half-way
+            # through the broadcast. Generate nothing until the synchronizer's Resume (it
+            # asks again until a rollouter answers); the role's `resume_if_forgotten` is
+            # the backstop.
+            self.paused = True
+        elif j.paused:
+            # A new launch (`--resume`): fresh engines and synchronizer, no sync in progress.
+            j.new_version(self.version)
+        reopen, lost = j.recover()
+        rows = {row.index: row for row in self.source.rows}
+        for gid, g in reopen:  # in flight in the lost process: generate them again
+            row = rows[g.row]
+            prompt = render_prompt(row, self.tokenizer, self.exp.data.system_prompt)
+            self._start_group(PromptGroup(gid, row, g.size, 0), prompt, g.version)
+        self.events["restored_groups"] = len(reopen)
+        counters = self.counters
+        self.log.warning("restored", records=j.replayed, version=self.version,
+                         paused=self.paused,
+                         cursor=j.cursor, regenerated_groups=len(reopen),
+                         stragglers_dropped=lost, admitted=counters["admitted_samples"],
+                         queued=counters["queued_samples"], dropped=dict(self.dropped))
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def dispatch(self) -> Iterator[Send]:
+        """Admit what the bound allows, then hand out work to the freest workers: to agent
+        workers the cancel queue first, then the evaluation queue, then new trajectories (none
+        while paused); to reward workers what is to be scored. Yields each send after the
+        trajectory is counted as out with its worker."""
+        if self.announce_resume and not self.paused:
+            self.announce_resume = False
+            for w in list(self.workers.values()):
+                if w.kind == "agent":
+                    yield Send(w, Resume(version=self.version))
+        self.admit()
+        while not self.paused and (self.cancel_queue or self.eval.queue or self.pending):
+            worker = self.workers.freest("agent")
+            if worker is None:
+                break
+            queue = self.cancel_queue or self.eval.queue or self.pending
+            traj = queue.popleft()
+            self.workers.give(worker, traj)
+            yield Send(worker, Assign(trajectory=traj))
+        while self.to_score:
+            worker = self.workers.freest("reward")
+            if worker is None:
+                break
+            traj = self.to_score.popleft()
+            self.workers.give(worker, traj)
+            yield Send(worker, Score(trajectory=traj))
+
+    def worker_joined(self, peer: bytes, hello: WorkerHello) -> Resume | None:
+        """Register a worker; for an agent worker outside a sync, the Resume to send it (what
+        it may still hold from a sync, which a restarted rollouter never resumes, goes on)."""
+        self.workers.add(Worker(peer, hello.worker, hello.kind, max(1, hello.credits)))
+        self.log.info("worker_joined", worker=hello.worker, kind=hello.kind,
+                      credits=hello.credits)
+        if hello.kind == "agent" and not self.paused:
+            return Resume(version=self.version)
+        return None
+
+    def worker_lost(self, worker: Worker, why: str) -> bool:
+        """Re-queue everything the worker held, as it was when dispatched; False if the worker
+        was already gone."""
+        if not self.workers.remove(worker):
+            return False
+        back = list(worker.out.values())
+        self.held_count -= len(worker.held)
+        self.holding.pop(worker.peer, None)
+        for traj in back:
+            (self.cancel_queue if worker.kind == "agent" else self.to_score).appendleft(traj)
+        self.events["workers_lost"] += 1
+        self.log.error("worker_lost", worker=worker.name, why=why, requeued=len(back))
+        return True
+
+    # -- results -----------------------------------------------------------------------------
+
+    def returned(self, worker: Worker, traj: Trajectory) -> bool:
+        """A trajectory back from its agent worker; False if it was not out with it."""
+        if self.workers.take_back(worker, traj.sample_id) is None:
+            self.events["unexpected_returns"] += 1  # e.g. from a worker declared dead earlier
+            return False
+        if traj.sample_id in worker.held:
+            worker.held.discard(traj.sample_id)
+            self.held_count -= 1
+        if is_eval(traj):
+            if self.eval.returned(traj):
+                self.to_score.append(traj)
+        elif traj.group_id not in self.groups:  # its group was already given up
+            self._drop_straggler(traj)
+        elif traj.status == "finished":
+            self.to_score.append(traj)
+        elif traj.status == "interrupted":
+            self.cancel_queue.append(traj)
+            self.events["interrupted"] += 1
+        else:  # failed: retry from where it stood, then give the group up
+            attempts = int(traj.metadata.get("attempts", 0)) + 1
+            traj.metadata["attempts"] = attempts
+            if attempts <= self.exp.rollout.max_retries:
+                traj.status = "running"
+                self.cancel_queue.append(traj)
+            else:
+                self.finish_group(traj.group_id, None, "generation_failed", extra=[traj])
+        return True
+
+    def scored(self, worker: Worker, traj: Trajectory) -> Group | None:
+        """A trajectory back from its reward worker; its group completes with the last one.
+        Returns the group if that accepted it (it is in `ready`)."""
+        if self.workers.take_back(worker, traj.sample_id) is None:
+            self.events["unexpected_returns"] += 1
+            return None
+        if is_eval(traj):
+            self.eval.scored(traj)
+            return None
+        state = self.groups.get(traj.group_id)
+        if state is None:  # its group was already given up
+            self._drop_straggler(traj)
+            return None
+        state.scored.append(traj)
+        if len(state.scored) == state.size:
+            return self.complete(traj.group_id, state)
+        return None
+
+    def complete(self, group_id: str, state: GroupState) -> Group | None:
+        """A group scored whole: dropped if a score failed or the filter rejects it, else
+        accepted (returned)."""
+        trajs = sorted(state.scored, key=lambda t: t.index)
+        group = Group(group_id=group_id, trajectories=trajs,
+                      version_admitted=state.version_admitted)
+        if any(t.reward_status != "ok" for t in trajs):
+            self.finish_group(group_id, None, "reward_failed")
+        elif not self.group_filter(group):
+            self.events["filtered_groups"] += 1
+            self.finish_group(group_id, None, "filtered")
+        else:
+            self.finish_group(group_id, group, None)
+            return group
+        return None
+
+    def _drop_straggler(self, traj: Trajectory) -> None:
+        self.journal.drop(traj.group_id, "group_failed", 1)
+
+    def finish_group(self, group_id: str, group: Group | None, reason: str | None,
+                     extra: list[Trajectory] = ()) -> None:
+        """A group leaves the running set: accepted (to `ready`) or dropped with a reason."""
+        state = self.groups.pop(group_id)
+        if group is not None:
+            self.ready.append(group)
+            return
+        # Dropped: the scored ones and the failed ones are in hand; the rest are still out
+        # somewhere and are dropped when they come back (see scored / returned).
+        n = len(state.scored) + len(extra)
+        # Its samples still queued here go with it; those out with workers are dropped when
+        # they come back (reason "group_failed").
+        for q in (self.pending, self.cancel_queue, self.to_score):
+            keep = [t for t in q if t.group_id != group_id]
+            n += len(q) - len(keep)
+            q.clear()
+            q.extend(keep)
+        self.journal.drop(group_id, reason, n, whole=True)
+
+    def queued(self, group: Group) -> None:
+        """The MessageQueue has the group (it left `ready`)."""
+        self.journal.queued(group.group_id, len(group.trajectories))
+
+    # -- pause / resume ----------------------------------------------------------------------
+
+    def agent_out(self) -> int:
+        return self.workers.out("agent")
+
+    def agent_draining(self) -> int:
+        """Trajectories out with agent workers that a pause waits for: all but the held."""
+        return self.workers.out("agent") - self.held_count
+
+    @property
+    def drained(self) -> bool:
+        """Paused, and nothing out with an agent worker that the pause waits for."""
+        return self.paused and self.agent_draining() == 0
+
+    def held(self, worker: Worker, sample_ids: list[str]) -> bool:
+        """A worker holds these through the sync (`Held`): out with it, not draining. False if
+        a Resume crossed it (they run already)."""
+        if not self.paused:
+            self.events["late_holds"] += 1
+            return False
+        new = {sid for sid in sample_ids if sid in worker.out} - worker.held
+        worker.held |= new
+        self.holding[worker.peer] = worker
+        self.held_count += len(new)
+        self.events["held_through_sync"] += len(new)
+        return True
+
+    def pause(self, mode: str) -> list[Send]:
+        """Stop dispatching (journaled first). `in_place`: nothing to send, what is out stays
+        out; otherwise the Cancel to every agent worker."""
+        self.synchronizer_spoke = True
+        self.journal.pause()
+        self.paused = True
+        if mode == "in_place":
+            return []
+        return [Send(w, Cancel(reason=mode)) for w in list(self.workers.values())
+                if w.kind == "agent"]
+
+    def resume(self, version: int) -> None:
+        self.synchronizer_spoke = True
+        self.version = max(self.version, version)
+        self.journal.new_version(self.version)
+        self.paused = False
+        held = self.held_count
+        for w in self.holding.values():
+            w.held.clear()  # they generate again
+        self.holding.clear()
+        self.held_count = 0
+        self.announce_resume = True
+        self.start_eval()
+        self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue),
+                      held=held)
+
+    # -- what the role learns from the queue and the engines ---------------------------------
+
+    def queue_stale(self, groups: int) -> bool:
+        """The MessageQueue has dropped `groups` groups as stale in all: True if more than
+        known (their places in the bound come back)."""
+        if groups <= self.queue_stale_groups:
+            return False
+        self.log.info("queue_dropped_stale", groups=groups - self.queue_stale_groups,
+                      total=groups)
+        self.queue_stale_groups = groups
+        return True
+
+    def engines_seen(self, healthy: int, urls: list[str], now: float) -> bool:
+        """A probe found `healthy` engines answering: none stops admission, one again
+        resumes it. True if the count changed."""
+        if healthy == 0 and self.engines_healthy != 0:
+            self.admission_stopped_since = now
+            self.events["admission_stops"] += 1
+            self.log.error("admission_stopped", reason="no healthy engine",
+                           engines=urls, in_flight=self.in_flight(),
+                           cursor=self.source.state())
+        elif healthy and self.engines_healthy == 0:
+            stopped = now - (self.admission_stopped_since or now)
+            self.admission_stopped_since = None
+            self.log.warning("admission_resumed", engines_healthy=healthy,
+                             stopped_s=round(stopped, 1))
+        if healthy == self.engines_healthy:
+            return False
+        self.engines_healthy = healthy
+        return True
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        """Samples this process holds right now, counted where they are."""
+        def train(ts: Any) -> int:
+            return sum(not is_eval(t) for t in ts)
+
+        return (len(self.pending) + train(self.cancel_queue) + train(self.to_score)
+                + sum(train(w.out.values()) for w in self.workers.values())
+                + sum(len(s.scored) for s in self.groups.values())
+                + sum(len(g.trajectories) for g in self.ready))
+
+    def stats(self, *, protocol_errors: int, queue_unreachable_s: float | None,
+              now: float) -> dict[str, Any]:
+        return {
+            **self.counters, "version": self.version, "paused": self.paused,
+            "capacity": self.capacity(), "running_groups": self.running_groups,
+            "in_flight": self.in_flight(), "pending": len(self.pending),
+            "cancel_queue": len(self.cancel_queue), "to_score": len(self.to_score),
+            "held": self.held_count,
+            "ready_groups": len(self.ready), "dropped": dict(self.dropped),
+            "workers": {w.name: {"kind": w.kind, "credits": w.credits, "out": len(w.out)}
+                        for w in self.workers.values()},
+            "channel_protocol_errors": protocol_errors,
+            "eval": self.eval.last, "eval_pending": len(self.eval.queue),
+            "cursor": self.source.state(),
+            "engines_healthy": self.engines_healthy, "engines": len(self.engines),
+            "admission": self.admission, "queue_stale_groups": self.queue_stale_groups,
+            "journal_error": self.journal.error,
+            "queue_unreachable_s": queue_unreachable_s,
+            "admission_stopped_s": (round(now - self.admission_stopped_since, 1)
+                                    if self.admission_stopped_since is not None else None),
+            "over_sampling": round(self.over_sampling(), 3),
+        }

@@ -1,0 +1,371 @@
+"""One training step's math: forward passes, advantages, the loss, the optimizer updates.
+
+`prepare` turns a batch into what the updates need (every rank, the whole batch): old
+log-probs (recomputed with the current parameters, or the engine's behaviour log-probs as they
+are: "bypass"), reference log-probs, for GAE the critic's old values, then the shaped rewards
+and the advantages (and the critic's returns). `update_policy` runs `trainer.mini_batches`
+optimizer updates over it, each accumulated over micro-batches; `step_metrics` is the step's
+metrics row.
+
+Every pass over a batch runs on this rank's micro-batches (`micro_batches`, planned by
+`rollmesh.training.batching.plan`): forward and backward passes run only on the rank's share of
+the sequences; old and reference log-probs and the critic's old values are computed on the
+shares and summed across ranks, so every rank has them for the whole batch.
+
+GAE (`algorithm.advantage = "gae"`, PPO as verl runs it): the sequence reward goes on its last
+generated token (minus the per-token KL when `kl_in_reward`); `gae_advantages` turns rewards
+and old values into advantages (whitened) and returns (`bootstrap_truncated`: a response cut off
+by the length limit continues with the critic's value of the state after its last token instead
+of 0). Each mini-batch then updates the policy and the critic (the clipped value loss against
+the returns, token-mean, its own AdamW at `algorithm.critic_lr` with the trainer's schedule and
+grad clip), both accumulated over the same micro-batches.
+
+Gradient accumulation: each micro-batch's loss is normalised by the token (or sequence) count
+of its whole mini-batch over all ranks (`global_tokens`), so summing micro-batches gives the
+loss and gradient of one big batch; FSDP averages gradients over the K ranks, so each rank's
+loss is multiplied by K.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rollmesh.algorithms import (
+    aggregate, compute_advantages, entropy_from_logits, kl_estimate, policy_loss, shape_rewards,
+    token_logprobs, value_loss,
+)
+from rollmesh.config import AlgorithmConfig
+from rollmesh.ranks import full_tensor
+from rollmesh.training import batching
+from rollmesh.training.batching import BatchData
+from rollmesh.training.state import TrainState
+
+
+@dataclass
+class StepBatch(BatchData):
+    """A batch as one step uses it: BatchData and, for GAE, the critic's old values and the
+    returns (its targets), [B, T], token-aligned like the rest, 0 outside the mask;
+    `response_tokens` [B] (generated tokens, before `algorithm.mask_truncated`) and the
+    `shaped_rewards` [B] the advantages were computed from."""
+
+    values: Tensor | None = None
+    returns: Tensor | None = None
+    response_tokens: Tensor | None = None
+    shaped_rewards: Tensor | None = None
+
+    @classmethod
+    def of(cls, data: BatchData) -> StepBatch:
+        if isinstance(data, cls):
+            return data
+        return cls(**{f.name: getattr(data, f.name) for f in dataclasses.fields(data)})
+
+    def rows(self, index: list[int]) -> dict[str, Tensor]:
+        out = super().rows(index)
+        width = out["tokens"].shape[1]
+        for name in ("values", "returns"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)[index, :width]
+        return out
+
+
+def _to(mb: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+
+
+def _idle_micro_batch(data: BatchData) -> dict[str, Tensor]:
+    """Two tokens that count for nothing: a rank with less work still joins every collective."""
+    zeros = torch.zeros(1, 2)
+    mb = {k: zeros.clone() for k in ("mask", "behaviour", "old", "ref", "advantages", "values",
+                                     "returns")}
+    mb.update(tokens=torch.zeros(1, 2, dtype=torch.long),
+              versions=torch.full((1, 2), -1, dtype=torch.long),
+              attention_mask=torch.ones(1, 2, dtype=torch.long))
+    return mb
+
+
+def _forward(state: TrainState, model: torch.nn.Module, mb: dict[str, Tensor]) -> Tensor:
+    autocast = (torch.autocast(state.device.type, dtype=state.compute_dtype) if state.autocast
+                else contextlib.nullcontext())
+    with autocast:
+        return model(input_ids=mb["tokens"], attention_mask=mb["attention_mask"]).logits
+
+
+def _values(state: TrainState, critic: torch.nn.Module, mb: dict[str, Tensor], *,
+            with_next: bool = False) -> Tensor:
+    """The critic's token-aligned values [B, T] (`with_next`: [B, T + 1]), float32."""
+    autocast = (torch.autocast(state.device.type, dtype=state.compute_dtype) if state.autocast
+                else contextlib.nullcontext())
+    with autocast:
+        return critic(input_ids=mb["tokens"], attention_mask=mb["attention_mask"],
+                      with_next=with_next).float()
+
+
+def micro_batches(state: TrainState, data: BatchData, index: list[int] | None = None,
+                  ) -> Iterator[tuple[list[int], dict[str, Tensor]]]:
+    """This rank's micro-batches of the sequences `index` (default: the whole batch), each as
+    (its rows, its tensors on the device), one at a time. Every rank yields as many: a rank
+    with less work yields idle ones (rows [], `_idle_micro_batch`) so that it still joins every
+    collective. The one loop of every pass over a batch (log-probs, values, updates)."""
+    index = list(range(data.size)) if index is None else index
+    plan = batching.plan(data.lengths.tolist(), index, state.ranks.world,
+                         state.exp.trainer.micro_batch_tokens)
+    for rows in plan[state.ranks.rank]:
+        yield rows, _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
+
+
+@torch.no_grad()
+def batch_logprobs(state: TrainState, data: BatchData, model: torch.nn.Module) -> Tensor:
+    """log p(token) under `model` for the whole batch [B, T]: each rank its share, then summed."""
+    out = torch.zeros(data.tokens.shape, dtype=torch.float32)
+    for rows, mb in micro_batches(state, data):
+        logits = _forward(state, model, mb)
+        logp = token_logprobs(logits, mb["tokens"], state.temperature, shift=True)
+        if rows:
+            out[rows, :logp.shape[1]] = logp.float().cpu() * data.mask[rows, :logp.shape[1]]
+    return state.ranks.sum_(out)
+
+
+def old_logprobs(state: TrainState, data: BatchData) -> Tensor:
+    if state.exp.algorithm.old_logprobs == "bypass":
+        return data.behaviour.clone()
+    return batch_logprobs(state, data, state.model)
+
+
+def reference_logprobs(state: TrainState, data: BatchData) -> Tensor | None:
+    if state.ref_model is None:
+        return None
+    return batch_logprobs(state, data, state.ref_model)
+
+
+@torch.no_grad()
+def critic_values(state: TrainState, data: BatchData) -> tuple[Tensor, Tensor] | None:
+    """(old_values, V after each sequence's last token [B]); None without a critic."""
+    if state.critic is None:
+        return None
+    width = data.tokens.shape[1]
+    out = torch.zeros(data.size, width + 1, dtype=torch.float32)  # column `width`: V after
+    for rows, mb in micro_batches(state, data):
+        values = _values(state, state.critic, mb, with_next=True).cpu()
+        if rows:
+            w = values.shape[1] - 1
+            out[rows, :w] = values[:, :w] * data.mask[rows, :w]
+            out[rows, width] = values[torch.arange(len(rows)), data.lengths[rows]]
+    state.ranks.sum_(out)
+    return out[:, :width].contiguous(), out[:, width].contiguous()
+
+
+def batch_rewards(algo: AlgorithmConfig, data: BatchData) -> Tensor:
+    """The rewards the advantages see [B]: `shape_rewards` (scale, DAPO overlong penalty over
+    each response's generated tokens, clip); the scores as they are by default."""
+    lengths = getattr(data, "response_tokens", None)
+    return shape_rewards(
+        data.rewards, data.mask.sum(dim=1) if lengths is None else lengths,
+        scale=algo.reward_scale, clip=algo.reward_clip, overlong_buffer=algo.overlong_buffer,
+        overlong_max_tokens=algo.overlong_max_tokens, overlong_factor=algo.overlong_penalty)
+
+
+def batch_advantages(algo: AlgorithmConfig, data: BatchData, values: Tensor | None = None,
+                     bootstrap: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(advantages, returns) of the whole batch from its shaped rewards; a KL penalty in the
+    reward is folded in first. returns (the critic's targets) only for "gae", which needs the
+    old `values` (and takes `bootstrap` [B], V after each truncated response, 0 elsewhere)."""
+    rewards, kl = batch_rewards(algo, data), None
+    if algo.kl_in_reward and algo.kl_coef > 0:
+        kl = kl_estimate(data.old, data.ref, algo.kl_estimator, clamp=algo.kl_clamp) * data.mask
+        if algo.advantage in ("grpo", "grpo_mean_only", "rloo"):
+            # Outcome estimators take one reward per sequence: the penalty summed over it.
+            rewards, kl = rewards - algo.kl_coef * kl.sum(dim=1), None
+    if algo.advantage == "gae" and values is None:
+        raise ValueError("advantage 'gae': expected the critic's values")
+    return compute_advantages(
+        algo.advantage, mask=data.mask, rewards=rewards, group_index=data.group_index, kl=kl,
+        kl_coef=algo.kl_coef, gamma=algo.gamma, lam=algo.lam, values=values, bootstrap=bootstrap)
+
+
+# -- the update ------------------------------------------------------------------------------------
+
+PARTS = ("loss", "pg_loss", "kl_loss", "tokens", "clip_frac", "approx_kl", "approx_kl_k1",
+         "entropy", "behaviour_weight_mean")
+CRITIC_PARTS = ("value_loss", "value_clip_frac", "value_error")
+
+
+def micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, float],
+                     ) -> tuple[Tensor, dict[str, float]]:
+    """This micro-batch's share of its mini-batch's loss, and its metric partial sums."""
+    algo = state.exp.algorithm
+    logits = _forward(state, state.model, mb)
+    logp = token_logprobs(logits, mb["tokens"], state.temperature, shift=True)
+    mask = mb["mask"]
+    norm = {**norm, "norm_tokens": algo.loss_norm_tokens}
+    pg, stats = policy_loss(
+        algo.loss, logp, mb["old"], mb["advantages"], mask, behaviour_logprobs=mb["behaviour"],
+        clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+        behaviour_cap=algo.behaviour_cap, behaviour_cap_mode=algo.behaviour_cap_mode,
+        tis_cap=algo.tis_cap, tis_surrogate=algo.tis_surrogate, seq_clip_low=algo.gspo_clip_low,
+        seq_clip_high=algo.gspo_clip_high, agg=algo.loss_agg, **norm)
+    # Position t predicts token t + 1: shift the entropy to align it with the tokens.
+    entropy = entropy_from_logits(logits if algo.entropy_coef > 0 else logits.detach(),
+                                  state.temperature)
+    entropy = torch.cat([entropy.new_zeros(entropy.shape[0], 1), entropy[:, :-1]], dim=1)
+    loss = pg
+    if algo.entropy_coef > 0:
+        loss = loss - algo.entropy_coef * aggregate(entropy, mask, algo.loss_agg, **norm)
+    kl_loss = torch.zeros(())
+    if algo.kl_coef > 0 and not algo.kl_in_reward:
+        kl_loss = aggregate(kl_estimate(logp, mb["ref"], algo.kl_estimator, clamp=algo.kl_clamp),
+                            mask, algo.loss_agg, **norm)
+        loss = loss + algo.kl_coef * kl_loss
+    n = float(mask.sum())
+    parts = {"loss": float(loss.detach()), "pg_loss": float(pg.detach()),
+             "kl_loss": float(kl_loss.detach()), "tokens": n,
+             "clip_frac": float(stats["clip_frac"]) * n, "approx_kl": float(stats["approx_kl"]) * n,
+             "approx_kl_k1": float(stats["approx_kl_k1"]) * n,
+             "entropy": float((entropy.detach() * mask).sum()),
+             "behaviour_weight_mean": float(stats.get("behaviour_weight_mean", 1.0)) * n}
+    return loss, parts
+
+
+def critic_micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, float],
+                            ) -> tuple[Tensor, dict[str, float]]:
+    """This micro-batch's share of its mini-batch's clipped value loss (token-mean over the
+    mini-batch's tokens, as verl's critic), and its metric partial sums."""
+    values = _values(state, state.critic, mb)
+    mask = mb["mask"]
+    loss, stats = value_loss(values, mb["values"], mb["returns"], mask,
+                             clip=state.exp.algorithm.value_clip, agg="token-mean",
+                             global_tokens=norm["global_tokens"])
+    n = float(mask.sum())
+    return loss, {"value_loss": float(loss.detach()),
+                  "value_clip_frac": float(stats["clip_frac"]) * n,
+                  "value_error": float(stats["value_error"]) * n}
+
+
+def _optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    grad_clip: float) -> tuple[float, float]:
+    """Clip, step, advance the schedule; returns (grad norm before clipping, lr used)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(full_tensor(grad_norm)), lr
+
+
+def value_metrics(data: StepBatch) -> dict[str, float]:
+    """The old values against the returns over the batch's masked tokens: their means and the
+    explained variance 1 - Var(R - V) / Var(R) (1: the critic predicts the returns exactly)."""
+    m = data.mask > 0
+    values, returns = data.values[m].double(), data.returns[m].double()
+    if values.numel() == 0:
+        return {"value_mean": 0.0, "returns_mean": 0.0, "value_explained_var": 0.0}
+    var = float(returns.var(unbiased=False))
+    explained = 1.0 - float((returns - values).var(unbiased=False)) / var if var > 0 else 0.0
+    return {"value_mean": float(values.mean()), "returns_mean": float(returns.mean()),
+            "value_explained_var": explained}
+
+
+def update_policy(state: TrainState, data: BatchData) -> dict[str, float]:
+    """`trainer.mini_batches` optimizer updates over the batch (the policy's and, with GAE, the
+    critic's, over the same mini- and micro-batches); returns the step's metrics."""
+    t, ranks, critic = state.exp.trainer, state.ranks, state.critic
+    if critic is not None and (not isinstance(data, StepBatch) or data.returns is None):
+        raise ValueError("the critic's update needs the batch's old values and returns: "
+                         "pass the batch through `prepare`")
+    state.model.train()
+    parts_of = PARTS + (CRITIC_PARTS if critic is not None else ())
+    if critic is not None:
+        critic.train()
+    order = torch.randperm(data.size, generator=torch.Generator().manual_seed(
+        (t.seed or 0) * 1_000_003 + state.step))  # the same on every rank and after a resume
+    totals = torch.zeros(len(parts_of), dtype=torch.float64)
+    grad_norms, lrs, critic_norms, critic_lrs = [], [], [], []
+    minis = [m.tolist() for m in torch.tensor_split(order, min(t.mini_batches, data.size))]
+    for mini in minis:
+        mini = sorted(mini)
+        norm = {"global_tokens": max(float(data.mask[mini].sum()), 1.0),
+                "global_seqs": max(float((data.mask[mini].sum(dim=1) > 0).sum()), 1.0)}
+        for _, mb in micro_batches(state, data, mini):
+            loss, parts = micro_batch_loss(state, mb, norm)
+            (loss * ranks.world).backward()
+            if critic is not None:
+                loss, critic_parts = critic_micro_batch_loss(state, mb, norm)
+                (loss * ranks.world).backward()
+                parts.update(critic_parts)
+            totals += torch.tensor([parts[k] for k in parts_of], dtype=torch.float64)
+        grad_norm, lr = _optimizer_step(state.model, state.optimizer, state.scheduler,
+                                        t.grad_clip)
+        grad_norms.append(grad_norm)
+        lrs.append(lr)
+        if critic is not None:
+            grad_norm, lr = _optimizer_step(critic, state.critic_optimizer, state.critic_scheduler,
+                                            t.grad_clip)
+            critic_norms.append(grad_norm)
+            critic_lrs.append(lr)
+    ranks.sum_(totals)
+    tokens = max(float(totals[PARTS.index("tokens")]), 1.0)
+    out = {k: float(totals[i]) / (len(minis) if k.endswith("loss") else tokens)
+           for i, k in enumerate(parts_of) if k != "tokens"}
+    out.update(grad_norm=float(np.mean(grad_norms)), lr=lrs[-1], loss_tokens=tokens)
+    if critic is not None:
+        out.update(critic_grad_norm=float(np.mean(critic_norms)), critic_lr=critic_lrs[-1],
+                   **value_metrics(data))
+    return out
+
+
+def prepare(state: TrainState, data: BatchData) -> StepBatch:
+    """Old and reference log-probs, the critic's old values (GAE), then advantages and returns
+    (every rank, the whole batch). `algorithm.mask_truncated`: responses cut off by the length
+    limit leave the loss mask first."""
+    algo = state.exp.algorithm
+    data = StepBatch.of(data)
+    data.response_tokens = data.mask.sum(dim=1)
+    truncated = data.truncated if data.truncated is not None else torch.zeros(data.size, dtype=bool)
+    if algo.mask_truncated:
+        data.mask = data.mask * (~truncated)[:, None].float()
+    data.old = old_logprobs(state, data)
+    data.ref = reference_logprobs(state, data)
+    both = critic_values(state, data)
+    bootstrap = None
+    if both is not None:
+        data.values, after = both
+        if algo.bootstrap_truncated:
+            bootstrap = torch.where(truncated, after, 0.0)
+    data.shaped_rewards = batch_rewards(algo, data)
+    data.advantages, data.returns = batch_advantages(algo, data, data.values, bootstrap)
+    return data
+
+
+def step_metrics(state: TrainState, data: BatchData, stats: dict[str, float],
+                 seconds: float) -> dict[str, Any]:
+    stale = batching.staleness(data.versions, data.mask, state.version).float()
+    tokens = int(data.lengths.sum())
+    return {
+        "step": state.step, "version": state.version, "time": time.time(), **stats,
+        "batch_staleness_max": float(stale.max()), "batch_staleness_mean": float(stale.mean()),
+        "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "step_s": seconds,
+        "reward_mean": float(data.rewards.mean()), "samples": data.size,
+        **_shaping_metrics(data),
+        "response_tokens_mean": float(data.mask.sum(dim=1).mean()),
+        "samples_consumed": state.samples_consumed, **data.counts,
+    }
+
+
+def _shaping_metrics(data: BatchData) -> dict[str, float]:
+    """truncated_frac (responses cut off by the length limit), and the mean of the rewards the
+    advantages saw where shaping changed them."""
+    out = {}
+    if data.truncated is not None:
+        out["truncated_frac"] = float(data.truncated.float().mean())
+    shaped = getattr(data, "shaped_rewards", None)
+    if shaped is not None and not torch.equal(shaped, data.rewards.float()):
+        out["reward_shaped_mean"] = float(shaped.mean())
+    return out

@@ -1,0 +1,14 @@
+"""Weight sync: the trainer's weights to the engines, and the code both ends of it share.
+
+- `sender`: the trainer's side (rank 0 talks, every rank gathers): the synchronizer handshake,
+  the broadcast and its retries, overlapped syncs from a snapshot (`WeightSender`,
+  `sync_weights`, `finish_sync`).
+- `buckets`: the parameters cut into buckets, sent (`BucketSender`, `Snapshot`) and received by
+  an engine (`receive_weights`, `receive_bucket`, `receive_bucket_into`); the HTTP body that
+  announces each bucket (`update_body`).
+- `group`: the weight-update process group that trainer rank 0 and the engines join.
+- `tensors`: dtype names, and checking and loading received tensors into a model.
+
+The whole sync, step by step, is in docs/architecture.md ("One weight sync, step by step"); the
+synchronizer's side is `rollmesh.synchronizer`; the built-in engine's is `rollmesh.engine.server`.
+"""

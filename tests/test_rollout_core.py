@@ -1,0 +1,206 @@
+"""The rollouter's rules driven directly, without sockets or processes (`rollmesh.rollout.core`):
+AReaL's staleness bound on admission (`RolloutCore.capacity`) and the DAPO group filter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import structlog
+
+from rollmesh.data import PromptSource
+from rollmesh.protocol import Assign, Group, Score
+from rollmesh.rollout.core import RolloutCore
+from rollmesh.rollout.filters import dapo_filter, get_group_filter, keep_all
+from rollmesh.rollout.workers import Worker
+from rollmesh.trajectories import load_tokenizer, new_trajectory
+from tests.helpers.rollout_stack import experiment, write_dataset
+
+LOG = structlog.get_logger("test")
+ROWS = [{"prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(20)]
+
+
+def make_core(tmp_path: Path, *overrides: str) -> RolloutCore:
+    """A core over 20 rows, groups of 2, batch_groups 2, max_staleness 1 (rollout_stack's
+    defaults), with one agent and one reward worker of ample credit."""
+    exp = experiment(write_dataset(tmp_path / "rows.jsonl", ROWS), *overrides)
+    core = RolloutCore(exp, PromptSource.from_config(exp.data), load_tokenizer(exp.model), None,
+                       LOG)
+    core.workers.add(Worker(b"agent", "agent-0", "agent", 1000))
+    core.workers.add(Worker(b"reward", "reward-0", "reward", 1000))
+    return core
+
+
+def worker(core: RolloutCore, peer: bytes) -> Worker:
+    w = core.workers.get(peer)
+    assert w is not None
+    return w
+
+
+def finish(core: RolloutCore, group_id: str, rewards: list[float]) -> None:
+    """Generate and score every sample of a group the core dispatched: finished by the agent
+    worker, then scored with `rewards` (one per sample, by index)."""
+    agent, scorer = worker(core, b"agent"), worker(core, b"reward")
+    for traj in [t for t in agent.out.values() if t.group_id == group_id]:
+        traj.status = "finished"
+        assert core.returned(agent, traj)
+    sends = list(core.dispatch())
+    for send in sends:
+        if isinstance(send.msg, Score) and send.msg.trajectory.group_id == group_id:
+            traj = send.msg.trajectory
+            traj.reward, traj.reward_status = rewards[traj.index], "ok"
+            core.scored(scorer, traj)
+
+
+def dispatched_groups(sends) -> list[str]:
+    return sorted({s.msg.trajectory.group_id for s in sends if isinstance(s.msg, Assign)})
+
+
+# -- AReaL's bound --------------------------------------------------------------------------
+
+
+def test_admission_stops_at_the_staleness_bound(tmp_path):
+    """(max_staleness + v + 1) * batch_groups * sync_every groups at version 0: 4 groups with
+    max_staleness 1, batch_groups 2; no more however many workers are free."""
+    core = make_core(tmp_path)
+    assert core.capacity() == 4
+    sends = list(core.dispatch())
+    assert len(dispatched_groups(sends)) == 4 and core.running_groups == 4
+    assert core.capacity() == 0 and list(core.dispatch()) == []
+    assert core.counters["admitted_groups"] == 4 and core.counters["admitted_samples"] == 8
+
+
+def test_the_bound_counts_sync_every_and_max_concurrent(tmp_path):
+    assert make_core(tmp_path, "sync.sync_every=2",  # (1 + 0 + 1) * 2 * 2
+                     "rollout.max_concurrent=20").capacity() == 8
+    assert make_core(tmp_path, "rollout.max_concurrent=3").capacity() == 3
+    assert make_core(tmp_path, "staleness.max_staleness=0").capacity() == 2
+
+
+def test_accepted_groups_count_for_good_and_rejected_ones_free_their_place(tmp_path):
+    core = make_core(tmp_path)
+    groups = dispatched_groups(list(core.dispatch()))
+    finish(core, groups[0], [1.0, 0.0])  # accepted: still takes its place
+    assert len(core.ready) == 1 and core.accepted_groups() == 1
+    assert core.running_groups == 3 and core.capacity() == 0
+    core.queued(core.ready.popleft())  # in the queue now: still counted
+    assert core.accepted_groups() == 1 and core.capacity() == 0
+    finish(core, groups[1], [1.0, 1.0])  # equal rewards, but no filter: accepted too
+    assert core.accepted_groups() == 2 and core.running_groups == 2 and core.capacity() == 0
+
+
+def test_a_filtered_group_frees_its_place(tmp_path):
+    core = make_core(tmp_path, 'rollout.group_filter="dapo"', "rollout.over_sampling=1.0")
+    groups = dispatched_groups(list(core.dispatch()))
+    assert core.capacity() == 0
+    finish(core, groups[0], [1.0, 1.0])  # no signal: dropped
+    assert core.dropped["filtered"] == 2 and core.running_groups == 3
+    assert core.capacity() == 1
+
+
+def test_each_version_adds_a_version_of_headroom(tmp_path):
+    core = make_core(tmp_path)
+    list(core.dispatch())
+    core.pause("abort")
+    assert core.capacity() == 0 and list(core.dispatch()) == []  # paused: nothing admitted
+    core.resume(1)
+    assert core.capacity() == 2  # (1 + 1 + 1) * 2 - 4 running
+    list(core.dispatch())
+    assert core.running_groups == 6 and core.capacity() == 0
+
+
+def test_groups_the_queue_dropped_as_stale_give_their_places_back(tmp_path):
+    core = make_core(tmp_path)
+    groups = dispatched_groups(list(core.dispatch()))
+    for gid in groups[:2]:
+        finish(core, gid, [1.0, 0.0])
+    while core.ready:
+        core.queued(core.ready.popleft())
+    assert core.accepted_groups() == 2 and core.capacity() == 0
+    assert core.queue_stale(1) and not core.queue_stale(1)
+    assert core.capacity() == 1
+
+
+def test_over_sampling_applies_to_the_headroom_left_with_a_dropping_filter(tmp_path):
+    core = make_core(tmp_path, 'rollout.group_filter="dapo"', "rollout.over_sampling=1.5")
+    assert core.over_sampling() == 1.5 and core.capacity() == 6  # int(4 * 1.5)
+    unfiltered = make_core(tmp_path, "rollout.over_sampling=1.5")
+    assert unfiltered.over_sampling() == 1.0 and unfiltered.capacity() == 4
+
+
+def test_no_admission_while_no_engine_is_healthy(tmp_path):
+    core = make_core(tmp_path)
+    core.engines_seen(0, ["http://e"], now=0.0)
+    assert list(core.dispatch()) == [] and core.source.state() == make_core(
+        tmp_path).source.state()
+    assert core.engines_seen(1, ["http://e"], now=1.0)
+    assert len(dispatched_groups(list(core.dispatch()))) == 4
+
+
+# -- the DAPO filter ------------------------------------------------------------------------
+
+
+def group_of(rewards: list[float | None]) -> Group:
+    trajs = []
+    for i, r in enumerate(rewards):
+        t = new_trajectory(f"g-{i}", "g", i, [1, 2], agent_loop="single_turn")
+        t.reward = r
+        trajs.append(t)
+    return Group(group_id="g", trajectories=trajs, version_admitted=0)
+
+
+@pytest.mark.parametrize("rewards, keep", [
+    ([1.0, 1.0, 1.0, 1.0], False),  # all solved: no signal
+    ([0.0, 0.0], False),  # all failed: no signal
+    ([1.0, 0.0, 1.0, 1.0], True),
+    ([0.5, 0.25], True),
+])
+def test_dapo_keeps_a_group_only_if_its_rewards_differ(rewards, keep):
+    assert dapo_filter(group_of(rewards)) is keep
+    assert keep_all(group_of(rewards)) is True
+
+
+def test_group_filters_by_name():
+    assert get_group_filter("dapo") is dapo_filter and get_group_filter("none") is keep_all
+    with pytest.raises(KeyError, match="unknown group filter 'nope'"):
+        get_group_filter("nope")
+
+
+def test_dapo_in_the_core_drops_uniform_groups_and_accepts_the_others(tmp_path):
+    core = make_core(tmp_path, 'rollout.group_filter="dapo"', "rollout.over_sampling=1.0")
+    groups = dispatched_groups(list(core.dispatch()))
+    finish(core, groups[0], [1.0, 1.0])
+    finish(core, groups[1], [0.0, 1.0])
+    assert [g.group_id for g in core.ready] == [groups[1]]
+    assert core.counters["filtered_groups"] == 1 and core.counters["rejected_groups"] == 1
+    assert dict(core.dropped) == {"filtered": 2}
+    # the accounting identity holds: admitted = queued + dropped + in flight
+    c = core.counters
+    assert c["admitted_samples"] == c["queued_samples"] + sum(core.dropped.values()) \
+        + core.in_flight()
+    accepted = core.ready[0]
+    assert np.array_equal([t.index for t in accepted.trajectories], [0, 1])
+
+
+# -- the journal: one apply path ------------------------------------------------------------
+
+
+def test_the_live_counters_are_what_a_replay_of_the_journal_gives(tmp_path):
+    from rollmesh.rollout.journal import Journal
+
+    core = make_core(tmp_path, 'rollout.group_filter="dapo"', "rollout.over_sampling=1.0")
+    core.journal = Journal(tmp_path / "rollouter.log", LOG)
+    groups = dispatched_groups(list(core.dispatch()))
+    finish(core, groups[0], [1.0, 1.0])  # filtered
+    finish(core, groups[1], [0.0, 1.0])  # accepted, then queued
+    core.queued(core.ready.popleft())
+    finish(core, groups[2], [1.0, 0.0])  # accepted, not yet queued
+    live = core.counters
+    core.journal.close()
+    replayed = Journal(tmp_path / "rollouter.log", LOG)
+    for key in ("admitted_groups", "admitted_samples", "queued_groups", "queued_samples",
+                "rejected_groups"):
+        assert live[key] == replayed.counters[key], key
+    assert live["accepted_groups"] == replayed.counters["accepted_groups"] + 1  # the ready one
+    assert dict(core.dropped) == dict(replayed.dropped) == {"filtered": 2}
