@@ -11,7 +11,7 @@ them saturates.
    `tiny` model), the MessageQueue with its durable log, the rollouter with its journal and its
    engine health probe, --agents agent workers (64 credits each, the launcher's figure) and
    --rewards reward workers (`letter_share`, in their sandbox). This script plays trainer and
-   synchronizer over the real protocol (as tests/rollout_stack.py does): GetBatch for step k
+   synchronizer over the real protocol (as tests/helpers/rollout_stack.py does): GetBatch for step k
    with step k-1 committed, and with SYNC 1 a weight sync after every batch (Pause in abort
    mode, the engine's weight version bumped, WeightVersion to the queue, Resume), so
    trajectories are interrupted and resumed as in a run. The engine is cheap because it is

@@ -30,7 +30,7 @@
                memory, kept from sync to sync), beside the best flattened broadcast (what a
                blocking sync costs it, pause and verification left out).
 2. The rollout pause window: the real rollout side (built-in engine with the tiny model,
-   MessageQueue, rollouter, agent and reward workers, as tests/rollout_stack.py starts them)
+   MessageQueue, rollouter, agent and reward workers, as tests/helpers/rollout_stack.py starts them)
    generating long responses; the time from Pause sent to Paused received (every in-flight
    generation aborted and back in the cancel queue), then Resume, --pause-trials times.
 """
@@ -251,7 +251,7 @@ async def pause_window(trials: int) -> list[dict]:
     from rollmesh.engine.client import EngineClient
     from rollmesh.protocol import Pause, Resume, WeightVersion
     from rollmesh.transport import Transport
-    from tests.rollout_stack import experiment, start_stack, stop_stack, write_dataset
+    from tests.helpers.rollout_stack import experiment, start_stack, stop_stack, write_dataset
 
     rows = [{"prompt": f"Tell a long story about the number {i}.", "label": str(i)}
             for i in range(64)]

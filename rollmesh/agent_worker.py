@@ -30,13 +30,11 @@ from typing import Any
 from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.engine.client import EngineClient, run_api_key
-from rollmesh.protocol import (
-    Assign, Cancel, Heartbeat, Held, Metrics, Resume, Returned, StatsRequest, Trajectory,
-    WorkerHello,
-)
-from rollmesh.runtime import RoleContext, rejoin_when_silent
+from rollmesh.protocol import Assign, Cancel, Held, Resume, Returned, Trajectory
+from rollmesh.runtime import RoleContext
 from rollmesh.trajectories import load_tokenizer
 from rollmesh.transport import ChannelClient
+from rollmesh.worker_loop import serve_worker
 
 
 class AgentWorker:
@@ -53,6 +51,7 @@ class AgentWorker:
         self.pinned: set[str] = set()  # running trajectories whose loop stays on this worker
         self.counts = {"finished": 0, "interrupted": 0, "failed": 0}
         self.name = f"{ctx.spec.role}-{ctx.spec.instance}"
+        self.cancelling_task: asyncio.Task | None = None  # the last Cancel's, while it runs
 
     async def run_one(self, traj: Trajectory) -> None:
         try:
@@ -108,40 +107,24 @@ class AgentWorker:
                 "engines_healthy": getattr(client, "healthy_count", None)}
 
     async def serve(self, credits: int) -> None:
-        async def hello() -> None:
-            await self.channel.send(WorkerHello(worker=self.name, kind="agent", credits=credits))
+        await serve_worker(self.ctx, self.channel, name=self.name, kind="agent", credits=credits,
+                           handle=self.handle, stats=self.stats)
 
-        await hello()
-        heard = time.monotonic()
-        spec = self.ctx.spec  # a restarted rollouter does not know us: say hello again
-        rejoin = asyncio.create_task(rejoin_when_silent(hello, lambda: heard, spec.heartbeat_s,
-                                                        spec.liveness, self.log))
-        cancelling: asyncio.Task | None = None
-        try:
-            while True:
-                msg = await self.channel.recv()
-                heard = time.monotonic()
-                if isinstance(msg, Assign):
-                    traj = msg.trajectory
-                    if cancelling is not None and not cancelling.done():
-                        await cancelling  # a resume after a cancel: ship the partials first
-                    self.loop_ctx.resumed.set()  # an Assign comes only when not paused
-                    self.start(traj)
-                elif isinstance(msg, Cancel):
-                    cancelling = asyncio.create_task(self.cancel(msg.reason))
-                elif isinstance(msg, Resume):
-                    if cancelling is not None and not cancelling.done():
-                        await cancelling
-                    self.loop_ctx.resumed.set()  # held trajectories go on
-                elif isinstance(msg, Heartbeat):
-                    await self.channel.send(Heartbeat(sender=self.name, seq=msg.seq))
-                elif isinstance(msg, StatsRequest):
-                    await self.channel.send(Metrics(role="agent_worker", host=spec.host,
-                                                    values=self.stats()))
-                else:
-                    self.log.warning("unexpected_message", type=type(msg).__name__)
-        finally:
-            rejoin.cancel()
+    async def handle(self, msg: Any) -> None:
+        """A message from the rollouter (heartbeats and stats requests: rollmesh.worker_loop)."""
+        if isinstance(msg, Assign):
+            if self.cancelling_task is not None and not self.cancelling_task.done():
+                await self.cancelling_task  # a resume after a cancel: ship the partials first
+            self.loop_ctx.resumed.set()  # an Assign comes only when not paused
+            self.start(msg.trajectory)
+        elif isinstance(msg, Cancel):
+            self.cancelling_task = asyncio.create_task(self.cancel(msg.reason))
+        elif isinstance(msg, Resume):
+            if self.cancelling_task is not None and not self.cancelling_task.done():
+                await self.cancelling_task
+            self.loop_ctx.resumed.set()  # held trajectories go on
+        else:
+            self.log.warning("unexpected_message", type=type(msg).__name__)
 
 
 async def main(ctx: RoleContext) -> None:

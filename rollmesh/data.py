@@ -32,7 +32,6 @@ __all__ = [
     "PromptGroup",
     "PromptRow",
     "PromptSource",
-    "drop_long_prompts",
     "gsm8k_final_answer",
     "load_dataset",
     "render_prompt",
@@ -607,22 +606,3 @@ def render_prompt(row: PromptRow, tokenizer: Any, system_prompt: str | None = No
         prompt, tools=row.tools, tokenize=False, add_generation_prompt=True
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def drop_long_prompts(
-    rows: Sequence[PromptRow],
-    tokenizer: Any,
-    max_prompt_tokens: int,
-    system_prompt: str | None = None,
-) -> list[PromptRow]:
-    """The rows whose rendered prompt fits in `max_prompt_tokens` (the others are counted and
-    logged): run once after loading, so the cursor never draws a prompt that would be skipped."""
-    kept = [r for r in rows if len(render_prompt(r, tokenizer, system_prompt)) <= max_prompt_tokens]
-    if len(kept) < len(rows):
-        log.warning(
-            "long_prompts_dropped", dropped=len(rows) - len(kept), kept=len(kept),
-            max_prompt_tokens=max_prompt_tokens,
-        )
-    if not kept:
-        raise ValueError(f"every prompt is longer than max_prompt_tokens={max_prompt_tokens}")
-    return kept

@@ -17,7 +17,6 @@ import base64
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,28 +25,10 @@ from pathlib import Path
 from abc import ABC, abstractmethod
 from typing import IO, Callable
 
-from rollmesh.config import HostConfig
+from rollmesh.config.cluster import HostConfig, is_local_address
 from rollmesh.console import render_line
 
 Echo = Callable[[str, str], None]  # (label, line)
-
-
-def is_local_address(address: str) -> bool:
-    """Loopback, this machine's name, or one of its addresses."""
-    if address in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        import ipaddress
-
-        if ipaddress.ip_address(address).is_loopback:
-            return True
-    except ValueError:
-        pass
-    try:
-        mine = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        mine = set()
-    return address in mine
 
 
 class Host(ABC):

@@ -1117,7 +1117,7 @@ def _local_launcher(info: dict[str, Any]) -> bool:
     """The launcher of this launcher.json runs on this machine (its pid means something here)."""
     control = str(info.get("control", ""))
     host = control.removeprefix("tcp://").rsplit(":", 1)[0]
-    from rollmesh.hosts import is_local_address
+    from rollmesh.config import is_local_address
 
     return is_local_address(host) or host == os.uname().nodename
 

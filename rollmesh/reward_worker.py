@@ -15,14 +15,16 @@ import asyncio
 import functools
 import os
 import time
+from typing import Any
 
 from rollmesh.config import ExperimentConfig, parse_config
-from rollmesh.protocol import Heartbeat, Metrics, Score, Scored, StatsRequest, Trajectory, WorkerHello
+from rollmesh.protocol import Score, Scored, Trajectory
 from rollmesh.rewards.sandbox import RewardSandbox
 from rollmesh.rewards.trajectory import trajectory_view
-from rollmesh.runtime import RoleContext, rejoin_when_silent
+from rollmesh.runtime import RoleContext
 from rollmesh.trajectories import load_tokenizer
 from rollmesh.transport import ChannelClient
+from rollmesh.worker_loop import serve_worker
 
 
 class RewardWorker:
@@ -54,29 +56,15 @@ class RewardWorker:
         await self.channel.send(Scored(trajectory=traj))
 
     async def serve(self, credits: int) -> None:
-        async def hello() -> None:
-            await self.channel.send(WorkerHello(worker=self.name, kind="reward", credits=credits))
+        await serve_worker(self.ctx, self.channel, name=self.name, kind="reward", credits=credits,
+                           handle=self.handle, stats=lambda: dict(self.counts))
 
-        await hello()
-        heard = time.monotonic()
-        spec = self.ctx.spec  # a restarted rollouter does not know us: say hello again
-        rejoin = asyncio.create_task(rejoin_when_silent(hello, lambda: heard, spec.heartbeat_s,
-                                                        spec.liveness, self.ctx.log))
-        try:
-            while True:
-                msg = await self.channel.recv()
-                heard = time.monotonic()
-                if isinstance(msg, Score):
-                    task = asyncio.create_task(self.score(msg.trajectory))
-                    self.tasks.add(task)
-                    task.add_done_callback(self.tasks.discard)
-                elif isinstance(msg, Heartbeat):
-                    await self.channel.send(Heartbeat(sender=self.name, seq=msg.seq))
-                elif isinstance(msg, StatsRequest):
-                    await self.channel.send(Metrics(role="reward_worker", host=spec.host,
-                                                    values=dict(self.counts)))
-        finally:
-            rejoin.cancel()
+    async def handle(self, msg: Any) -> None:
+        """A message from the rollouter (heartbeats and stats requests: rollmesh.worker_loop)."""
+        if isinstance(msg, Score):
+            task = asyncio.create_task(self.score(msg.trajectory))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
 
 async def main(ctx: RoleContext) -> None:

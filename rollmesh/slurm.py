@@ -34,7 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollmesh.config import HostConfig, SlurmConfig, _Context, _parse_dataclass
+from rollmesh.config import HostConfig, SlurmConfig
+from rollmesh.config.parse import _Context, _parse_dataclass
 from rollmesh.cpus import ENV as CPUS_ENV
 from rollmesh.hosts import Echo, LocalHost, die_with_parent, pump
 from rollmesh.log import get_logger

@@ -103,7 +103,7 @@ def test_tool_responses_continue_the_conversation_as_the_template_renders_it(fam
     """prompt + generated turn + observation == the template's rendering of the whole
     conversation with the tool results, token for token."""
     from rollmesh.agent_loops import next_turn_ids, tool_observation
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer(family)
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
@@ -136,7 +136,7 @@ def test_tool_responses_continue_the_conversation_as_the_template_renders_it(fam
 
 def test_a_template_that_cannot_render_tool_turns_is_a_clear_error():
     from rollmesh.agent_loops import ChatTemplateError, tool_observation
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     gemma = build_tokenizer("gemma2")  # roles must alternate user/assistant: no tool role
     with pytest.raises(ChatTemplateError, match="cannot render tool messages after an assistant turn: .*alternate"):
@@ -154,7 +154,7 @@ def test_load_tokenizer_honours_tokenizer_path_and_trust_remote_code(tmp_path, m
 
     from rollmesh.trajectories import load_tokenizer
     from rollmesh.config import ModelConfig
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     build_tokenizer("llama3.1").save_pretrained(tmp_path / "tok")
     assert load_tokenizer(ModelConfig(path="tiny")).eos_token == "<|im_end|>"
@@ -211,7 +211,7 @@ def test_tool_agent_appends_the_templates_tool_turn_between_generated_turns():
     """A whole tool_agent run with the Qwen2.5 template: prompt, a generated tool call, the
     calculator's answer as the template renders a tool turn (mask 0), the final answer; the
     token row is exactly the template's rendering of that conversation."""
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer("qwen2.5")
     replies = [CALL, "The answer is 42."]
@@ -238,7 +238,7 @@ def test_tool_agent_records_each_executed_call_for_the_reward():
     import msgpack
 
     from rollmesh.agent_loops import recorded_call
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer("qwen2.5")
     tools = {"calculator": calculator, "echo": lambda text: text * 1100}
@@ -270,7 +270,7 @@ def test_tool_answer_scores_a_tool_agent_trajectory_by_its_view(replies, reward,
     """tool_agent's token row and recorded calls, through the view, to the built-in reward."""
     from rollmesh.rewards import tool_answer_reward
     from rollmesh.rewards.trajectory import trajectory_view
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer("qwen2.5")
     traj, _ = run_tool_agent(tok, replies)

@@ -4,7 +4,7 @@ directory; its greedy output is transformers' `generate`; the trainer's log-prob
 output are the engine's; a weight sync leaves the engine with the trainer's weights; and the
 exported `policy/` reloads in transformers with the same logits.
 
-The checkpoints are written by tests/hf_checkpoints.py (random weights, tiny shapes, each
+The checkpoints are written by tests/helpers/hf_checkpoints.py (random weights, tiny shapes, each
 family's special tokens and chat template)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rollmesh.checkpoint import export_hf
 from rollmesh.engine.models import ModelSpecError, load_model
 from rollmesh.weight_sync.tensors import check_update, load_weights
 from tests.engine.engine_harness import Engine
-from tests.hf_checkpoints import write_checkpoint
+from tests.helpers.hf_checkpoints import write_checkpoint
 
 CPU = torch.device("cpu")
 # (family, tied embeddings, max_shard_size): every family once with a sharded checkpoint
@@ -119,6 +119,7 @@ def _trainer_logprobs(model, prompt: list[int], output: list[int]) -> list[float
     return token_logprobs(logits, tokens, 1.0, shift=True)[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_engine_greedy_is_transformers_generate(served):
     _, path, engine, model, tokenizer = served
     prompt = _prompt(tokenizer)
@@ -130,6 +131,7 @@ def test_engine_greedy_is_transformers_generate(served):
     assert info["model_path"] == str(path)
 
 
+@pytest.mark.slow
 def test_trainer_logprobs_match_the_engines(served):
     """The trainer as it runs: its state built from the checkpoint (sharded loading, FSDP),
     the engine's sample packed into a batch, `batch_logprobs` on it (the old log-probs it
@@ -177,6 +179,7 @@ def _trained_state(path, *overrides: str):
     return exp, state
 
 
+@pytest.mark.slow
 def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
     """The trainer as it runs: state built from the checkpoint (sharded loading, FSDP), one
     policy update, then its own publisher (FSDP gather, buckets, the weight-update group) to the
@@ -237,6 +240,7 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
     assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) < LOGPROB_ATOL
 
 
+@pytest.mark.slow
 def test_exported_policy_reloads_in_transformers(served, tmp_path):
     """The trainer's export of its FSDP policy reloads in transformers (tied or not, the chat
     template kept) with the trainer's logits, bit for bit."""
@@ -258,6 +262,7 @@ def test_exported_policy_reloads_in_transformers(served, tmp_path):
         assert torch.equal(reloaded(input_ids=ids).logits, state.model(input_ids=ids).logits)
 
 
+@pytest.mark.slow
 def test_gemma2_is_served_with_the_attention_it_supports(engines):
     """Gemma2 has no SDPA path (soft-capped attention logits): the engine loads it eagerly
     instead of failing, and decodes as transformers does."""
@@ -290,7 +295,7 @@ def test_trust_remote_code_runs_the_checkpoints_own_code(tmp_path):
     command lines carry it and `model.tokenizer_path`."""
     from rollmesh.config import EngineConfig, ModelConfig
     from rollmesh.engine.sglang import engine_launch
-    from tests.hf_checkpoints import write_remote_code_checkpoint
+    from tests.helpers.hf_checkpoints import write_remote_code_checkpoint
 
     path = write_remote_code_checkpoint(tmp_path / "remote")
     with pytest.raises(ValueError, match="trust_remote_code"):
@@ -312,7 +317,7 @@ def test_trust_remote_code_runs_the_checkpoints_own_code(tmp_path):
 def test_the_trainer_takes_tokenizer_path_and_trust_remote_code(tmp_path):
     """The trainer's loaders (sharded from a directory; whole for tiny) honour both keys."""
     from rollmesh.training.state import build_state
-    from tests.hf_checkpoints import build_tokenizer, write_remote_code_checkpoint
+    from tests.helpers.hf_checkpoints import build_tokenizer, write_remote_code_checkpoint
     from tests.test_trainer import experiment
 
     path = write_remote_code_checkpoint(tmp_path / "remote")

@@ -142,6 +142,7 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks,overrides", [
     (1, ()), (2, ()), (2, (*GAE, "algorithm.critic_lr=2e-4"))], ids=["1", "2", "2-gae"])
 def test_killed_trainer_resumes_and_its_next_step_matches_an_uninterrupted_run(tmp_path, ranks,
@@ -198,6 +199,7 @@ def test_killed_trainer_resumes_and_its_next_step_matches_an_uninterrupted_run(t
     assert '"event": "resumed"' in log
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_and_in_the_built_in_engine(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

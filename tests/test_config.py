@@ -766,7 +766,7 @@ def _config_dataclasses() -> list[type]:
     return [
         obj
         for _, obj in inspect.getmembers(C, inspect.isclass)
-        if dataclasses.is_dataclass(obj) and obj.__module__ == C.__name__
+        if dataclasses.is_dataclass(obj) and obj.__module__.startswith(C.__name__ + ".")
     ]
 
 

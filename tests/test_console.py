@@ -19,6 +19,8 @@ import termios
 import time
 from pathlib import Path
 
+import pytest
+
 from rollmesh.console import Console, DropSummary, Progress, eval_text, render_line, tail_lines
 from tests.test_launcher import ROOT, free_ports_base, metrics, status, wait_for
 
@@ -190,6 +192,7 @@ def screen_lines(raw: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_terminal_shows_a_short_live_display_with_its_final_state(tmp_path):
     """Under a pseudo-terminal: what the terminal shows at the end (the lines of an emulated
     screen, scrollback included: the live bar is repainted in place, so counting the raw
@@ -212,6 +215,7 @@ def test_terminal_shows_a_short_live_display_with_its_final_state(tmp_path):
     assert launcher_log and all(json.loads(line)["role"] == "launcher" for line in launcher_log)
 
 
+@pytest.mark.slow
 def test_pipe_gets_plain_progress_lines_and_no_role_lines(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(launch_args(run_dir), cwd=ROOT, capture_output=True, text=True,
@@ -231,6 +235,7 @@ def test_pipe_gets_plain_progress_lines_and_no_role_lines(tmp_path):
     assert json.loads(trainer_log[-1])["role"] == "trainer"
 
 
+@pytest.mark.slow
 def test_verbose_streams_role_lines_human_readable(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(launch_args(run_dir, "--verbose"), cwd=ROOT, capture_output=True,
@@ -248,6 +253,7 @@ def test_verbose_streams_role_lines_human_readable(tmp_path):
     assert any(line.startswith(f"rollmesh: step {STEPS}/{STEPS} ") for line in lines)
 
 
+@pytest.mark.slow
 def test_a_failed_role_shows_its_log_tail(tmp_path):
     """The trainer killed with no restarts left ends the run: its log's last lines (rendered,
     not JSON) are on the console, with the failure."""

@@ -286,8 +286,9 @@ def test_the_prelude_refuses_cpus_the_host_lacks_naming_process_host_and_what_it
     assert out.returncode == 2 and "'0-' is neither" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_spawned_role_runs_on_its_cpus_with_its_thread_count_also_after_a_respawn(tmp_path):
-    """A real role process (tests.roles:echo) started by the Supervisor as the launcher starts
+    """A real role process (tests.helpers.roles:echo) started by the Supervisor as the launcher starts
     every role: /proc says where it may run, its environment its thread count."""
     cpus = (max(HERE),)
 
@@ -301,7 +302,7 @@ def test_a_spawned_role_runs_on_its_cpus_with_its_thread_count_also_after_a_resp
             sup = Supervisor(t, heartbeat_s=0.5, log_dir=tmp_path / "logs")
             try:
                 env = {"PYTHONPATH": str(ROOT), **thread_env(cpus, {})}
-                child = sup.spawn("echo", "tests.roles:echo", env=env, cwd=str(ROOT), cpus=cpus)
+                child = sup.spawn("echo", "tests.helpers.roles:echo", env=env, cwd=str(ROOT), cpus=cpus)
                 await sup.wait_ready(child, 60)
                 first = pinned_state(child.pid)
                 child.process.kill()

@@ -18,12 +18,12 @@ from rollmesh.data import (
     PromptCursor,
     PromptRow,
     PromptSource,
-    drop_long_prompts,
     gsm8k_final_answer,
     load_dataset,
     render_prompt,
     with_system_prompt,
 )
+from tests.helpers.prompts import drop_long_prompts
 
 GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(
@@ -337,7 +337,7 @@ QWEN_TOOLS = [{"type": "function", "function": {
 def test_prompts_render_through_the_real_chat_templates(family):
     """Text and message prompts, with and without tools, come out exactly as the family's own
     template renders them (Qwen2.5's default system prompt and tool block included)."""
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer(family)
 

@@ -61,6 +61,7 @@ def whole_records(path: Path) -> int:
     return len(records)
 
 
+@pytest.mark.slow
 def test_queue_log_full_disk_refuses_puts_naming_the_file_then_resumes(tmp_path, small_disk):
     async def body(t, sup):
         mq = spawn_queue(sup, small_disk / "mq", fsync_interval_s=0)

@@ -54,6 +54,7 @@ def test_rids_are_fixed_width_and_never_prefixes():
     assert other.new_rid()[:15] != rids[0][:15]  # another client (process) has another prefix
 
 
+@pytest.mark.slow
 def test_generate_balances_over_servers_by_in_flight(engines):
     async def main():
         async with EngineClient([e.url for e in engines]) as client:
@@ -71,6 +72,7 @@ def test_generate_balances_over_servers_by_in_flight(engines):
         assert o.finish_reason == "length" and all(lp <= 0 for lp in o.logprobs)
 
 
+@pytest.mark.slow
 def test_abort_by_rid_returns_the_partial_output(engines):
     async def main():
         async with EngineClient([e.url for e in engines]) as client:
@@ -86,6 +88,7 @@ def test_abort_by_rid_returns_the_partial_output(engines):
     assert len(out.logprobs) == len(out.output_ids)
 
 
+@pytest.mark.slow
 def test_pause_aborts_in_flight_and_resume_serves_again(engines):
     async def main():
         async with EngineClient([e.url for e in engines]) as client:
@@ -103,6 +106,7 @@ def test_pause_aborts_in_flight_and_resume_serves_again(engines):
     assert after.finish_reason == "length" and len(after.output_ids) == 4
 
 
+@pytest.mark.slow
 def test_a_bad_request_is_not_retried(engines):
     async def main():
         async with EngineClient([engines[0].url], retries=3, backoff_s=2.0) as client:
@@ -116,6 +120,7 @@ def test_a_bad_request_is_not_retried(engines):
     assert took < 2.0  # no back-off happened
 
 
+@pytest.mark.slow
 def test_dead_server_is_taken_out_and_put_back(tmp_path):
     live = Engine(tmp_path / "live.log")
     dying = Engine(tmp_path / "dying.log")

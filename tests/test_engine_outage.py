@@ -33,7 +33,7 @@ from rollmesh.protocol import Metrics, Pause
 from rollmesh.trajectories import append_tokens, new_trajectory
 from rollmesh.transport import Transport
 from tests.engine.engine_harness import REPO, Engine, repo_env
-from tests.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
+from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
 from tests.test_launcher import (
     assert_nothing_trained_twice, check_accounting, finish, kill_and_await_restart, launch,
     metrics, trained_history, wait_for,
@@ -45,7 +45,7 @@ SHORT = {"max_new_tokens": 8, "ignore_eos": True}
 
 
 def run_stack(tmp_path, exp, body, **kw):
-    """A real rollout side (tests/rollout_stack.py) whose rollouter watches the engine."""
+    """A real rollout side (tests/helpers/rollout_stack.py) whose rollouter watches the engine."""
     async def main():
         with Transport() as t:
             stack = await start_stack(t, tmp_path, exp, watch_engines=True, **kw)
@@ -68,6 +68,7 @@ def restart_on(port: int, log: Path) -> subprocess.Popen:
                             env=repo_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 def test_a_generation_whose_engine_is_killed_completes_on_the_other(tmp_path):
     a, b = Engine(tmp_path / "a.log"), Engine(tmp_path / "b.log")
 
@@ -95,6 +96,7 @@ def test_a_generation_whose_engine_is_killed_completes_on_the_other(tmp_path):
     assert healthy == [False, True]
 
 
+@pytest.mark.slow
 def test_with_every_engine_down_a_generation_waits_and_completes_when_one_is_back(tmp_path):
     engine = Engine(tmp_path / "e.log")
     port = engine.port
@@ -121,6 +123,7 @@ def test_with_every_engine_down_a_generation_waits_and_completes_when_one_is_bac
     assert out.server == engine.url
 
 
+@pytest.mark.slow
 def test_a_restarted_engine_with_older_weights_serves_only_once_it_holds_the_current_ones(
         tmp_path):
     """An engine restarted after a crash comes back with the initial weights (version 0):
@@ -158,6 +161,7 @@ def test_a_restarted_engine_with_older_weights_serves_only_once_it_holds_the_cur
     assert len(out.output_ids) == SHORT["max_new_tokens"]
 
 
+@pytest.mark.slow
 def test_an_outage_longer_than_the_limit_is_a_clear_error_and_a_cancel_ends_the_wait(tmp_path):
     engine = Engine(tmp_path / "e.log")
     kill9(engine)
@@ -184,6 +188,7 @@ def test_an_outage_longer_than_the_limit_is_a_clear_error_and_a_cancel_ends_the_
     assert "engine_wait_s" in message and engine.url in message and "2s" in message, message
 
 
+@pytest.mark.slow
 def test_a_trajectory_waiting_for_an_engine_is_interrupted_by_a_cancel_with_its_tokens(tmp_path):
     """LoopContext.generate: the worker's Cancel (a weight sync) ends the wait; the trajectory
     comes back `Interrupted` with every token it held (so the rollouter re-queues it)."""

@@ -45,9 +45,11 @@ from rollmesh.protocol import (
 from rollmesh.runtime import Supervisor
 from rollmesh.transport import StatusProxy, Subscriber, Transport, free_port
 from tests.engine.engine_harness import Engine
+from tests.helpers.rollout_stack import ENV, experiment, write_dataset
 from tests.helpers.wire import Puller, Pusher
-from tests.rollout_stack import ENV, experiment, write_dataset
-from tests.wire_strategies import any_record
+from tests.helpers.wire_strategies import any_record
+
+pytestmark = pytest.mark.slow
 
 RSS_BOUND_MB = {"role": 600, "growth": 150, "engine": 2500}
 TRIED: collections.Counter[str] = collections.Counter()

@@ -22,7 +22,7 @@ import pytest
 
 from rollmesh.accounting import Identity
 from rollmesh.durable_log import write_atomic
-from tests.sshd import Sshd
+from tests.helpers.sshd import Sshd
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

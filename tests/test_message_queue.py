@@ -210,6 +210,7 @@ async def stats(client: RpcClient) -> dict:
     return (await client.request(StatsRequest())).values
 
 
+@pytest.mark.slow
 def test_killed_queue_comes_back_at_its_address_with_its_groups_and_counters(tmp_path):
     async def body(t, sup):
         mq = spawn_queue(sup, tmp_path / "mq")
@@ -244,6 +245,7 @@ def test_killed_queue_comes_back_at_its_address_with_its_groups_and_counters(tmp
     assert balance(end) == 0 and end["pending_batches"] == 1 and end["committed_step"] == 1
 
 
+@pytest.mark.slow
 def test_a_restarted_trainer_gets_the_same_batch_for_the_same_step(tmp_path):
     async def body(t, sup):
         mq = spawn_queue(sup, tmp_path / "mq", compact_floor_bytes=1)

@@ -371,7 +371,7 @@ def test_tool_calls_are_parsed_and_the_tool_turn_rendered_by_the_template():
     from rollmesh.agent_loops import next_turn_ids
     from rollmesh.trajectories import append_tokens
     from rollmesh.openai_agent import ChatRequest
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer("qwen2.5")
     ctx = context(EngineClient(["http://127.0.0.1:9"]), tok)
@@ -438,7 +438,7 @@ def _rollouter(tmp_path: Path, agent: str):
     from rollmesh.data import PromptSource
     from rollmesh.rollouter import Rollouter
     from rollmesh.transport import Channel, RpcClient, Transport
-    from tests.rollout_stack import experiment, write_dataset
+    from tests.helpers.rollout_stack import experiment, write_dataset
 
     rows = [{"prompt": "Tell me a story.", "label": "x", "agent_loop": "openai_agent",
              "openai_agent": f"{HERE}:{agent}"}]

@@ -1,5 +1,5 @@
 """Network partitions (issue 13, item 5) at the transport level: a TCP relay the test controls
-(`tests/relay.py`) sits between the two ends of a link, black-holes it for longer than the
+(`tests/helpers/relay.py`) sits between the two ends of a link, black-holes it for longer than the
 heartbeat limit (interval x liveness), then heals it.
 
 The links the roles use are these two patterns: the worker channel (ROUTER <-> DEALER: agent
@@ -23,7 +23,7 @@ from rollmesh.protocol import Heartbeat, Ok
 from rollmesh.transport import (
     Channel, ChannelClient, Heartbeater, Liveness, PeerTimeout, RpcClient, RpcServer, Transport,
 )
-from tests.relay import Relay
+from tests.helpers.relay import Relay
 
 INTERVAL_S, LIVENESS = 0.2, 3  # the heartbeat limit: 0.6 s
 ZMTP = {"heartbeat_ms": 200, "heartbeat_timeout_ms": 1000}
@@ -42,6 +42,7 @@ async def until(predicate, timeout_s: float, step_s: float = 0.05) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_connections", [True, False], ids=["held", "lost"])
 def test_worker_channel_through_a_partition_is_declared_dead_then_recovers(keep_connections):
     async def main():
@@ -98,6 +99,7 @@ def test_worker_channel_through_a_partition_is_declared_dead_then_recovers(keep_
         assert connections >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_connections", [True, False], ids=["held", "lost"])
 def test_rpc_through_a_partition_times_out_then_recovers(keep_connections):
     async def main():
@@ -149,6 +151,7 @@ def test_rpc_through_a_partition_times_out_then_recovers(keep_connections):
     assert dead_after <= INTERVAL_S * LIVENESS + 1.0 and cut_s > INTERVAL_S * LIVENESS
 
 
+@pytest.mark.slow
 def test_a_link_that_delays_every_message_is_slower_not_wrong():
     async def main():
         with Transport(**ZMTP) as t:
@@ -204,7 +207,7 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
     from rollmesh.runtime import Supervisor
     from rollmesh.transport import free_port
     from tests.engine.engine_harness import Engine
-    from tests.rollout_stack import ENV, Driver, accounting, experiment, write_dataset
+    from tests.helpers.rollout_stack import ENV, Driver, accounting, experiment, write_dataset
 
     exp = experiment(write_dataset(tmp_path / "rows.jsonl", ROWS))
     spec = to_dict(exp)

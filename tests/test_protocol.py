@@ -16,7 +16,7 @@ from rollmesh import protocol
 from rollmesh.protocol import (
     RECORDS, WIRE_DTYPES, Group, Metrics, Ok, ProtocolError, Trajectory, decode, encode, to_torch,
 )
-from tests.wire_strategies import any_record, assert_same, record_strategy
+from tests.helpers.wire_strategies import any_record, assert_same, record_strategy
 
 
 def trajectory(n: int, sample_id: str = "s-000001") -> Trajectory:

@@ -178,6 +178,7 @@ async def nothing_for(stream, seconds: float = 0.5) -> None:
         await stream.next(seconds)
 
 
+@pytest.mark.slow
 def test_a_stream_hands_out_each_step_once_in_order_within_its_credit(tmp_path):
     async def body(t, sup):
         mq, address, producer = await queue_and_clients(t, sup, tmp_path, n=6)
@@ -219,6 +220,7 @@ def test_a_stream_hands_out_each_step_once_in_order_within_its_credit(tmp_path):
     assert end["pending_batches"] == 1 and balance(end) == 0
 
 
+@pytest.mark.slow
 def test_a_consumer_that_drops_mid_stream_and_the_next_one_get_each_step_once(tmp_path):
     """The first trainer holds steps 1-3 (step 3 taken and on its way when it dies, with its
     checkpoint at step 1); the one that takes over opens at step 2: steps 2 and 3 again, the
@@ -257,6 +259,7 @@ def test_a_consumer_that_drops_mid_stream_and_the_next_one_get_each_step_once(tm
     assert end["redelivered_batches"] == 2 and balance(end) == 0
 
 
+@pytest.mark.slow
 def test_a_new_stream_replaces_the_open_one_and_credit_for_another_is_refused(tmp_path):
     async def body(t, sup):
         mq, address, producer = await queue_and_clients(t, sup, tmp_path, n=2)
@@ -285,6 +288,7 @@ def test_a_new_stream_replaces_the_open_one_and_credit_for_another_is_refused(tm
     assert '"event": "batch_stream_replaced"' in log
 
 
+@pytest.mark.slow
 def test_a_stream_checks_staleness_at_its_version_and_refuses_a_bad_request(tmp_path):
     async def body(t, sup):
         mq, address, producer = await queue_and_clients(t, sup, tmp_path)  # max_staleness 1
@@ -312,6 +316,7 @@ def test_a_stream_checks_staleness_at_its_version_and_refuses_a_bad_request(tmp_
 # -- the rollouter's puts and the trainer's feed, against the real queue --------------------------
 
 
+@pytest.mark.slow
 def test_put_ready_waits_while_the_queue_is_full_and_queues_every_group_once(tmp_path):
     async def body(t, sup):
         mq, address, producer = await queue_and_clients(t, sup, tmp_path, capacity_groups=4)
@@ -341,6 +346,7 @@ def test_put_ready_waits_while_the_queue_is_full_and_queues_every_group_once(tmp
     assert (end["put_samples"], end["consumed_samples"]) == (20, 20) and balance(end) == 0
 
 
+@pytest.mark.slow
 def test_the_feed_gets_the_same_batches_across_a_killed_queue(tmp_path):
     async def body(t, sup):
         mq, address, producer = await queue_and_clients(t, sup, tmp_path, n=8)
@@ -377,6 +383,7 @@ def structlog_logger():
     return get_logger("test")
 
 
+@pytest.mark.slow
 def test_the_status_and_stats_of_a_streaming_queue(tmp_path):
     async def body(t, sup):
         mq, address, producer = await queue_and_clients(t, sup, tmp_path, n=4)
@@ -400,6 +407,7 @@ def test_a_nested_group_is_checked_as_strictly_as_any_record():
         protocol.decode(bad)
 
 
+@pytest.mark.slow
 def test_the_feed_opens_a_new_stream_when_a_pushed_batch_never_came(tmp_path):
     async def body(t, sup):
         mq, address, producer = await queue_and_clients(t, sup, tmp_path, n=4)

@@ -291,7 +291,7 @@ def test_check_reward_output():
 
 
 def test_trajectory_view_splits_the_response_into_turns_at_loss_mask_boundaries():
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer("qwen2.5")
 

@@ -16,7 +16,7 @@ from rollmesh.message_queue import oldest_version
 from rollmesh.protocol import Pause, Resume, WeightVersion
 from rollmesh.rollout.journal import Journal
 from rollmesh.transport import Transport
-from tests.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
+from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
 
 ROWS = [{"prompt": f"What is {a} plus {b}?", "label": str(a + b)}
         for a in range(4) for b in range(4)]
@@ -191,8 +191,8 @@ def test_custom_agent_loop_from_an_entry_point_runs_end_to_end(tmp_path):
 
 
 def test_failing_and_hanging_rewards_are_recorded_and_lose_nothing(tmp_path):
-    rows = [{"prompt": "What is 1 plus 1?", "label": "2", "reward": "tests.rollout_rewards:raises"},
-            {"prompt": "What is 1 plus 2?", "label": "3", "reward": "tests.rollout_rewards:hangs"},
+    rows = [{"prompt": "What is 1 plus 1?", "label": "2", "reward": "tests.helpers.rollout_rewards:raises"},
+            {"prompt": "What is 1 plus 2?", "label": "3", "reward": "tests.helpers.rollout_rewards:hangs"},
             {"prompt": "What is 1 plus 3?", "label": "4"}]
     exp = experiment(write_dataset(tmp_path / "d.jsonl", rows), "rollout.max_new_tokens=6",
                      "rollout.reward_timeout_s=1.0", "data.shuffle=false",
@@ -327,7 +327,7 @@ def test_a_paused_journal_does_not_hold_a_new_launch_and_a_lost_resume_does_not_
     assert "resume_never_came" in log
 
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_over_sampling_without_a_filter_generates_nothing_that_goes_stale(tmp_path):

@@ -15,7 +15,7 @@ from rollmesh.rollout.core import RolloutCore
 from rollmesh.rollout.filters import dapo_filter, get_group_filter, keep_all
 from rollmesh.rollout.workers import Worker
 from rollmesh.trajectories import load_tokenizer, new_trajectory
-from tests.rollout_stack import experiment, write_dataset
+from tests.helpers.rollout_stack import experiment, write_dataset
 
 LOG = structlog.get_logger("test")
 ROWS = [{"prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(20)]

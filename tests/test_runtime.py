@@ -21,7 +21,7 @@ from rollmesh.protocol import PROTOCOL_VERSION, Group, Hello, Metrics, Ok, Traje
 from rollmesh.runtime import EXIT_FATAL, RoleFailed, Supervisor
 from rollmesh.transport import RemoteError, RpcClient, Transport
 from tests.helpers.wire import Shutdown
-from tests.wire_strategies import assert_same
+from tests.helpers.wire_strategies import assert_same
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT)}
@@ -51,9 +51,10 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_role_process_round_trips_large_and_bf16_records(tmp_path):
     async def body(t, sup):
-        child = sup.spawn("echo", "tests.roles:echo", env=ENV)
+        child = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV)
         endpoints = await sup.wait_ready(child, 60)
         client = RpcClient(t, endpoints["rpc"], timeout_s=30)
         n = 4 << 20  # 16 MiB of int32 token ids in one array
@@ -79,9 +80,10 @@ def test_role_process_round_trips_large_and_bf16_records(tmp_path):
     assert any(line["event"] == "ready" for line in lines)
 
 
+@pytest.mark.slow
 def test_live_role_survives_10000_garbage_messages():
     async def body(t, sup):
-        child = sup.spawn("echo", "tests.roles:echo", env=ENV)
+        child = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV)
         endpoints = await sup.wait_ready(child, 60)
         raw = t.socket(zmq.DEALER, connect=endpoints["rpc"])
         rng = np.random.default_rng(1)
@@ -112,9 +114,10 @@ def test_live_role_survives_10000_garbage_messages():
     assert replies > 5_000  # every garbage message with a readable envelope was answered
 
 
+@pytest.mark.slow
 def test_fatal_error_is_reported_before_exit(tmp_path):
     async def body(t, sup):
-        child = sup.spawn("crash", "tests.roles:crash", env=ENV)
+        child = sup.spawn("crash", "tests.helpers.roles:crash", env=ENV)
         with pytest.raises(RoleFailed) as err:
             await sup.wait_ready(child, 60)
         assert child.process.wait(10) == EXIT_FATAL
@@ -126,19 +129,21 @@ def test_fatal_error_is_reported_before_exit(tmp_path):
     assert child.state == "fatal" and "Traceback" in child.fatal.traceback
 
 
+@pytest.mark.slow
 def test_missing_entry_point_is_fatal_with_its_name():
     async def body(t, sup):
-        child = sup.spawn("nope", "tests.roles:no_such_role", env=ENV)
+        child = sup.spawn("nope", "tests.helpers.roles:no_such_role", env=ENV)
         with pytest.raises(RoleFailed, match="no_such_role"):
             await sup.wait_ready(child, 60)
 
     with_supervisor(body)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_gracefully_and_stubborn_roles_are_killed_at_the_deadline():
     async def body(t, sup):
-        good = sup.spawn("echo", "tests.roles:echo", env=ENV)
-        bad = sup.spawn("stubborn", "tests.roles:stubborn", env=ENV, grace_s=60)
+        good = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV)
+        bad = sup.spawn("stubborn", "tests.helpers.roles:stubborn", env=ENV, grace_s=60)
         await sup.wait_ready(good, 60)
         await sup.wait_ready(bad, 60)
         start = time.monotonic()
@@ -150,9 +155,10 @@ def test_sigterm_stops_gracefully_and_stubborn_roles_are_killed_at_the_deadline(
     assert 1.4 < took < 5
 
 
+@pytest.mark.slow
 def test_shutdown_request_over_the_wire():
     async def body(t, sup):
-        child = sup.spawn("echo", "tests.roles:echo", env=ENV)
+        child = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV)
         endpoints = await sup.wait_ready(child, 60)
         client = RpcClient(t, endpoints["rpc"])
         assert (await client.request(Shutdown(reason="test"))).message == "bye"
@@ -166,9 +172,10 @@ def test_shutdown_request_over_the_wire():
     assert with_supervisor(body) == 0
 
 
+@pytest.mark.slow
 def test_silent_child_is_declared_dead_within_liveness_and_recovers():
     async def body(t, sup):
-        child = sup.spawn("echo", "tests.roles:echo", env=ENV)
+        child = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV)
         await sup.wait_ready(child, 60)
         await asyncio.sleep(0.5)
         os.kill(child.process.pid, signal.SIGSTOP)
@@ -197,7 +204,7 @@ PARENT = textwrap.dedent("""
     async def main():
         t = Transport()
         sup = Supervisor(t, heartbeat_s=0.25, liveness=3, log_dir=Path(sys.argv[2]))
-        child = sup.spawn("echo", "tests.roles:echo", env={"PYTHONPATH": sys.argv[1]})
+        child = sup.spawn("echo", "tests.helpers.roles:echo", env={"PYTHONPATH": sys.argv[1]})
         await sup.wait_ready(child, 60)
         print("CHILD", child.process.pid, flush=True)
         await asyncio.sleep(3600)
@@ -206,6 +213,7 @@ PARENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "freeze"])
 def test_role_exits_when_its_parent_dies_or_goes_silent(how, tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(ROOT), str(tmp_path)],
@@ -239,6 +247,7 @@ def test_role_exits_when_its_parent_dies_or_goes_silent(how, tmp_path):
             pass
 
 
+@pytest.mark.slow
 def test_hello_with_another_protocol_version_is_refused():
     async def body(t, sup):
         client = RpcClient(t, sup.control, timeout_s=5)
@@ -265,7 +274,7 @@ def test_ready_gives_up_on_a_parent_that_stops_answering_only_when_asked_to_stop
         with Transport() as t:
             silent = t.sync_ctx.socket(zmq.ROUTER)  # a parent that reads and never answers
             port = silent.bind_to_random_port("tcp://127.0.0.1")
-            spec = RoleSpec(role="echo", entry="tests.roles:echo",
+            spec = RoleSpec(role="echo", entry="tests.helpers.roles:echo",
                             control=f"tcp://127.0.0.1:{port}")
             control = RpcClient(t, spec.control, timeout_s=1.0, retries=0, name="parent")
             ctx = RoleContext(spec, t, control, get_logger("test"))

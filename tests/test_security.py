@@ -74,6 +74,7 @@ async def first_handshake(transport: Transport, target: str, secure: bool,
         sock.close(0)
 
 
+@pytest.mark.slow
 def test_a_role_refuses_clients_without_the_runs_keys(tmp_path, monkeypatch):
     run_dir, keys = launcher_keys(tmp_path, monkeypatch)
     _, other = launcher_keys(tmp_path / "other", monkeypatch)
@@ -86,7 +87,7 @@ def test_a_role_refuses_clients_without_the_runs_keys(tmp_path, monkeypatch):
             sup = Supervisor(t, heartbeat_s=0.5, liveness=6, log_dir=tmp_path / "logs",
                              keys_dir=str(keys.directory))
             # "*": every interface, so not loopback: the role's transport must make it CURVE.
-            child = sup.spawn("echo", "tests.roles:echo", env=ENV,
+            child = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV,
                               config={"bind": f"tcp://*:{free_port('0.0.0.0')}"})
             try:
                 address = (await sup.wait_ready(child, 60))["rpc"]
@@ -407,6 +408,7 @@ def test_engine_http_binds_loopback_by_default():
 # -- the engines' HTTP: the run's API key ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_engine_http_needs_the_runs_api_key(tmp_path):
     """Every route but /health needs `Authorization: Bearer <key>`: without it anyone who
     reaches the port could point the engine at their own weight-update group."""

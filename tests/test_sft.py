@@ -110,6 +110,7 @@ def test_the_warm_start_learns_its_demonstration_and_exports_a_loadable_policy(t
     assert saved["steps"] == 80 and len(saved["losses"]) == 80
 
 
+@pytest.mark.slow
 def test_the_command_refuses_a_config_without_sft_and_the_launcher_waits_for_it(tmp_path):
     cfg = _experiment(tmp_path, 10)
     no_init = tmp_path / "no_init.toml"

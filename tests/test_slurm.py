@@ -1,7 +1,7 @@
 """`rollmesh launch` on Slurm: hosts from the allocation, processes as job steps, `--sbatch`.
 
 The first tests read cluster files against a faked allocation (no Slurm needed). The last ones
-run a private one-node Slurm cluster (tests/slurm_cluster.py; they skip with the reason where
+run a private one-node Slurm cluster (tests/helpers/slurm_cluster.py; they skip with the reason where
 slurm-wlm and munge are missing or this is not root): the embedded default submitted with
 `--sbatch` runs to the end with an agent worker's step killed and restarted, and
 `rollmesh stop` ends a job; nothing is left running.
@@ -20,7 +20,7 @@ import pytest
 from rollmesh import slurm
 from rollmesh.config import ConfigError, load_cluster
 from rollmesh.hosts import make_host
-from tests.slurm_cluster import Slurm
+from tests.helpers.slurm_cluster import Slurm
 from tests.test_launcher import (
     check_accounting, cpus_allowed, free_ports_base, metrics, status, wait_for,
 )
@@ -205,6 +205,7 @@ def job_log(run_dir: Path) -> str:
     return Slurm.tail(run_dir / "slurm" / "job.out", 4000)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sbatch_runs_the_default_to_the_end_and_restarts_a_killed_step(cluster, tmp_path):
     run_dir = tmp_path / "run"
@@ -253,6 +254,7 @@ def test_sbatch_runs_the_default_to_the_end_and_restarts_a_killed_step(cluster, 
     assert not cluster.steps() and not leftovers(run_dir), leftovers(run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rollmesh_stop_ends_the_job_and_leaves_nothing_running(cluster, tmp_path):
     run_dir = tmp_path / "run"
@@ -277,6 +279,7 @@ def test_rollmesh_stop_ends_the_job_and_leaves_nothing_running(cluster, tmp_path
     assert rollmesh(cluster, "status", str(run_dir)).returncode == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scancel_of_the_job_ends_everything_and_resume_goes_on_under_sbatch(cluster, tmp_path):
     run_dir = tmp_path / "run"

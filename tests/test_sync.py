@@ -20,7 +20,7 @@ from rollmesh.transport import RemoteError, RpcClient, Transport, free_port
 from rollmesh.weight_sync.buckets import BucketSender, WeightSpec, announce, plan_buckets
 from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
 from tests.engine.engine_harness import chat_prompt, greedy_decode, teacher_forced_logprobs
-from tests.rollout_stack import ENV, experiment, start_stack, stop_stack, write_dataset
+from tests.helpers.rollout_stack import ENV, experiment, start_stack, stop_stack, write_dataset
 from tests.test_trainer import read_metrics, spawn_trainers, wait_exit
 
 ROWS = [{"prompt": f"What is {a} plus {b}?", "label": str(a + b)}
@@ -46,6 +46,7 @@ async def start_training(stack, exp, tmp_path):
 # each rank count, each wire form and each sync mode once (all eight took ~300 s of the suite;
 # both forms arrive whole in test_buckets_arrive_whole_in_either_wire_form, the overlapped
 # sync's bit-exact weights also in tests/test_sync_overlap.py)
+@pytest.mark.slow
 @pytest.mark.parametrize(("ranks", "load_format", "overlap"), [
     (1, "tensor", False), (2, "flattened_bucket", True)])
 def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path, ranks,
@@ -118,6 +119,7 @@ def test_after_a_sync_the_engine_decodes_exactly_as_the_trainers_model(tmp_path,
         engine_lp, teacher_forced_logprobs(initial, prompt, out["output_ids"]))) > 1e-3
 
 
+@pytest.mark.slow
 def test_two_ranks_retry_a_broadcast_an_engine_failed(tmp_path):
     """Two trainer ranks; after the first sync the engine leaves the weight-update group (as a
     restarted engine would have), so the next broadcast really fails. Rank 0 finishes the

@@ -151,6 +151,7 @@ def engine(tmp_path_factory):
 BF16 = 'model.dtype="bfloat16"'
 
 
+@pytest.mark.slow
 def test_blocking_and_overlapped_syncs_land_bit_exact_in_the_engine(tmp_path, engine):
     """Blocking syncs, then overlapped ones, in either wire form, into one engine (bfloat16,
     from float32 master weights: every path casts): after each, every weight the engine holds
@@ -201,6 +202,7 @@ def test_blocking_and_overlapped_syncs_land_bit_exact_in_the_engine(tmp_path, en
     assert [m.version for m in mq if isinstance(m, WeightVersion)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_the_trainer_computes_its_next_step_while_the_sync_is_in_flight(tmp_path, engine):
     """Overlapped: `sync_weights` returns with the sync of version 1 held before its broadcast
     (the rollouter answers Pause only once the trainer has begun its next step), the trainer
@@ -260,6 +262,7 @@ def test_the_trainer_computes_its_next_step_while_the_sync_is_in_flight(tmp_path
     assert not all(torch.equal(a, b) for a, b in zip(sent.values(), now.values()))
 
 
+@pytest.mark.slow
 def test_an_overlapped_sync_is_retried_and_its_failure_fails_the_next_sync(tmp_path):
     """Overlapped, the recovery paths of a blocking sync: the engine leaves the group after
     version 1 (as a restarted engine would), so the background broadcast of version 2 fails

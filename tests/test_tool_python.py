@@ -274,7 +274,7 @@ def test_the_worker_survives_hostile_calls_at_once_and_a_cancelled_one(tmp_root)
 def test_tool_agent_calls_it_with_the_rollouts_limits(tmp_root):
     from rollmesh.data import PromptRow, render_prompt
     from rollmesh.engine.client import GenerateOutput
-    from tests.hf_checkpoints import build_tokenizer
+    from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer("qwen2.5")
     call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>' 

@@ -575,6 +575,7 @@ def test_one_critic_update_lowers_the_value_loss_on_a_fixed_batch():
 # -- processes -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [(), (*GAE, "algorithm.critic_lr=2e-4")],
                          ids=["grpo", "gae"])
 def test_two_rank_training_equals_one_rank_training(tmp_path, overrides):

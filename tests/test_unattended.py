@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from rollmesh.watchdog import Snapshot, stalled
-from tests.sshd import Sshd
+from tests.helpers.sshd import Sshd
 from tests.test_launcher import (
     ROOT, alive, assert_nothing_trained_twice, check_accounting, finish, launch, metrics,
     rollmesh, status, wait_for,
@@ -244,7 +244,7 @@ def test_a_run_that_cannot_progress_is_stopped_with_the_cause(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_killed_launcher_takes_its_ssh_processes_with_it(tmp_path):
-    """The engine and a worker run over SSH (tests/sshd.py: an sshd on this machine): a kill -9
+    """The engine and a worker run over SSH (tests/helpers/sshd.py: an sshd on this machine): a kill -9
     of the launcher ends their sessions, and the remote guard stops the engine, which has no
     heartbeat to its parent; the worker would also stop on its heartbeats."""
     reason = Sshd.unavailable()

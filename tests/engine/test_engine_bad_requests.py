@@ -13,6 +13,8 @@ from engine_harness import Engine
 
 from rollmesh.engine.client import error_message
 
+pytestmark = pytest.mark.slow
+
 GOOD = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
 

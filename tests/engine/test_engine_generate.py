@@ -13,6 +13,8 @@ from engine_harness import chat_prompt, greedy_decode, teacher_forced_logprobs
 
 from rollmesh.algorithms.logits import token_logprobs
 
+pytestmark = pytest.mark.slow
+
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April. How many clips?",
     "Weng earns $12 an hour for babysitting.",

@@ -12,9 +12,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from engine_harness import REPO, Engine, chat_prompt, free_port, greedy_decode, repo_env
 
 from rollmesh.engine.models import build_tiny, materialize
+
+pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
 

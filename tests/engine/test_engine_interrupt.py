@@ -5,7 +5,11 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import pytest
+
 from engine_harness import chat_prompt
+
+pytestmark = pytest.mark.slow
 
 LONG = dict(max_new_tokens=3000, temperature=1.0, ignore_eos=True)
 

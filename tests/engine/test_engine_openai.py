@@ -61,6 +61,7 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."},
 
 
 # ---- over HTTP, with the openai client -----------------------------------------------------
+@pytest.mark.slow
 def test_models_lists_the_served_model(client: openai.OpenAI):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
@@ -70,6 +71,7 @@ def test_models_lists_the_served_model(client: openai.OpenAI):
         client.models.retrieve("no-such-model")
 
 
+@pytest.mark.slow
 def test_greedy_chat_equals_generate_on_the_rendered_prompt(served: Engine,
                                                              client: openai.OpenAI):
     ids = rendered(MESSAGES)
@@ -92,6 +94,7 @@ def test_greedy_chat_equals_generate_on_the_rendered_prompt(served: Engine,
                             "weight_versions": [{"version": "default", "start": 0, "end": n}]}
 
 
+@pytest.mark.slow
 def test_streamed_chat_adds_up_to_the_answer(client: openai.OpenAI):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
                   extra_body={"ignore_eos": True})
@@ -109,6 +112,7 @@ def test_streamed_chat_adds_up_to_the_answer(client: openai.OpenAI):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_stop_string_is_trimmed_streamed_or_not(served: Engine, client: openai.OpenAI):
     ids = rendered(MESSAGES)
     ref = generate(served, {"input_ids": ids, "sampling_params": {
@@ -128,6 +132,7 @@ def test_stop_string_is_trimmed_streamed_or_not(served: Engine, client: openai.O
     assert streamed == before
 
 
+@pytest.mark.slow
 def test_completion_equals_generate_and_counts_usage(served: Engine, client: openai.OpenAI):
     ref = generate(served, {"text": QUESTION, "sampling_params": {
         "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}, "return_logprob": True})
@@ -155,6 +160,7 @@ def test_completion_equals_generate_and_counts_usage(served: Engine, client: ope
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_max_tokens_ends_with_length(client: openai.OpenAI):
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3,
                                          temperature=1.0, seed=7,
@@ -167,6 +173,7 @@ def test_max_tokens_ends_with_length(client: openai.OpenAI):
     assert newer.usage.completion_tokens == 2
 
 
+@pytest.mark.slow
 def test_n_choices_share_the_prompt(client: openai.OpenAI):
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, max_tokens=6,
                                          temperature=1.0, extra_body={"ignore_eos": True})
@@ -184,6 +191,7 @@ def test_n_choices_share_the_prompt(client: openai.OpenAI):
     assert texts.usage.completion_tokens == 16
 
 
+@pytest.mark.slow
 def test_chat_logprobs_are_the_engines(served: Engine, client: openai.OpenAI):
     ids = rendered(MESSAGES)
     ref = generate(served, {"input_ids": ids, "return_logprob": True, "sampling_params": {
@@ -209,6 +217,7 @@ def test_chat_logprobs_are_the_engines(served: Engine, client: openai.OpenAI):
         pytest.approx([lp for lp, _, _ in want], abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs,needle", [
     ({"extra_body": {"regex": "[0-9]+"}}, "regex"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
@@ -226,6 +235,7 @@ def test_unsupported_or_bad_fields_get_an_openai_error(client: openai.OpenAI, kw
     assert needle in body["message"]
 
 
+@pytest.mark.slow
 def test_empty_prompt_and_lora_model_are_refused(client: openai.OpenAI):
     with pytest.raises(openai.BadRequestError, match="Prompt cannot be empty"):
         client.completions.create(model="tiny", prompt="")
@@ -235,6 +245,7 @@ def test_empty_prompt_and_lora_model_are_refused(client: openai.OpenAI):
         client.chat.completions.create(model="tiny", messages=[])
 
 
+@pytest.mark.slow
 def test_the_api_key_is_required(served: Engine):
     wrong = openai.OpenAI(base_url=f"{served.url}/v1", api_key="not-the-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -264,6 +275,7 @@ def _chunk_kind(chunk: dict[str, Any]) -> str:
     return "finish" if choice["finish_reason"] else "content"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["v1_models", "v1_chat_completions", "v1_completions",
                                   "v1_chat_completions_error", "v1_chat_completions_stream",
                                   "v1_completions_stream"])

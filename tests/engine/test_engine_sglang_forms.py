@@ -31,6 +31,7 @@ def _stream(engine, body: dict[str, Any]) -> list[Any]:
     return [json.loads(e) for e in events[:-1]]
 
 
+@pytest.mark.slow
 def test_batched_input_ids_answer_a_list_in_order_equal_to_one_by_one(engine):
     sp = {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
     out = _post(engine, {"input_ids": PROMPTS, "sampling_params": sp, "rid": "batch"})
@@ -45,6 +46,7 @@ def test_batched_input_ids_answer_a_list_in_order_equal_to_one_by_one(engine):
     assert [o["meta_info"]["id"] for o in listed] == ["x-1", "x-2"]
 
 
+@pytest.mark.slow
 def test_batched_text(engine, tiny):
     model, tok = tiny
     texts = ["Hello there", "What is 2+3?"]
@@ -56,6 +58,7 @@ def test_batched_text(engine, tiny):
     assert isinstance(one, list) and len(one) == 1  # a list of one is still a batch
 
 
+@pytest.mark.slow
 def test_n_samples_share_one_prefill(engine, tiny):
     _, tok = tiny
     prompt = chat_prompt(tok, "Count the clips Natalia sold in April and May.")
@@ -78,6 +81,7 @@ def test_n_samples_share_one_prefill(engine, tiny):
         assert o["meta_info"]["input_token_logprobs"] == [[None, prompt[-1], None]]
 
 
+@pytest.mark.slow
 def test_n_with_a_batch_is_prompt_major(engine):
     sp = {"n": 2, "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     assert engine.post("/flush_cache")[0] == 200  # one prompt cached, not the other: 2 forwards
@@ -90,6 +94,7 @@ def test_n_with_a_batch_is_prompt_major(engine):
     assert engine.stats()["prefill_forwards"] - before == 1  # two prompts of one length
 
 
+@pytest.mark.slow
 def test_input_token_logprobs_equal_a_teacher_forced_forward(engine, tiny):
     model, tok = tiny
     prompt = chat_prompt(tok, "Weng earns $12 an hour for babysitting.")
@@ -126,6 +131,7 @@ def test_input_token_logprobs_equal_a_teacher_forced_forward(engine, tiny):
     assert "input_token_logprobs" not in out["meta_info"]
 
 
+@pytest.mark.slow
 def test_top_logprobs_and_text_in_logprobs(engine, tiny):
     model, tok = tiny
     prompt = chat_prompt(tok, "Betty is saving money for a new wallet.")
@@ -155,6 +161,7 @@ def test_top_logprobs_and_text_in_logprobs(engine, tiny):
     assert plain["meta_info"]["input_top_logprobs"] == [None]
 
 
+@pytest.mark.slow
 def test_repetition_penalty_and_logit_bias_change_greedy_output(engine, tiny):
     model, tok = tiny
     prompt = chat_prompt(tok, "Hi")
@@ -177,6 +184,7 @@ def test_repetition_penalty_and_logit_bias_change_greedy_output(engine, tiny):
     assert banned[0] != plain[0]
 
 
+@pytest.mark.slow
 def test_a_streamed_batch_carries_index_and_weight_version(engine):
     body = {"input_ids": [[5, 6, 7], [9, 10]], "stream": True, "return_logprob": True,
             "sampling_params": {"n": 2, "max_new_tokens": 5, "temperature": 1.0,
@@ -189,6 +197,7 @@ def test_a_streamed_batch_carries_index_and_weight_version(engine):
     assert all(len(c["output_ids"]) == 5 for c in finals.values())
 
 
+@pytest.mark.slow
 def test_per_prompt_options_of_a_batch(engine, tiny):
     model, _ = tiny
     out = _post(engine, {"input_ids": [[5, 6, 7], [9, 10, 11, 12]],
@@ -284,6 +293,7 @@ def _fixture_cases() -> list[str]:
     return [n for n in names if n != "generate_abort.json"]  # abort: test_engine_interrupt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _fixture_cases())
 def test_engine_answers_fixture_requests_in_sglangs_shape(engine, name):
     fx = json.loads((FIXTURES / name).read_text())
@@ -316,6 +326,7 @@ def test_engine_answers_fixture_requests_in_sglangs_shape(engine, name):
     assert not diffs, f"{name}: " + "; ".join(diffs)
 
 
+@pytest.mark.slow
 def test_weight_version_changes_mid_stream(tmp_path):
     """Every chunk carries the engine's weight version of its newest token; the finished
     response's weight_versions spans say which tokens came from which version."""

@@ -13,6 +13,8 @@ from engine_harness import REPO, Engine, chat_prompt, free_port, greedy_decode, 
 
 from rollmesh.engine.models import build_tiny, materialize
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 
 

@@ -385,6 +385,7 @@ def _template(sequence: list[dict[str, Any]], i: int, n: int) -> dict[str, Any]:
 GENERATE = [n for n in NAMES if n.startswith("generate") and n != "generate_abort"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GENERATE)
 def test_engine_generate_has_sglangs_shape(engine, name):
     fx = load(name)
@@ -420,6 +421,7 @@ def _wait_running(engine: Engine, result: dict[str, Any], timeout: float = 60) -
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_engine_abort_has_sglangs_shape(engine):
     fx = load("generate_abort")
     body = _engine_request(engine, "generate_abort")
@@ -438,6 +440,7 @@ def test_engine_abort_has_sglangs_shape(engine):
     assert errors == [], "\n".join(errors)
 
 
+@pytest.mark.slow
 def test_engine_refuses_a_duplicate_rid(engine):
     fx = load("error_generate_duplicate_rid")
     body = json.loads(json.dumps(fx["request"]))
@@ -465,6 +468,7 @@ CONTROL = ["abort_request", "abort_request_all", "pause_generation_abort",
            "update_weights_from_distributed_failed", "error_generate_too_long"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONTROL)
 def test_engine_routes_have_sglangs_shape(engine, name):
     fx = load(name)
@@ -485,6 +489,7 @@ def test_engine_routes_have_sglangs_shape(engine, name):
     assert errors == [], "\n".join(errors)
 
 
+@pytest.mark.slow
 def test_engine_update_weight_version_has_sglangs_shape(tmp_path):
     e = Engine(tmp_path / "engine.log")
     try:
@@ -498,6 +503,7 @@ def test_engine_update_weight_version_has_sglangs_shape(tmp_path):
         e.stop()
 
 
+@pytest.mark.slow
 def test_engine_api_key_as_sglang(tmp_path):
     key_file = tmp_path / "engine.token"
     key_file.write_text("k3y\n")
@@ -562,6 +568,7 @@ def test_engine_weight_sync_has_sglangs_shape(tmp_path, load_format):
             assert Shape(fx).errors(replies[key], fx["response"]) == [], (name, replies[key])
 
 
+@pytest.mark.slow
 def test_engine_refusals_as_sglang(engine):
     """SGLang's 400s on the routes it validates: /tokenize wants a JSON content type and one of
     prompt or messages; /v1/loads knows its include sections."""

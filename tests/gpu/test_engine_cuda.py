@@ -10,6 +10,8 @@ import torch
 from rollmesh.engine.models import build_tiny
 from tests.engine.engine_harness import Engine, chat_prompt
 
+pytestmark = pytest.mark.slow
+
 NEW = 24
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.test_launcher import check_accounting, finish, free_ports_base, launch, metrics
+
+pytestmark = pytest.mark.slow
 
 
 def test_single_gpu_launch_runs_and_accounts_for_everything(tmp_path):

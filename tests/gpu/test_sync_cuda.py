@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from rollmesh.checkpoint import full_state_dict
@@ -20,6 +21,7 @@ from tests.engine.engine_harness import Engine
 from tests.test_trainer import experiment, make_groups
 
 
+@pytest.mark.slow
 def test_cuda_trainer_syncs_a_cuda_engine_bit_for_bit(tmp_path):
     exp = experiment("trainer.device=cuda", "model.dtype=float32", "sync.backend=gloo",
                      "sync.bucket_mb=0.05")
@@ -55,6 +57,7 @@ def test_cuda_trainer_syncs_a_cuda_engine_bit_for_bit(tmp_path):
         assert engine.stop() == 0, engine.log()
 
 
+@pytest.mark.slow
 def test_an_overlapped_sync_sends_the_snapshot_while_the_cuda_trainer_steps_on(tmp_path):
     """`sync.overlap` on CUDA over gloo: the snapshot lies in pinned host memory, copied on the
     side stream; the trainer's next step (its optimizer waits for the copy) runs before the

@@ -18,7 +18,7 @@ from rollmesh.runtime import Child, Supervisor
 from rollmesh.transport import RpcClient, Transport, free_port
 from tests.engine.engine_harness import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 

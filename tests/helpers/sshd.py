@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

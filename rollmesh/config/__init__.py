@@ -1,0 +1,82 @@
+"""Typed configuration: TOML files -> validated dataclasses, and back to TOML for the logs.
+
+This package owns the schema of the two kinds of config file and every rule about them:
+
+- an experiment file (`configs/*.toml`) -> `ExperimentConfig`, one dataclass per component
+  (model, data, rollout, staleness, algorithm, trainer, sync, engine): `experiment.py`;
+- a cluster file (`launch/*.toml`) -> `ClusterConfig`: hosts, where each role runs, ports,
+  and the experiment it launches (`cluster.experiment_config`): `cluster.py`.
+
+The schema is those dataclasses; one generic validator (`parse.py`) walks their type hints, so a
+field declared there is parsed, checked and documented (its `help`) with no further code.
+`load.py` reads files and `--set` overrides and checks the two files against each other and this
+machine; `write.py` writes configs back out (dicts, TOML) and generates the reference. Every
+error is a `ConfigError` naming the file (or the `--set` override), the dotted key path and what
+was expected, e.g. `configs/x.toml: staleness.max_staleness: expected int >= 0, got -1`.
+
+The names below are the package's API: import them from `rollmesh.config`.
+"""
+
+from rollmesh.config.cluster import (
+    ROLES,
+    SINGLETON_ROLES,
+    ClusterConfig,
+    HostConfig,
+    Placement,
+    PortsConfig,
+    Process,
+    RolesConfig,
+    SlurmConfig,
+    is_local_address,
+)
+from rollmesh.config.experiment import (
+    AlgorithmConfig,
+    DataConfig,
+    EngineConfig,
+    ExperimentConfig,
+    MetricsConfig,
+    ModelConfig,
+    PythonToolConfig,
+    RolloutConfig,
+    SftConfig,
+    StalenessConfig,
+    SyncConfig,
+    TrainerConfig,
+)
+from rollmesh.config.load import apply_overrides, load_cluster, load_experiment
+from rollmesh.config.parse import ConfigError, parse_config
+from rollmesh.config.write import field_reference, reference_markdown, to_dict, to_toml
+
+__all__ = [
+    "AlgorithmConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "EngineConfig",
+    "ExperimentConfig",
+    "HostConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "Placement",
+    "PortsConfig",
+    "Process",
+    "PythonToolConfig",
+    "ROLES",
+    "RolesConfig",
+    "RolloutConfig",
+    "SINGLETON_ROLES",
+    "SftConfig",
+    "SlurmConfig",
+    "StalenessConfig",
+    "SyncConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "field_reference",
+    "is_local_address",
+    "load_cluster",
+    "load_experiment",
+    "parse_config",
+    "reference_markdown",
+    "to_dict",
+    "to_toml",
+]

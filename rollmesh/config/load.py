@@ -1,0 +1,228 @@
+"""Reading config files: TOML from disk, `--set section.key=value` overrides, and the loaders
+(`load_experiment`, `load_cluster`) with the checks that need both files or this machine (process
+counts, a local model directory, local CPUs).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rollmesh.config.cluster import ROLES, ClusterConfig, _placement_key, is_local_address
+from rollmesh.config.experiment import ExperimentConfig
+from rollmesh.config.parse import ConfigError, _Context, _join, _parse, _plural, _show
+from rollmesh.cpus import parse_cpulist
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(path, "", "file not found") from None
+    except OSError as e:
+        raise ConfigError(path, "", f"cannot read ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(path, "", f"invalid TOML: {e}") from None
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    source = f"--set {text}"
+    key, eq, raw = text.partition("=")
+    key = key.strip()
+    if not eq or not key:
+        raise ConfigError(source, "", "expected section.key=value")
+    invalid = ConfigError(
+        source, "", f"invalid key {key!r} (expected dotted keys, e.g. rollout.top_p)"
+    )
+    try:
+        # TOML's own dotted-key grammar, so quoted keys ("my.host") work as in a file.
+        doc: Any = tomllib.loads(f"{key} = 0")
+    except tomllib.TOMLDecodeError:
+        raise invalid from None
+    parts = []
+    while isinstance(doc, dict):
+        if len(doc) != 1:  # e.g. a newline in the key made two assignments
+            raise invalid
+        ((name, doc),) = doc.items()
+        parts.append(name)
+    try:
+        parsed = tomllib.loads(f"v = {raw}")
+        value = parsed["v"] if parsed.keys() == {"v"} else raw
+    except tomllib.TOMLDecodeError:
+        value = raw  # not a TOML value: a bare string, so `--set model.path=/m/x` needs no quotes
+    return parts, value
+
+
+def _merge_overrides(
+    data: Mapping[str, Any], overrides: Iterable[str], source: str
+) -> tuple[dict[str, Any], _Context]:
+    """(data with the overrides applied, a context that knows which key paths they set)."""
+    merged = copy.deepcopy(dict(data))
+    origins: dict[str, str] = {}
+    raw: dict[str, str] = {}
+    for text in overrides:
+        parts, value = _parse_override(text)
+        origin = f"--set {text}"
+        table, path = merged, ""
+        for name in parts[:-1]:
+            path = _join(path, name)
+            if name not in table:
+                # What is missing from a table the override created is both the file's and its.
+                table[name] = {}
+                origins.setdefault(path, f"{source} (with {origin})")
+            elif not isinstance(table[name], dict):
+                raise ConfigError(
+                    origin,
+                    path,
+                    f"cannot set a key inside {_show(table[name])} in {source} (not a table)",
+                )
+            table = table[name]
+        table[parts[-1]] = value
+        path = _join(path, parts[-1])
+        origins[path] = origin
+        raw[path] = text.partition("=")[2]
+        # A later override of the same key wins; forget origins below it from earlier ones.
+        for key in [k for k in origins if k.startswith(path + ".") and origins[k] != origin]:
+            del origins[key]
+    return merged, _Context(source, origins, raw)
+
+
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Iterable[str], source: str
+) -> dict[str, Any]:
+    """A copy of `data` (read from `source`) with `section.key=value` overrides applied.
+
+    The value is parsed as a TOML value (`2`, `true`, `"a"`, `[1, 2]`); anything that does not
+    parse is taken as a bare string. Validation happens when the result is parsed."""
+    merged, _ = _merge_overrides(data, overrides, source)
+    return merged
+
+
+def load_experiment(
+    path: str | os.PathLike[str], overrides: Iterable[str] = ()
+) -> ExperimentConfig:
+    """Read, override and validate an experiment file."""
+    source = os.fspath(path)
+    data, ctx = _merge_overrides(_read_toml(source), overrides, source)
+    return _parse(ExperimentConfig, data, ctx)
+
+
+def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> ClusterConfig:
+    """Read and validate a cluster file and the experiment it names (`.experiment_config`).
+
+    An override goes to the cluster file if its first key is a cluster key (name, experiment,
+    run_dir, hosts, roles, ports), otherwise to the experiment (e.g. `staleness.max_staleness=0`).
+    """
+    source = os.fspath(path)
+    cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig) if f.init}
+    mine, theirs = [], []
+    for text in overrides:
+        first = _parse_override(text)[0][0]
+        (mine if first in cluster_keys else theirs).append(text)
+    data, ctx = _merge_overrides(_read_toml(source), mine, source)
+    if "slurm" in data or data.get("hosts") == "slurm":
+        from rollmesh.slurm import fill_cluster  # hosts and roles from the allocation
+
+        data = fill_cluster(data, ctx, source, theirs)
+    cluster: ClusterConfig = _parse(ClusterConfig, data, ctx)
+    cluster.experiment = os.path.abspath(os.path.join(os.path.dirname(source), cluster.experiment))
+    if not os.path.isfile(cluster.experiment):
+        ctx.fail("experiment", f"expected an existing file, got {_show(cluster.experiment)}")
+    exp = load_experiment(cluster.experiment, theirs)
+    _check_against_experiment(cluster, exp, ctx)
+    _check_local_cpus(cluster, ctx)
+    cluster.experiment_config = exp
+    return cluster
+
+
+def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx: _Context) -> None:
+    """The experiment's process counts are the cluster's: they must agree."""
+    for role, wanted, what in (
+        ("engine", exp.engine.count, "engine.count"),
+        ("trainer", exp.trainer.ranks, "trainer.ranks"),
+    ):
+        placed = sum(p.count for p in getattr(cluster.roles, role))
+        if placed != wanted:
+            ctx.fail(
+                f"roles.{role}",
+                f"expected {_plural(wanted, 'process')} in all ({what} in "
+                f"{cluster.experiment}), got {placed}",
+            )
+    _check_local_model(cluster, exp)
+    if cluster.share_gpus and exp.sync.backend != "gloo":
+        # 'auto' would pick nccl for a CUDA trainer
+        ctx.fail("share_gpus", f"expected sync.backend = 'gloo' in {cluster.experiment} "
+                               f"(NCCL refuses two ranks on one GPU), got {exp.sync.backend!r}")
+    if exp.engine.kind == "sglang":
+        placements = cluster.roles.engine
+        for i, p in enumerate(placements):
+            if len(p.gpus) != p.count * exp.engine.tp_size:
+                ctx.fail(
+                    f"roles.{_placement_key('engine', i, len(placements))}.gpus",
+                    f"expected {_plural(p.count * exp.engine.tp_size, 'GPU id')} (count x "
+                    f"engine.tp_size: SGLang runs on GPUs), got {_show(p.gpus)}",
+                )
+
+
+def _check_local_cpus(cluster: ClusterConfig, ctx: _Context) -> None:
+    """`cpus` on a host that is this machine (and `launcher_cpus`, unless the launcher runs in a
+    Slurm allocation) must name CPUs it has, now; SSH hosts and Slurm nodes are checked by each
+    process as it starts (rollmesh.cpus)."""
+    from rollmesh.cpus import available_cpus, missing_problem, supported
+
+    checks: list[tuple[str, str, str]] = []  # key, where, cpulist
+    if cluster.launcher_cpus is not None and cluster.slurm is None:
+        checks.append(("launcher_cpus", "this machine", cluster.launcher_cpus))
+    for role in ROLES:
+        placements = getattr(cluster.roles, role)
+        for i, p in enumerate(placements):
+            host = cluster.hosts[p.host]
+            local = host.launch == "local" or (host.launch == "auto"
+                                               and is_local_address(host.address))
+            if p.cpus is None or not local:
+                continue
+            key = f"roles.{_placement_key(role, i, len(placements))}.cpus"
+            where = f"host {p.host!r} ({host.address}, this machine)"
+            if isinstance(p.cpus, list):
+                checks += [(f"{key}[{j}]", where, text) for j, text in enumerate(p.cpus)]
+            else:
+                checks.append((key, where, p.cpus))
+    if not checks:
+        return
+    if not supported():
+        ctx.fail(checks[0][0], "CPU placement needs Linux (sched_setaffinity)")
+    available = available_cpus()
+    for key, where, text in checks:
+        problem = missing_problem(parse_cpulist(text), available, where)
+        if problem:
+            ctx.fail(key, f"{problem}, got {_show(text)}")
+
+
+def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
+    """A model directory that an engine or trainer on this machine would load must exist now,
+    not fail in the engine's log after the launch (remote hosts are not checked from here)."""
+    path = exp.model.path
+    if path == "tiny" or path.startswith("tiny:"):
+        return
+    for role in ("engine", "trainer"):
+        for p in getattr(cluster.roles, role):
+            host = cluster.hosts[p.host]
+            local = host.launch in ("local", "slurm") or (  # slurm: a shared filesystem
+                host.launch == "auto" and is_local_address(host.address)
+            )
+            full = os.path.join(host.workdir or ".", os.path.expanduser(path))
+            if local and not os.path.isdir(full):
+                raise ConfigError(
+                    cluster.experiment,
+                    "model.path",
+                    f"expected 'tiny', 'tiny:<spec>' or an existing model directory (the {role} "
+                    f"runs on host {p.host!r}, "
+                    f"{'a Slurm node: a shared filesystem' if host.launch == 'slurm' else 'this machine'}"
+                    f"), got {_show(path)}" + (
+                        f": it is the warm-start's output, run `rollmesh sft "
+                        f"{cluster.experiment}` first" if exp.sft.init else ""),
+                )
