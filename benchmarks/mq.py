@@ -11,6 +11,9 @@ Systems, each moving the same frames (an encoded PutGroups of one group of n sam
 - raw 2-hop: producer -PUSH-> a process running zmq.proxy(PULL, PUSH) -> consumer. A broker
   has two hops (the producer and the trainer never talk to each other), so this is the fair
   floor for one, and the floor the 70% target is judged on.
+- Python forwarder (`py2`), and with a log (`py2d`): the second hop in Python, doing the least
+  any (durable) Python broker must per message (`py_forward`); where the queue's gap to the
+  floor is Python's and the log's, and where it is rollmesh's own.
 - rollmesh MessageQueue: the real MessageQueue role (spawned by the Supervisor) between the
   rollouter's put path and the trainer's get path, the very code the roles run: the producer's
   groups become ready (at most `--window` waiting) and `message_queue.put_ready` sends what is
@@ -448,7 +451,8 @@ def main() -> None:
                    help="samples/s offered in the latency phase")
     p.add_argument("--latency-warmup", type=int, default=20)
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs of every system")
-    p.add_argument("--systems", default="raw1,raw2,mq,ray")
+    p.add_argument("--systems", default="raw1,raw2,mq,ray",
+                   help="of raw1, raw2, py2, py2d, mq, ray")
     p.add_argument("--ray-serialize", choices=("arrays", "cloudpickle"), default="arrays",
                    help="arrays: Ray's zero-copy numpy path; cloudpickle: as verl's rollouter")
     p.add_argument("--durable", action="store_true",
