@@ -30,6 +30,7 @@ from typing import Any
 from rollmesh.agent_loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.engine.client import EngineClient, run_api_key
+from rollmesh.plan import AgentWorkerSettings
 from rollmesh.protocol import Assign, Cancel, Held, Resume, Returned, Trajectory
 from rollmesh.runtime import RoleContext
 from rollmesh.trajectories import load_tokenizer
@@ -128,16 +129,17 @@ class AgentWorker:
 
 
 async def main(ctx: RoleContext) -> None:
-    """Role entry. config: experiment, rollouter (channel address), engines (URLs), credits."""
-    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "agent worker spec")
+    """Role entry. settings: rollmesh.plan.AgentWorkerSettings."""
+    settings = parse_config(AgentWorkerSettings, ctx.config, "agent worker spec")
+    exp = settings.experiment
     identity = f"agent-{ctx.spec.instance}-{os.getpid()}-{time.time_ns() & 0xFFFF:x}".encode()
-    channel = ChannelClient(ctx.transport, ctx.config["rollouter"], identity=identity)
+    channel = ChannelClient(ctx.transport, settings.rollouter, identity=identity)
     # a generation waits through an engine outage (and moves off a dead engine) for up to
     # rollout.engine_wait_s before it fails; a Cancel (weight sync) ends the wait
-    async with EngineClient(ctx.config["engines"], api_key=run_api_key(ctx.spec.keys_dir),
+    async with EngineClient(settings.engines, api_key=run_api_key(ctx.spec.keys_dir),
                             wait_s=exp.rollout.engine_wait_s) as client:
         worker = AgentWorker(ctx, exp, client, channel)
-        serving = asyncio.create_task(worker.serve(int(ctx.config.get("credits", 64))))
+        serving = asyncio.create_task(worker.serve(settings.credits))
         ctx.set_status(worker.stats)
         await ctx.ready()
         stop = asyncio.create_task(ctx.stopping.wait())

@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,10 @@ from rollmesh.engine.client import API_KEY_FILE, EngineClient
 from rollmesh.engine.sglang import EngineLaunch, engine_launch
 from rollmesh.hosts import Host, SshHost, make_host
 from rollmesh.log import configure_logging, get_logger
+from rollmesh.plan import (
+    ROLE, ROLE_TABLE, START_ORDER, AgentWorkerSettings, MessageQueueSettings, RewardWorkerSettings,
+    RolloutSettings, SynchronizerSettings, TrainerSettings,
+)
 from rollmesh.plot import plot_metric, read_metrics
 from rollmesh.protocol import (
     EnginesChanged, Heartbeat, Metrics, Ok, Pause, StatsRequest, StopRun,
@@ -72,25 +77,8 @@ from rollmesh.watchdog import Snapshot, stalled
 
 log = get_logger("rollmesh.launcher")
 
-ENTRIES = {
-    "message_queue": "rollmesh.message_queue:main",
-    "synchronizer": "rollmesh.synchronizer:main",
-    "trainer": "rollmesh.trainer:main",
-    "rollouter": "rollmesh.rollouter:main",
-    "agent_worker": "rollmesh.agent_worker:main",
-    "reward_worker": "rollmesh.reward_worker:main",
-}
-START_ORDER = ["message_queue", "synchronizer", "trainer", "rollouter", "agent_worker",
-               "reward_worker"]
-# The MessageQueue comes back at the same address with its state (its log in the run
-# directory); its clients' requests are retried (RpcClient), and re-sent puts are deduplicated.
-# The rollouter comes back from its journal (cursor, counters, the groups it had in flight, which
-# it generates again); the synchronizer holds no state beyond the sync in progress, which the
-# trainer retries. A trainer rank that dies takes every rank down with it: they are restarted
-# together from the latest checkpoint (`trainer.max_restarts` times, with back-off), the
-# synchronizer with them (a sync the dead trainer had under way would keep rollout paused);
-# beyond that the run ends and `rollmesh launch --resume RUN` goes on.
-RESTARTABLE = {"agent_worker", "reward_worker", "message_queue", "rollouter", "synchronizer"}
+# The roles, their entry points, start order and restart policy: rollmesh.plan.ROLE_TABLE.
+RESTARTABLE = {r.name for r in ROLE_TABLE if r.restartable}
 MAX_RESTARTS = 5
 # An engine is restarted `engine.max_restarts` times within any ENGINE_RESTART_WINDOW_S (a
 # crash loop ends the run; engines killed now and then over a long run do not).
@@ -117,6 +105,10 @@ class Planned:
     @property
     def name(self) -> str:
         return self.proc.name
+
+    def port(self, name: str) -> int:
+        """Its port named `name` (rollmesh.plan.ROLE_TABLE)."""
+        return ROLE[self.proc.role].port(self.proc.port, name)
 
     @property
     def who(self) -> str:
@@ -149,83 +141,123 @@ def _make_hosts(cluster: ClusterConfig) -> dict[str, Host]:
 def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
                engine_key: str | None = None,
                launcher_before: tuple[int, ...] = ()) -> list[Planned]:
-    """Every process with the configuration it is handed. Ports: each process owns the block
+    """Every process with the configuration it is handed: an engine's command line, each other
+    role's settings (rollmesh.plan). Ports: each process owns the block
     `[port, port + ports.per_process)` (see config.ClusterConfig.processes). CPUs: its own, or
     `launcher_before` (the launcher's affinity before launcher_cpus) for a process on this
     machine without any."""
-    exp = cluster.experiment_config
-    assert exp is not None
-    spec = to_dict(exp)
     plan = [Planned(p, hosts[p.host], cpus=p.cpus or (
         launcher_before if cluster.launcher_cpus and hosts[p.host].same_machine else ()))
         for p in cluster.processes()]
-    by_role: dict[str, list[Planned]] = {}
+    wiring = _Wiring(cluster, plan, run_dir)
     for p in plan:
-        by_role.setdefault(p.proc.role, []).append(p)
-
-    def one(role: str) -> Planned:
-        return by_role[role][0]
-
-    mq, rollouter, sync = one("message_queue"), one("rollouter"), one("synchronizer")
-    trainer0 = by_role["trainer"][0]
-    engine_urls = []
-    for p in by_role["engine"]:
-        bind_host = p.host.address if p.host.local else "0.0.0.0"
-        keys = f"{run_dir}/keys" if p.host.local else f"runs/{Path(run_dir).name}/keys"
-        p.engine = engine_launch(exp.engine, exp.model, bind_host, p.proc.port, gpus=p.proc.gpus,
-                                 seed=exp.seed, weight_version="0", python=p.host.python(),
-                                 api_key=engine_key,
-                                 api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None)
-        if p.cpus:  # the prelude sets its affinity, then execs the server
-            p.engine.argv = pinned(p.engine.argv, p.cpus, p.who, python=p.host.python())
-        if p.proc.cpus:  # the built-in engine's --threads (engine.extra_args) still wins
-            p.engine.env.update(thread_env(p.proc.cpus, p.host.cfg.env))
-        engine_urls.append(f"http://{p.host.address}:{p.proc.port}")
-    rollouter_channel = _connect(rollouter.host, rollouter.proc.port)
-    for p in plan:
-        role, port, host = p.proc.role, p.proc.port, p.host
-        if role == "message_queue":
-            # durable: its groups, uncommitted hand-outs and counters outlive a restart
-            run_here = run_dir if host.local else f"runs/{Path(run_dir).name}"
-            p.config = {"experiment": spec, "bind": _bind(host, port),
-                        "state_dir": f"{run_here}/message_queue"}
-        elif role == "rollouter":
-            run_here = run_dir if host.local else f"runs/{Path(run_dir).name}"
-            p.config = {"experiment": spec, "bind": _bind(host, port), "state_dir": f"{run_here}/rollouter",
-                        "control": _bind(host, port + 1),
-                        "message_queue": _connect(mq.host, mq.proc.port),
-                        "engines": engine_urls}
-        elif role == "agent_worker":
-            p.config = {"experiment": spec, "rollouter": rollouter_channel, "engines": engine_urls}
-        elif role == "reward_worker":
-            p.config = {"experiment": spec, "rollouter": rollouter_channel}
-        elif role == "synchronizer":
-            p.config = {"experiment": spec, "bind": _bind(host, port),
-                        "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
-                        "message_queue": _connect(mq.host, mq.proc.port),
-                        "engines": engine_urls}
-        elif role == "trainer":
-            # rank 0 hosts the ranks' rendezvous and joins the engines' weight-update group.
-            # A trainer on another host writes its outputs there, under the run's remote
-            # directory; the launcher mirrors its metrics into the run directory here.
-            run_here = run_dir if host.local else f"runs/{Path(run_dir).name}"
-            p.config = {"experiment": spec, "bind": _bind(host, port),
-                        "rendezvous": f"tcp://{trainer0.host.address}:{trainer0.proc.port + 1}",
-                        "weight_sync_address": trainer0.host.address,
-                        "message_queue": _connect(mq.host, mq.proc.port),
-                        "synchronizer": _connect(sync.host, sync.proc.port),
-                        "rollouter": _connect(rollouter.host, rollouter.proc.port + 1),
-                        "engines": engine_urls,
-                        # The weight-update group has 1 + sum(TP sizes) ranks: each engine's TP
-                        # ranks join it (rank_offset = 1 + the TP sizes before it).
-                        "engine_tp_sizes": [exp.engine.tp_size] * len(engine_urls),
-                        "metrics_path": f"{run_dir}/metrics.jsonl" if host.local
-                        else f"{run_here}/trainer/metrics.jsonl",
-                        "final_export_dir": f"{run_here}/policy",
-                        "checkpoint_dir": f"{run_here}/checkpoints"}
-            if p.proc.cpus:  # torch.set_num_threads in the rank
-                p.config["threads"] = threads_for(p.proc.cpus, host.cfg.env)
+        if p.proc.role == "engine":
+            _plan_engine(p, wiring.exp, run_dir, engine_key)
+        else:
+            p.config = to_dict(_SETTINGS[p.proc.role](wiring, p))
     return plan
+
+
+class _Wiring:
+    """What a process's settings are made of: the experiment, where the run's outputs go on a
+    host, and the addresses of the other roles' first process (by their named ports)."""
+
+    def __init__(self, cluster: ClusterConfig, plan: list[Planned], run_dir: str):
+        assert cluster.experiment_config is not None
+        self.exp = cluster.experiment_config
+        self.run_dir = run_dir
+        self.first: dict[str, Planned] = {}
+        for p in plan:
+            self.first.setdefault(p.proc.role, p)
+        self.engines = [f"http://{p.host.address}:{p.proc.port}" for p in plan
+                        if p.proc.role == "engine"]
+
+    def connect(self, role: str, port: str) -> str:
+        """The address of `role`'s first process's port named `port`."""
+        p = self.first[role]
+        return _connect(p.host, p.port(port))
+
+    def run_here(self, host: Host) -> str:
+        """The run's directory on `host` (on another host: under its remote run directory)."""
+        return self.run_dir if host.local else f"runs/{Path(self.run_dir).name}"
+
+
+def _bind_named(p: Planned, port: str) -> str:
+    return _bind(p.host, p.port(port))
+
+
+def _plan_engine(p: Planned, exp: ExperimentConfig, run_dir: str,
+                 engine_key: str | None) -> None:
+    bind_host = p.host.address if p.host.local else "0.0.0.0"
+    keys = f"{run_dir}/keys" if p.host.local else f"runs/{Path(run_dir).name}/keys"
+    p.engine = engine_launch(exp.engine, exp.model, bind_host, p.proc.port, gpus=p.proc.gpus,
+                             seed=exp.seed, weight_version="0", python=p.host.python(),
+                             api_key=engine_key,
+                             api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None)
+    if p.cpus:  # the prelude sets its affinity, then execs the server
+        p.engine.argv = pinned(p.engine.argv, p.cpus, p.who, python=p.host.python())
+    if p.proc.cpus:  # the built-in engine's --threads (engine.extra_args) still wins
+        p.engine.env.update(thread_env(p.proc.cpus, p.host.cfg.env))
+
+
+def _message_queue(w: _Wiring, p: Planned) -> MessageQueueSettings:
+    # durable: its groups, uncommitted hand-outs and counters outlive a restart
+    return MessageQueueSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
+                                state_dir=f"{w.run_here(p.host)}/message_queue")
+
+
+def _rollouter(w: _Wiring, p: Planned) -> RolloutSettings:
+    return RolloutSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
+                           state_dir=f"{w.run_here(p.host)}/rollouter",
+                           control=_bind_named(p, "control"),
+                           message_queue=w.connect("message_queue", "bind"),
+                           engines=w.engines)
+
+
+def _agent_worker(w: _Wiring, p: Planned) -> AgentWorkerSettings:
+    return AgentWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
+                               engines=w.engines)
+
+
+def _reward_worker(w: _Wiring, p: Planned) -> RewardWorkerSettings:
+    return RewardWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"))
+
+
+def _synchronizer(w: _Wiring, p: Planned) -> SynchronizerSettings:
+    return SynchronizerSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
+                                rollouter=w.connect("rollouter", "control"),
+                                message_queue=w.connect("message_queue", "bind"),
+                                engines=w.engines)
+
+
+def _trainer(w: _Wiring, p: Planned) -> TrainerSettings:
+    # rank 0 hosts the ranks' rendezvous and joins the engines' weight-update group. A trainer
+    # on another host writes its outputs there, under the run's remote directory; the launcher
+    # mirrors its metrics into the run directory here.
+    run_here = w.run_here(p.host)
+    return TrainerSettings(
+        experiment=w.exp, bind=_bind_named(p, "bind"),
+        rendezvous=w.connect("trainer", "rendezvous"),
+        weight_sync_address=w.first["trainer"].host.address,
+        message_queue=w.connect("message_queue", "bind"),
+        synchronizer=w.connect("synchronizer", "bind"),
+        rollouter=w.connect("rollouter", "control"),
+        engines=w.engines,
+        # The weight-update group has 1 + sum(TP sizes) ranks: each engine's TP ranks join it
+        # (rank_offset = 1 + the TP sizes before it).
+        engine_tp_sizes=[w.exp.engine.tp_size] * len(w.engines),
+        metrics_path=(f"{w.run_dir}/metrics.jsonl" if p.host.local
+                      else f"{run_here}/trainer/metrics.jsonl"),
+        final_export_dir=f"{run_here}/policy", checkpoint_dir=f"{run_here}/checkpoints",
+        # torch.set_num_threads in the rank
+        threads=threads_for(p.proc.cpus, p.host.cfg.env) if p.proc.cpus else None)
+
+
+# Each role's settings, from the wiring and its process (the engine's: its command line).
+_SETTINGS: dict[str, Callable[[_Wiring, Planned], Any]] = {
+    "message_queue": _message_queue, "rollouter": _rollouter, "agent_worker": _agent_worker,
+    "reward_worker": _reward_worker, "synchronizer": _synchronizer, "trainer": _trainer,
+}
 
 
 def launcher_affinity(cluster: ClusterConfig) -> tuple[int, ...]:
@@ -523,7 +555,7 @@ class Launcher:
         return f"{base}/specs/{p.name}.json"
 
     def start_role(self, p: Planned) -> Child:
-        child = self.sup.spawn(p.proc.role, ENTRIES[p.proc.role], instance=p.proc.index,
+        child = self.sup.spawn(p.proc.role, ROLE[p.proc.role].entry, instance=p.proc.index,
                                config=p.config, host=p.host, echo=self.echo,
                                keys_dir=self.keys_dir_for(p.host), spec_path=self.spec_path(p),
                                env=p.env(), cpus=p.cpus, cpus_for=p.who)
@@ -714,7 +746,7 @@ class Launcher:
         trainer, rollouter, mq = roles.get("trainer"), roles.get("rollouter"), roles.get("message_queue")
         tr, r, q = await asyncio.gather(
             stats(trainer, trainer.proc.port if trainer else 0),
-            stats(rollouter, rollouter.proc.port + 1 if rollouter else 0),
+            stats(rollouter, rollouter.port("control") if rollouter else 0),
             stats(mq, mq.proc.port if mq else 0))
         urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
         versions: list[int | None] = []
@@ -765,7 +797,7 @@ class Launcher:
         if rollouter is None or mq is None or "rollouter[0]" not in self.children:
             return summary
         t = self.sup.transport
-        r_client = RpcClient(t, _connect(rollouter.host, rollouter.proc.port + 1), timeout_s=30,
+        r_client = RpcClient(t, _connect(rollouter.host, rollouter.port("control")), timeout_s=30,
                              retries=0)
         q_client = RpcClient(t, _connect(mq.host, mq.proc.port), timeout_s=10, retries=0)
         try:

@@ -70,6 +70,7 @@ from rollmesh import protocol
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.durable_log import HEADER, DurableLog, record_size
 from rollmesh.log import get_logger
+from rollmesh.plan import MessageQueueSettings
 from rollmesh.protocol import (
     Batch, BatchCredit, GetBatch, Group, Metrics, Ok, OpenBatchStream, ProtocolError, PutGroup,
     PutGroups, PutGroupsReply, PutReply, StatsRequest, StreamState, WeightVersion,
@@ -843,19 +844,16 @@ async def main(ctx: RoleContext) -> None:
     meanwhile receives, checks (decodes) and sends; the periodic fsync runs in a third thread,
     beside the appends.
 
-    config: experiment, bind, capacity_groups (default: `default_capacity`), state_dir (durable
-    queue; none: in memory), fsync_interval_s (1.0; 0: fsync every record), compact_floor_bytes
-    (64 MiB), max_pending_batches (256)."""
-    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "MessageQueue spec")
-    config = ctx.config
-    fsync_interval_s = float(config.get("fsync_interval_s", 1.0))
+    settings: rollmesh.plan.MessageQueueSettings (a durable queue with a state_dir)."""
+    settings = parse_config(MessageQueueSettings, ctx.config, "MessageQueue spec")
+    exp = settings.experiment
+    fsync_interval_s = settings.fsync_interval_s
     started = time.monotonic()
     queue = MessageQueue(
-        config.get("capacity_groups") or default_capacity(exp), exp.staleness.max_staleness,
-        state_dir=config.get("state_dir"), fsync_interval_s=fsync_interval_s,
-        compact_floor_bytes=int(config.get("compact_floor_bytes", COMPACT_FLOOR_BYTES)),
-        max_pending_batches=int(config.get("max_pending_batches", MAX_PENDING_BATCHES)),
-        log=ctx.log)
+        settings.capacity_groups or default_capacity(exp), exp.staleness.max_staleness,
+        state_dir=settings.state_dir, fsync_interval_s=fsync_interval_s,
+        compact_floor_bytes=settings.compact_floor_bytes,
+        max_pending_batches=settings.max_pending_batches, log=ctx.log)
     if queue.journal is not None:
         ctx.log.info("replayed", path=str(queue.journal.path), records=queue.replayed_records,
                      depth_groups=queue.depth_groups, pending_batches=len(queue.pending),
@@ -1035,12 +1033,12 @@ async def main(ctx: RoleContext) -> None:
                 ctx.log.error("log_fsync_failed", path=e.filename, error=str(e))
                 raise
 
-    server = RpcServer(ctx.transport, ctx.config["bind"], {
+    server = RpcServer(ctx.transport, settings.bind, {
         PutGroups: put_groups, PutGroup: put, OpenBatchStream: open_stream, BatchCredit: credit,
         GetBatch: get, WeightVersion: version, StatsRequest: stats,
     }, name="message_queue")
     ctx.log.info("config", capacity_groups=queue.capacity, max_staleness=queue.max_staleness,
-                 state_dir=config.get("state_dir"), fsync_interval_s=fsync_interval_s)
+                 state_dir=settings.state_dir, fsync_interval_s=fsync_interval_s)
     serving = asyncio.create_task(server.serve())
     syncing = asyncio.create_task(fsync_loop()) if queue.journal is not None else None
     watching = asyncio.create_task(status_loop())

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.plan import RewardWorkerSettings
 from rollmesh.protocol import Score, Scored, Trajectory
 from rollmesh.rewards.sandbox import RewardSandbox
 from rollmesh.rewards.trajectory import trajectory_view
@@ -68,11 +69,11 @@ class RewardWorker:
 
 
 async def main(ctx: RoleContext) -> None:
-    """Role entry. config: experiment, rollouter (channel address), pool (sandbox children)."""
-    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "reward worker spec")
-    pool = int(ctx.config.get("pool", 2))
+    """Role entry. settings: rollmesh.plan.RewardWorkerSettings."""
+    settings = parse_config(RewardWorkerSettings, ctx.config, "reward worker spec")
+    exp, pool = settings.experiment, settings.pool
     identity = f"reward-{ctx.spec.instance}-{os.getpid()}-{time.time_ns() & 0xFFFF:x}".encode()
-    channel = ChannelClient(ctx.transport, ctx.config["rollouter"], identity=identity)
+    channel = ChannelClient(ctx.transport, settings.rollouter, identity=identity)
     async with RewardSandbox(pool, memory_limit_mb=exp.rollout.reward_memory_mb) as sandbox:
         await sandbox.start()
         worker = RewardWorker(ctx, exp, sandbox, channel)

@@ -37,6 +37,7 @@ from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.data import PromptSource
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.message_queue import put_ready
+from rollmesh.plan import RolloutSettings
 from rollmesh.protocol import (
     Group, Heartbeat, Held, Metrics, Ok, Pause, Paused, Resume, Returned, Scored, StatsRequest,
     Trajectory, WorkerHello,
@@ -286,14 +287,14 @@ class Rollouter:
 
 
 async def main(ctx: RoleContext) -> None:
-    """Role entry. config: experiment, bind (worker channel), control (RPC), message_queue,
-    engines (URLs, optional: admission stops while none is healthy), state_dir (journal)."""
-    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "rollouter spec")
+    """Role entry. settings: rollmesh.plan.RolloutSettings."""
+    settings = parse_config(RolloutSettings, ctx.config, "rollouter spec")
+    exp = settings.experiment
     source = PromptSource.from_config(exp.data)
     tokenizer = load_tokenizer(exp.model)
-    channel = Channel(ctx.transport, ctx.config["bind"], name="rollouter")
-    mq = RpcClient(ctx.transport, ctx.config["message_queue"], timeout_s=30, name="message queue")
-    state_dir = ctx.config.get("state_dir")
+    channel = Channel(ctx.transport, settings.bind, name="rollouter")
+    mq = RpcClient(ctx.transport, settings.message_queue, timeout_s=30, name="message queue")
+    state_dir = settings.state_dir
     journal = Journal(Path(state_dir) / "rollouter.log", ctx.log) if state_dir else None
     r = Rollouter(ctx, exp, source, tokenizer, channel, mq, journal)
     r.core.restore(restarted=ctx.spec.restart > 0)
@@ -309,12 +310,12 @@ async def main(ctx: RoleContext) -> None:
         return Metrics(role="rollouter", host=ctx.spec.host,
                        values={**r.stats(), "protocol_errors": control.stats.protocol_errors})
 
-    control = RpcServer(ctx.transport, ctx.config["control"],
+    control = RpcServer(ctx.transport, settings.control,
                         {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
     coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), r.watch_queue(),
              control.serve()]
-    if ctx.config.get("engines"):  # no new prompt while no engine can generate it
-        coros.append(r.watch_engines(ctx.config["engines"], run_api_key(ctx.spec.keys_dir)))
+    if settings.engines:  # no new prompt while no engine can generate it
+        coros.append(r.watch_engines(settings.engines, run_api_key(ctx.spec.keys_dir)))
     tasks = [asyncio.create_task(c) for c in coros]
     backstop = (asyncio.create_task(r.resume_if_forgotten(exp.sync.timeout_s + 10))
                 if r.paused else None)

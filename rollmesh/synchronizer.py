@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.plan import SynchronizerSettings
 from rollmesh.protocol import (
     EnginesChanged, Metrics, Ok, Pause, Paused, Resume, StatsRequest, SyncDone, SyncGo, SyncRequest,
     WeightVersion,
@@ -300,18 +301,17 @@ class Synchronizer:
 
 
 async def main(ctx: RoleContext) -> None:
-    """Role entry. config: experiment, bind (RPC), rollouter (RPC), message_queue (RPC),
-    version (the engines' version at start, default 0), engines (URLs: their versions are
-    checked before a version is published; without it, not checked)."""
-    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "synchronizer spec")
-    rollouter = RpcClient(ctx.transport, ctx.config["rollouter"], timeout_s=exp.sync.timeout_s,
+    """Role entry. settings: rollmesh.plan.SynchronizerSettings."""
+    settings = parse_config(SynchronizerSettings, ctx.config, "synchronizer spec")
+    exp = settings.experiment
+    rollouter = RpcClient(ctx.transport, settings.rollouter, timeout_s=exp.sync.timeout_s,
                           retries=0, name="rollouter")
-    mq = RpcClient(ctx.transport, ctx.config["message_queue"], timeout_s=30, name="message queue")
+    mq = RpcClient(ctx.transport, settings.message_queue, timeout_s=30, name="message queue")
     engines = None
-    if ctx.config.get("engines"):
-        engines = EngineClient(ctx.config["engines"], api_key=run_api_key(ctx.spec.keys_dir))
+    if settings.engines:
+        engines = EngineClient(settings.engines, api_key=run_api_key(ctx.spec.keys_dir))
         await engines.__aenter__()
-    sync = Synchronizer(ctx, exp, rollouter, mq, int(ctx.config.get("version", 0)), engines)
+    sync = Synchronizer(ctx, exp, rollouter, mq, settings.version, engines)
 
     async def on_request(msg: SyncRequest, peer: bytes) -> SyncGo:
         return await sync.request(msg)
@@ -328,7 +328,7 @@ async def main(ctx: RoleContext) -> None:
         ctx.log.info("engines_changed", reason=msg.reason)
         return Ok()
 
-    server = RpcServer(ctx.transport, ctx.config.get("bind", "tcp://127.0.0.1:0"),
+    server = RpcServer(ctx.transport, settings.bind,
                        {SyncRequest: on_request, SyncDone: on_done, StatsRequest: on_stats,
                         EnginesChanged: on_engines_changed}, name="synchronizer")
     serving = asyncio.create_task(server.serve())

@@ -23,14 +23,9 @@ decision (train, sync, stop) to the other ranks as msgpack bytes (`rollmesh.rank
 holds the whole batch and computes what is cheap on it (advantages, normalisers, every rank's
 micro-batch plan).
 
-The role's config (every rank gets the same, `instance` is the rank): `experiment`,
-`message_queue` (RPC), `synchronizer` (RPC; without it nothing is synced), `engines` (URLs) and
-`engine_tp_sizes`, `weight_sync_address` (where engines reach rank 0, default 127.0.0.1),
-`rendezvous` (tcp://host:port, K > 1), `bind` (rank 0's stats RPC), `metrics_path` (one JSON
-line per step), `checkpoint_dir` (else trainer.checkpoint_dir; the latest checkpoint there is
-resumed), `export_dir` (a Hugging Face export after every sync, `version_<v>`),
-`final_export_dir` (one export when training ends), `rollouter` (RPC, for the latest
-evaluation), `threads` (torch threads).
+The role's settings (`rollmesh.plan.TrainerSettings`; every rank gets the same, `instance` is
+the rank): the queue, the synchronizer (without it nothing is synced) and the engines, the
+rendezvous (K > 1), where metrics, checkpoints (the latest one there is resumed) and exports go.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ from typing import Any
 import torch
 
 from rollmesh import checkpoint, protocol
-from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.config import parse_config, to_dict
 from rollmesh.durable_log import write_atomic
 from rollmesh.engine.client import run_api_key
 from rollmesh.engine.models import resolve_device
@@ -54,6 +49,7 @@ from rollmesh.evaluation import eval_metrics
 from rollmesh.message_queue import STREAM_AHEAD, BatchFeed
 from rollmesh.metrics_sink import MetricsSinks, require_extras
 from rollmesh.metrics_sink import tensorboard_writer as _tensorboard  # noqa: F401 - tests
+from rollmesh.plan import TrainerSettings
 from rollmesh.protocol import Batch, Metrics, StatsRequest
 from rollmesh.ranks import close_ranks, init_ranks
 from rollmesh.runtime import RoleContext
@@ -66,9 +62,9 @@ from rollmesh.weight_sync.sender import WeightSender, finish_sync, sync_weights
 run = asyncio.to_thread  # torch work leaves the event loop free for heartbeats and stats
 
 
-def checkpoint_dir(ctx: RoleContext, exp: ExperimentConfig) -> str | None:
-    """Where this trainer's checkpoints go (the role's config, else trainer.checkpoint_dir)."""
-    return ctx.config.get("checkpoint_dir") or exp.trainer.checkpoint_dir
+def checkpoint_dir(settings: TrainerSettings) -> str | None:
+    """Where this trainer's checkpoints go (the role's settings, else trainer.checkpoint_dir)."""
+    return settings.checkpoint_dir or settings.experiment.trainer.checkpoint_dir
 
 
 # -- rank 0's connections -----------------------------------------------------------------------
@@ -80,28 +76,29 @@ class Link:
     a checkpoint directory), read from the directory once (`resumed`) and then kept by
     `save_checkpoint`."""
 
-    def __init__(self, ctx: RoleContext, state: TrainState, resumed: Path | None = None):
+    def __init__(self, ctx: RoleContext, settings: TrainerSettings, state: TrainState,
+                 resumed: Path | None = None):
         self.ctx, self.state = ctx, state
-        config, t = ctx.config, ctx.transport
-        self.mq = RpcClient(t, config["message_queue"], timeout_s=60, name="message queue")
+        t = ctx.transport
+        self.mq = RpcClient(t, settings.message_queue, timeout_s=60, name="message queue")
         self.feed = BatchFeed(self.mq, state.exp.rollout.batch_groups, log=ctx.log)
-        self.rollouter = (RpcClient(t, config["rollouter"], timeout_s=30, name="rollouter")
-                          if config.get("rollouter") else None)
-        self.sender = (WeightSender(t, config, state.exp.sync, state.device,
+        self.rollouter = (RpcClient(t, settings.rollouter, timeout_s=30, name="rollouter")
+                          if settings.rollouter else None)
+        self.sender = (WeightSender(t, to_dict(settings), state.exp.sync, state.device,
                                     api_key=run_api_key(ctx.spec.keys_dir))
-                       if config.get("synchronizer") else None)
-        self.server = RpcServer(t, config.get("bind", "tcp://127.0.0.1:0"),
+                       if settings.synchronizer else None)
+        self.server = RpcServer(t, settings.bind,
                                 {StatsRequest: self._stats}, name="trainer")
         self._serving: asyncio.Task | None = None
         self.last_metrics: dict[str, Any] = {}
         self.eval: dict[str, Any] | None = None  # the newest evaluation, for the monitor
-        metrics_path = config.get("metrics_path")
+        metrics_path = settings.metrics_path
         self.metrics_path = Path(metrics_path) if metrics_path else None
         if self.metrics_path is not None:  # on another host, the run's directory is new there
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         self.sinks: MetricsSinks | None = None  # TensorBoard and W&B, opened by `open`
         self.checkpoint_step = (int(resumed.name.rsplit("_", 1)[-1]) if resumed is not None
-                                else 0 if checkpoint_dir(ctx, state.exp) else None)
+                                else 0 if checkpoint_dir(settings) else None)
 
     async def open(self) -> dict[str, str]:
         self.sinks = await run(MetricsSinks.open, self.state.exp, self.metrics_path, self.ctx.log)
@@ -245,13 +242,14 @@ async def save_checkpoint(ctx: RoleContext, state: TrainState, link: Link | None
         ctx.log.info("checkpoint_saved", path=str(path), step=state.step, version=state.version)
 
 
-async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
+async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
+                link: Link | None) -> None:
     """The algorithm, on every rank: batch -> step -> metrics row -> weight sync -> checkpoint,
     until the last step or a stop; then the overlapped sync in flight, a last checkpoint and
     the final export."""
-    exp, config = state.exp, ctx.config
+    exp = state.exp
     sender = link.sender if link else None
-    ckpt_dir = checkpoint_dir(ctx, exp)
+    ckpt_dir = checkpoint_dir(settings)
     every = exp.trainer.checkpoint_every
     saved_at = state.step
     reported_eval = None
@@ -265,7 +263,7 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
         metrics = await train_step(state, batch, waited)
         if state.step % exp.sync.sync_every == 0:
             metrics.update(await sync_weights(state, sender))
-            await export_version(ctx, state)
+            await export_version(settings, state)
         if link is not None:
             latest = await link.latest_eval()
             if latest and latest != reported_eval:  # each evaluation once, on the next step
@@ -282,8 +280,8 @@ async def train(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
     await finish_sync(state, sender)  # overlapped: the last one
     if ckpt_dir and state.step != saved_at:
         await save_checkpoint(ctx, state, link, ckpt_dir)
-    if config.get("final_export_dir"):  # the policy the run ends with, in Hugging Face format
-        await run(checkpoint.export_hf, Path(config["final_export_dir"]), model=state.model,
+    if settings.final_export_dir:  # the policy the run ends with, in Hugging Face format
+        await run(checkpoint.export_hf, Path(settings.final_export_dir), model=state.model,
                   tokenizer=state.tokenizer, dtype=state.compute_dtype, ranks=state.ranks)
 
 
@@ -311,9 +309,9 @@ async def train_step(state: TrainState, batch: Batch, waited: float) -> dict[str
     return metrics
 
 
-async def export_version(ctx: RoleContext, state: TrainState) -> None:
+async def export_version(settings: TrainerSettings, state: TrainState) -> None:
     """With `export_dir`: what the engines now serve, for evaluation and tests."""
-    export_dir = ctx.config.get("export_dir")
+    export_dir = settings.export_dir
     if export_dir:
         await run(checkpoint.export_hf, Path(export_dir) / f"version_{state.version}",
                   model=state.model, tokenizer=state.tokenizer, dtype=state.compute_dtype,
@@ -342,23 +340,24 @@ def trim_metrics(path: Path, step: int, log: Any) -> None:
 
 
 async def main(ctx: RoleContext) -> None:
-    """Role entry (one process per rank; instance = rank)."""
-    exp = parse_config(ExperimentConfig, ctx.config["experiment"], "trainer spec")
-    if ctx.config.get("threads"):
-        torch.set_num_threads(int(ctx.config["threads"]))
+    """Role entry (one process per rank; instance = rank); settings: the module's docstring."""
+    settings = parse_config(TrainerSettings, ctx.config, "trainer spec")
+    exp = settings.experiment
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     device = resolve_device(exp.trainer.device)
     if device.type == "cuda":
-        torch.cuda.set_device(int(ctx.config.get("device_index", 0)))
+        torch.cuda.set_device(settings.device_index)
     backend = exp.trainer.backend if exp.trainer.backend != "auto" else (
         "nccl" if device.type == "cuda" else "gloo")
-    ranks = await run(init_ranks, ctx.config.get("rendezvous"), ctx.spec.instance,
+    ranks = await run(init_ranks, settings.rendezvous, ctx.spec.instance,
                       exp.trainer.ranks, backend)
     link = None
     try:
         if ranks.is_main:  # a missing extra fails now, before the model loads
             await run(require_extras, exp)
         state = await run(build_state, exp, ranks, device)
-        ckpt_dir = checkpoint_dir(ctx, exp)
+        ckpt_dir = checkpoint_dir(settings)
         # the one scan of the directory: `Link` keeps the latest checkpoint's step from here
         resume = checkpoint.latest(ckpt_dir) if ckpt_dir else None
         if resume is not None:
@@ -369,11 +368,11 @@ async def main(ctx: RoleContext) -> None:
             state.step, state.version = saved["step"], saved["version"]
             state.samples_consumed = saved["samples_consumed"]
             ctx.log.info("resumed", path=str(resume), step=state.step, version=state.version)
-        if ranks.is_main and ctx.config.get("metrics_path"):
-            trim_metrics(Path(ctx.config["metrics_path"]), state.step, ctx.log)
+        if ranks.is_main and settings.metrics_path:
+            trim_metrics(Path(settings.metrics_path), state.step, ctx.log)
         endpoints: dict[str, str] = {}
         if ranks.is_main:
-            link = Link(ctx, state, resumed=resume)
+            link = Link(ctx, settings, state, resumed=resume)
             endpoints = await link.open()
             ctx.set_status(lambda: {
                 "step": state.step, "version": state.version,
@@ -386,7 +385,7 @@ async def main(ctx: RoleContext) -> None:
                      critic_params=(sum(math.prod(p.shape) for p in state.critic.parameters())
                                     if state.critic is not None else 0))
         await ctx.ready(**endpoints)
-        await train(ctx, state, link)
+        await train(ctx, settings, state, link)
     finally:
         if link is not None:
             await link.close()

@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import _field, _Invalid, _plural, _show
 from rollmesh.cpus import CpuListError, parse_cpulist
+from rollmesh.plan import ROLES, SINGLETON_ROLES
 
 def is_local_address(address: str) -> bool:
     """Loopback, this machine's name, or one of its addresses."""
@@ -34,8 +35,6 @@ def is_local_address(address: str) -> bool:
         mine = set()
     return address in mine
 
-
-SINGLETON_ROLES = frozenset({"rollouter", "message_queue", "synchronizer"})
 
 
 @dataclass(kw_only=True)
@@ -163,7 +162,8 @@ class RolesConfig:
                     )
 
 
-ROLES = tuple(f.name for f in dataclasses.fields(RolesConfig))  # in launch and port-plan order
+# One field per role of rollmesh.plan.ROLE_TABLE, in its (the port plan's) order.
+assert tuple(f.name for f in dataclasses.fields(RolesConfig)) == ROLES
 
 
 @dataclass(kw_only=True)

@@ -12,10 +12,11 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rollmesh.config.cluster import ROLES, ClusterConfig, _placement_key, is_local_address
+from rollmesh.config.cluster import ClusterConfig, _placement_key, is_local_address
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import ConfigError, _Context, _join, _parse, _plural, _show
 from rollmesh.cpus import parse_cpulist
+from rollmesh.plan import ROLES
 
 def _read_toml(path: str) -> dict[str, Any]:
     try:
