@@ -169,7 +169,7 @@ class _Wiring:
         self.first: dict[str, Planned] = {}
         for p in plan:
             self.first.setdefault(p.proc.role, p)
-        self.engines = [f"http://{p.host.address}:{p.proc.port}" for p in plan
+        self.engines = [f"http://{p.host.address}:{p.port('http')}" for p in plan
                         if p.proc.role == "engine"]
 
     def connect(self, role: str, port: str) -> str:
@@ -190,7 +190,7 @@ def _plan_engine(p: Planned, exp: ExperimentConfig, run_dir: str,
                  engine_key: str | None) -> None:
     bind_host = p.host.address if p.host.local else "0.0.0.0"
     keys = f"{run_dir}/keys" if p.host.local else f"runs/{Path(run_dir).name}/keys"
-    p.engine = engine_launch(exp.engine, exp.model, bind_host, p.proc.port, gpus=p.proc.gpus,
+    p.engine = engine_launch(exp.engine, exp.model, bind_host, p.port("http"), gpus=p.proc.gpus,
                              seed=exp.seed, weight_version="0", python=p.host.python(),
                              api_key=engine_key,
                              api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None)
