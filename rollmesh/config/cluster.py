@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import _field, _Invalid, _plural, _show
 from rollmesh.cpus import CpuListError, parse_cpulist
-from rollmesh.plan import ROLES, SINGLETON_ROLES
+from rollmesh.plan.roles import ROLES, SINGLETON_ROLES
 
 def is_local_address(address: str) -> bool:
     """Loopback, this machine's name, or one of its addresses."""

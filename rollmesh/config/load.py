@@ -16,7 +16,7 @@ from rollmesh.config.cluster import ClusterConfig, _placement_key, is_local_addr
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import ConfigError, _Context, _join, _parse, _plural, _show
 from rollmesh.cpus import parse_cpulist
-from rollmesh.plan import ROLES
+from rollmesh.plan.roles import ROLES
 
 def _read_toml(path: str) -> dict[str, Any]:
     try:

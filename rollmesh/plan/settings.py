@@ -1,16 +1,9 @@
-"""The launch plan's two tables: the roles and how the launcher starts each (`ROLE_TABLE`), and
-each role's settings (one dataclass per role).
+"""Each role's settings, one dataclass per role: what `launcher.build_plan` writes for a process
+and its `main` reads back with `parse_config(XSettings, ctx.config, "<role> spec")`, so that a
+bad spec is an error naming the role and the key. The defaults are the roles' own.
 
-`ROLE_TABLE` is the one source for a role's entry point, whether it is a single process,
-whether it is restarted by itself after a crash, its place in the start order and its named
-ports. Its row order is the port plan's (rollmesh.config.ClusterConfig.processes) and the
-cluster file's `[roles]`. A process owns the block `[port, port + ports.per_process)`; a role's
-named ports are the first ports of its block, in the order they are named (`RoleSpec.port`).
-
-The settings are what `launcher.build_plan` writes for a process and its `main` reads back with
-`parse_config(XSettings, ctx.config, "<role> spec")`: a bad spec is an error naming the role and
-the key. They travel as plain dicts (`rollmesh.config.to_dict`): Supervisor.spawn passes JSON.
-Tests and benchmarks write them by hand, with only the keys they need.
+They travel as plain dicts (`rollmesh.config.to_dict`): Supervisor.spawn passes JSON. Tests and
+benchmarks write them by hand, with only the keys they need.
 """
 
 from __future__ import annotations
@@ -20,65 +13,6 @@ from dataclasses import dataclass
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import _field
 
-# --------------------------------------------------------------------------------------------
-# The roles
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    name: str
-    # "module:function" the Supervisor starts; None: the engine, an HTTP server the launcher
-    # starts itself (rollmesh.engine.sglang.engine_launch), before every other role
-    entry: str | None
-    singleton: bool  # one process in any cluster
-    # Restarted by itself after a crash (up to launcher.MAX_RESTARTS, with back-off). The
-    # others: trainer ranks are restarted together from their latest checkpoint
-    # (trainer.max_restarts), engines within engine.max_restarts per window.
-    restartable: bool
-    start: int  # start order, ascending; the launcher waits for each role to be ready
-    ports: tuple[str, ...] = ()  # the ports it binds, at offsets 0, 1, ... of its block
-
-    def port(self, first: int, name: str) -> int:
-        """The port named `name` of a process whose block begins at `first`."""
-        return first + self.ports.index(name)
-
-
-# The MessageQueue comes back at the same address with its state (its log in the run
-# directory); its clients' requests are retried (RpcClient), and re-sent puts are deduplicated.
-# The rollouter comes back from its journal (cursor, counters, the groups it had in flight, which
-# it generates again); the synchronizer holds no state beyond the sync in progress, which the
-# trainer retries. A trainer rank that dies takes every rank down with it: they are restarted
-# together from the latest checkpoint, the synchronizer with them (a sync the dead trainer had
-# under way would keep rollout paused); beyond that the run ends and `rollmesh launch --resume
-# RUN` goes on.
-ROLE_TABLE = (
-    RoleSpec("engine", None, singleton=False, restartable=False, start=0, ports=("http",)),
-    # bind: the agent and reward workers' channel; control: Pause/Resume/stats (RPC)
-    RoleSpec("rollouter", "rollmesh.rollouter:main", singleton=True, restartable=True,
-             start=4, ports=("bind", "control")),
-    RoleSpec("agent_worker", "rollmesh.agent_worker:main", singleton=False, restartable=True,
-             start=5),
-    RoleSpec("reward_worker", "rollmesh.reward_worker:main", singleton=False, restartable=True,
-             start=6),
-    RoleSpec("message_queue", "rollmesh.message_queue:main", singleton=True, restartable=True,
-             start=1, ports=("bind",)),
-    # rendezvous: rank 0's, the ranks' store (rollmesh.ranks)
-    RoleSpec("trainer", "rollmesh.trainer:main", singleton=False, restartable=False, start=3,
-             ports=("bind", "rendezvous")),
-    RoleSpec("synchronizer", "rollmesh.synchronizer:main", singleton=True, restartable=True,
-             start=2, ports=("bind",)),
-)
-ROLE = {r.name: r for r in ROLE_TABLE}
-ROLES = tuple(ROLE)  # in port-plan order
-SINGLETON_ROLES = frozenset(r.name for r in ROLE_TABLE if r.singleton)
-# The roles the Supervisor starts, in start order (the engines are started and healthy first).
-START_ORDER = tuple(r.name for r in sorted(ROLE_TABLE, key=lambda r: r.start) if r.entry)
-
-
-# --------------------------------------------------------------------------------------------
-# Each role's settings
-# --------------------------------------------------------------------------------------------
 
 _EXPERIMENT = "the experiment (the resolved file, rollmesh.config.ExperimentConfig)"
 _LOCAL = "tcp://127.0.0.1:0"  # bind any free port on loopback
