@@ -70,7 +70,7 @@ from rollmesh import protocol
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.durable_log import HEADER, DurableLog, record_size
 from rollmesh.log import get_logger
-from rollmesh.plan import MessageQueueSettings
+from rollmesh.plan.settings import COMPACT_FLOOR_BYTES, MAX_PENDING_BATCHES, MessageQueueSettings
 from rollmesh.protocol import (
     Batch, BatchCredit, GetBatch, Group, Metrics, Ok, OpenBatchStream, ProtocolError, PutGroup,
     PutGroups, PutGroupsReply, PutReply, StatsRequest, StreamState, WeightVersion,
@@ -81,8 +81,6 @@ from rollmesh.transport import (
 )
 
 LOG_NAME = "queue.log"
-COMPACT_FLOOR_BYTES = 64 << 20
-MAX_PENDING_BATCHES = 256
 MAX_WAIT_S = 300.0  # the longest a GetBatch may wait for groups (the trainer asks for seconds)
 _STATE_OVERHEAD = 4096  # the counters record of a compacted log, roughly
 # One PutGroups holds at most this many groups, bytes of arrays and frames (what is ready

@@ -14,6 +14,10 @@ from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import _field
 
 
+# The MessageQueue's log and hand-out defaults (its class takes them too).
+COMPACT_FLOOR_BYTES = 64 << 20
+MAX_PENDING_BATCHES = 256
+
 _EXPERIMENT = "the experiment (the resolved file, rollmesh.config.ExperimentConfig)"
 _LOCAL = "tcp://127.0.0.1:0"  # bind any free port on loopback
 
@@ -29,11 +33,9 @@ class MessageQueueSettings:
     fsync_interval_s: float = _field("seconds between fsyncs of its log; 0: every record",
                                      1.0, ge=0)
     compact_floor_bytes: int = _field(
-        "log size below which it is never compacted (message_queue.COMPACT_FLOOR_BYTES)",
-        64 << 20, ge=1)
+        "log size below which it is never compacted", COMPACT_FLOOR_BYTES, ge=1)
     max_pending_batches: int = _field(
-        "handed-out batches not yet committed it keeps (message_queue.MAX_PENDING_BATCHES)",
-        256, ge=1)
+        "handed-out batches not yet committed it keeps", MAX_PENDING_BATCHES, ge=1)
 
 
 @dataclass(kw_only=True)
