@@ -172,8 +172,8 @@ async def raw_consume(p: dict[str, Any]) -> dict[str, Any]:
     return clock.result()
 
 
-def raw_forward(p: dict[str, Any]) -> None:
-    """The second hop: a pure ZeroMQ device (no Python per message), until killed."""
+def forward_sockets(p: dict[str, Any]) -> tuple[zmq.Socket, zmq.Socket]:
+    """The second hop's sockets: PULL bound at p["bind"], PUSH connected to p["connect"]."""
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for s in (pull, push):
@@ -181,6 +181,12 @@ def raw_forward(p: dict[str, Any]) -> None:
         s.setsockopt(zmq.RCVHWM, 1000)
     pull.bind(p["bind"])
     push.connect(p["connect"])
+    return pull, push
+
+
+def raw_forward(p: dict[str, Any]) -> None:
+    """The second hop: a pure ZeroMQ device (no Python per message), until killed."""
+    pull, push = forward_sockets(p)
     print("ready", flush=True)
     zmq.proxy(pull, push)
 
@@ -194,13 +200,7 @@ def py_forward(p: dict[str, Any]) -> None:
     import threading
     import zlib
 
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for s in (pull, push):
-        s.setsockopt(zmq.SNDHWM, 1000)
-        s.setsockopt(zmq.RCVHWM, 1000)
-    pull.bind(p["bind"])
-    push.connect(p["connect"])
+    pull, push = forward_sockets(p)
     log_dir = p["log_dir"]
     fd, size, files, lock = -1, 0, 0, threading.Lock()
 
