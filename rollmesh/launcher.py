@@ -241,7 +241,6 @@ def _trainer(w: _Wiring, p: Planned) -> TrainerSettings:
         weight_sync_address=w.first["trainer"].host.address,
         message_queue=w.connect("message_queue", "bind"),
         synchronizer=w.connect("synchronizer", "bind"),
-        rollouter=w.connect("rollouter", "control"),
         engines=w.engines,
         # The weight-update group has 1 + sum(TP sizes) ranks: each engine's TP ranks join it
         # (rank_offset = 1 + the TP sizes before it).
@@ -464,15 +463,16 @@ class Launcher:
                 raise TransportError(
                     f"{e}: the launcher's ports {base}-{base + 2} are taken (another run on "
                     "this machine?); stop it or pick another ports.base") from None
-            frontend = f"tcp://{addr}:{base + 1}"
+            frontend, backend = f"tcp://{addr}:{base + 1}", f"tcp://{addr}:{base + 2}"
             self.sup = Supervisor(t, control=f"tcp://{bind}:{base}", run_id=self.run_dir.name,
                                   keys_dir=str((self.run_dir / "keys").resolve()),
-                                  log_dir=self.run_dir / "logs", status_hub=frontend)
+                                  log_dir=self.run_dir / "logs", status_hub=frontend,
+                                  status_feed=backend)
             self.control = f"tcp://{addr}:{base}"
             # `rollmesh stop RUN` from any machine holding the run's keys (CURVE authenticates)
             self.sup.server.handlers[StopRun] = self.on_stop_run
             self.publisher = Publisher(t, frontend, secure=True)
-            self.write_launcher_json(frontend, f"tcp://{addr}:{base + 2}")
+            self.write_launcher_json(frontend, backend)
             status = asyncio.create_task(self.publish_status())
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):

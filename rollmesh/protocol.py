@@ -169,6 +169,36 @@ class Metrics:
     time: float = dataclasses.field(default_factory=_now)
 
 
+@record
+class EvalResult:
+    """One finished evaluation round of the held-out set, published by the rollouter on the
+    status hub (topic `eval.rollouter.<instance>`) when the round ends and again every status
+    interval (pub/sub may drop one; a subscriber keeps the newest by `version`).
+
+    `version`: the weights the round evaluated. `n`: responses with a reward; `failed`: those
+    whose generation or scoring failed (never a pass). `reward_mean`: over the n (None if
+    n = 0). `pass_at`: pass@k by str(k) (`rollmesh.evaluation.pass_ks`). `by_source`: the same
+    figures per data_source ({"prompts", "n", "failed", "reward_mean", "pass_at"}).
+    `answers_resumed`: answers generated across a sync; `response_tokens`: their tokens."""
+
+    version: int
+    prompts: int
+    n: int
+    failed: int
+    reward_mean: float | None
+    pass_at: dict[str, float]
+    by_source: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    answers_resumed: int = 0
+    response_tokens: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        """The round as `rollmesh.evaluation`'s summary dict (eval_metrics, the monitor)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not out["by_source"]:
+            del out["by_source"]
+        return out
+
+
 # -- data plane --------------------------------------------------------------------------------
 
 

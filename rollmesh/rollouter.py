@@ -8,7 +8,8 @@ heartbeats with the workers (a worker silent for `liveness` heartbeats, or unrea
 its trajectories are re-queued as they were when dispatched), answers the synchronizer's Pause,
 Resume and StatsRequest, and runs the put loop: the groups the core accepted go to the
 MessageQueue, what is ready in one PutGroups (held and retried while the queue is full:
-back-pressure).
+back-pressure). Each finished evaluation round is published to the status hub
+(`announce_evals`) for the trainer's metrics rows.
 
 Engine outages: the rollouter probes the engines' /health (`engines` in its spec); while none
 is healthy it admits no new prompt (the dataset cursor stands still; generations already
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from rollmesh.protocol import (
     Trajectory, WorkerHello,
 )
 from rollmesh.rollout.core import RolloutCore, Send
+from rollmesh.rollout.eval_round import EvalRounds
 from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
 from rollmesh.runtime import RoleContext
@@ -286,6 +289,21 @@ class Rollouter:
                         full=full)
 
 
+async def announce_evals(ctx: RoleContext, evals: EvalRounds) -> None:
+    """Publish each finished evaluation round to the status hub as it ends (topic
+    `eval.rollouter.<instance>`), and the newest again every status interval: pub/sub drops
+    a message sent before a subscriber is connected or past a full buffer, and the trainer
+    keeps the newest by version, so a repeat costs nothing and a loss lasts one interval."""
+    ended = asyncio.Event()
+    evals.on_result = lambda result: ended.set()
+    while True:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ended.wait(), ctx.spec.status_interval_s)
+        ended.clear()
+        if evals.last is not None:
+            await ctx.announce("eval", evals.last)
+
+
 async def main(ctx: RoleContext) -> None:
     """Role entry. settings: rollmesh.plan.RolloutSettings."""
     settings = parse_config(RolloutSettings, ctx.config, "rollouter spec")
@@ -314,6 +332,8 @@ async def main(ctx: RoleContext) -> None:
                         {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
     coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), r.watch_queue(),
              control.serve()]
+    if r.core.eval.rows and ctx.publisher is not None:
+        coros.append(announce_evals(ctx, r.core.eval))
     if settings.engines:  # no new prompt while no engine can generate it
         coros.append(r.watch_engines(settings.engines, run_api_key(ctx.spec.keys_dir)))
     tasks = [asyncio.create_task(c) for c in coros]

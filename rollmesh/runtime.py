@@ -36,7 +36,7 @@ from rollmesh.protocol import PROTOCOL_VERSION, Fatal, Heartbeat, Hello, Metrics
 from rollmesh.transport import (
     PROTOCOL_ERRORS,
     CurveKeys, Heartbeater, Liveness, PeerTimeout, Publisher, RemoteError, RpcClient, RpcServer,
-    Transport,
+    Subscriber, Transport,
 )
 
 EXIT_FATAL = 1
@@ -63,6 +63,7 @@ class RoleSpec:
     parent_pid: int = 0  # 0: the parent is remote (SSH), only heartbeats tell if it is alive
     keys_dir: str | None = None
     status_hub: str | None = None  # the launcher's XSUB: where this role publishes its status
+    status_feed: str | None = None  # the launcher's XPUB: where it may subscribe to others'
     status_interval_s: float = 1.0
     heartbeat_s: float = 1.0
     liveness: int = 3
@@ -95,11 +96,29 @@ class RoleContext:
         self.stopping = asyncio.Event()
         self.is_ready = False
         self.status: Callable[[], dict[str, Any]] | None = None
+        # to the hub (status, announcements); opened by run_role when the spec names a hub
+        self.publisher: Publisher | None = None
 
     def set_status(self, fn: Callable[[], dict[str, Any]]) -> None:
         """What this role shows the monitor: called every status interval, published to the
         hub as Metrics on topic `metrics.<role>.<instance>`."""
         self.status = fn
+
+    async def announce(self, kind: str, rec: Any) -> bool:
+        """Publish `rec` to the hub on topic `<kind>.<role>.<instance>` (an event other roles
+        subscribe to, beside the status); False without a hub. Pub/sub may drop it: what
+        matters is published again until superseded (as the rollouter's EvalResult is)."""
+        if self.publisher is None:
+            return False
+        await self.publisher.publish(f"{kind}.{self.spec.role}.{self.spec.instance}", rec)
+        return True
+
+    def subscribe(self, *topics: str) -> Subscriber | None:
+        """A subscriber to the hub's records under `topics` (prefixes); None without a hub."""
+        if not self.spec.status_feed:
+            return None
+        return Subscriber(self.transport, self.spec.status_feed, topics,
+                          secure=self.transport.keys is not None)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -225,6 +244,8 @@ async def run_role(spec: RoleSpec) -> int:
                                   on_parent_dead)
         tasks.append(asyncio.create_task(heartbeater.run(), name="heartbeat"))
         if spec.status_hub:
+            ctx.publisher = Publisher(transport, spec.status_hub,
+                                      secure=transport.keys is not None)
             tasks.append(asyncio.create_task(_publish_status(ctx), name="status"))
         main_task = asyncio.create_task(main(ctx), name=spec.role)
         stop_task = asyncio.create_task(ctx.stopping.wait())
@@ -272,6 +293,9 @@ async def run_role(spec: RoleSpec) -> int:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if ctx.publisher is not None:  # the role's main is done: nothing announces any more
+            ctx.publisher.close()
+            ctx.publisher = None
         if not orphaned:  # orphaned, role_main exits at once: no linger on dead peers
             control.close()
             transport.close()
@@ -279,23 +303,20 @@ async def run_role(spec: RoleSpec) -> int:
 
 async def _publish_status(ctx: RoleContext) -> None:
     """Publish the role's status to the hub; the hub is always CURVE (the monitor needs keys)."""
-    spec = ctx.spec
-    publisher = Publisher(ctx.transport, spec.status_hub, secure=ctx.transport.keys is not None)
+    spec, publisher = ctx.spec, ctx.publisher
+    assert publisher is not None
     topic = f"metrics.{spec.role}.{spec.instance}"
-    try:
-        while True:
-            values: dict[str, Any] = {"pid": os.getpid(), "ready": ctx.is_ready,
-                                      "protocol_errors": sum(PROTOCOL_ERRORS.values())}
-            if ctx.status is not None:
-                try:
-                    values.update(ctx.status())
-                except Exception as e:  # a broken status must not take the role down
-                    values["status_error"] = f"{type(e).__name__}: {e}"
-            await publisher.publish(topic, Metrics(role=spec.role, host=spec.host,
-                                                   values={"instance": spec.instance, **values}))
-            await asyncio.sleep(spec.status_interval_s)
-    finally:
-        publisher.close()
+    while True:
+        values: dict[str, Any] = {"pid": os.getpid(), "ready": ctx.is_ready,
+                                  "protocol_errors": sum(PROTOCOL_ERRORS.values())}
+        if ctx.status is not None:
+            try:
+                values.update(ctx.status())
+            except Exception as e:  # a broken status must not take the role down
+                values["status_error"] = f"{type(e).__name__}: {e}"
+        await publisher.publish(topic, Metrics(role=spec.role, host=spec.host,
+                                               values={"instance": spec.instance, **values}))
+        await asyncio.sleep(spec.status_interval_s)
 
 
 def role_main(argv: list[str]) -> int:
@@ -381,7 +402,7 @@ class Supervisor:
     def __init__(self, transport: Transport, *, control: str = "tcp://127.0.0.1:0",
                  heartbeat_s: float = 1.0, liveness: int = 3, run_id: str = "",
                  keys_dir: str | None = None, log_dir: Path | None = None,
-                 status_hub: str | None = None):
+                 status_hub: str | None = None, status_feed: str | None = None):
         self.transport = transport
         self.heartbeat_s = heartbeat_s
         self.liveness = Liveness(heartbeat_s, liveness)
@@ -389,6 +410,7 @@ class Supervisor:
         self.keys_dir = keys_dir
         self.log_dir = log_dir
         self.status_hub = status_hub
+        self.status_feed = status_feed
         self.children: dict[str, Child] = {}
         self.server = RpcServer(transport, control, {
             Hello: self._on_hello, Ready: self._on_ready, Heartbeat: self._on_heartbeat,
@@ -467,6 +489,7 @@ class Supervisor:
                         else 0,  # remote, or a Slurm step (slurmstepd is its parent)
                         keys_dir=keys_dir or self.keys_dir,
                         status_hub=status_hub or self.status_hub,
+                        status_feed=self.status_feed,
                         heartbeat_s=self.heartbeat_s, liveness=self.liveness.liveness,
                         grace_s=grace_s, config=config or {})
         return self._start(spec, host, env or {}, cwd, echo, spec_path=spec_path, cpus=cpus,

@@ -15,6 +15,10 @@ version + 1 (protocol in `rollmesh.synchronizer`). A resumed trainer continues t
 The queue streams the batches (`message_queue.BatchFeed`): the next step's batch is taken and
 sent while this step trains, when both train at the same version.
 
+Evaluations (`rollout.eval_every`): the rollouter publishes each finished round to the launcher's
+status hub as an `EvalResult`; rank 0 subscribes (`Evaluations`) and writes the newest round
+not yet reported into the next step's metrics row (eval_pass@k, eval/{source}/...).
+
 Ranks: K processes (role instances 0..K-1), each its own role process, join the trainer's own
 process group at `rendezvous` (rank 0 hosts the TCPStore): gloo on CPU, nccl on GPUs; the
 models are sharded with FSDP2 (`training.state.shard`; 2 CPU ranks match 1 rank within ~1e-6
@@ -50,13 +54,13 @@ from rollmesh.message_queue import STREAM_AHEAD, BatchFeed
 from rollmesh.metrics_sink import MetricsSinks, require_extras
 from rollmesh.metrics_sink import tensorboard_writer as _tensorboard  # noqa: F401 - tests
 from rollmesh.plan import TrainerSettings
-from rollmesh.protocol import Batch, Metrics, StatsRequest
+from rollmesh.protocol import Batch, EvalResult, Metrics, StatsRequest
 from rollmesh.ranks import close_ranks, init_ranks
 from rollmesh.runtime import RoleContext
 from rollmesh.training.batching import from_groups
 from rollmesh.training.state import TrainState, build_state
 from rollmesh.training.step import prepare, step_metrics, update_policy
-from rollmesh.transport import RpcClient, RpcServer
+from rollmesh.transport import RpcClient, RpcServer, Subscriber
 from rollmesh.weight_sync.sender import WeightSender, finish_sync, sync_weights
 
 run = asyncio.to_thread  # torch work leaves the event loop free for heartbeats and stats
@@ -71,10 +75,10 @@ def checkpoint_dir(settings: TrainerSettings) -> str | None:
 
 
 class Link:
-    """Rank 0's connections to the other roles: queue, stats server, weight sender, rollouter
-    (the latest evaluation). `checkpoint_step`: the step of the latest checkpoint (None without
-    a checkpoint directory), read from the directory once (`resumed`) and then kept by
-    `save_checkpoint`."""
+    """Rank 0's connections to the other roles: queue, stats server, weight sender, and the
+    status hub's evaluation results (`Evaluations`). `checkpoint_step`: the step of the latest
+    checkpoint (None without a checkpoint directory), read from the directory once (`resumed`)
+    and then kept by `save_checkpoint`."""
 
     def __init__(self, ctx: RoleContext, settings: TrainerSettings, state: TrainState,
                  resumed: Path | None = None):
@@ -82,8 +86,7 @@ class Link:
         t = ctx.transport
         self.mq = RpcClient(t, settings.message_queue, timeout_s=60, name="message queue")
         self.feed = BatchFeed(self.mq, state.exp.rollout.batch_groups, log=ctx.log)
-        self.rollouter = (RpcClient(t, settings.rollouter, timeout_s=30, name="rollouter")
-                          if settings.rollouter else None)
+        self.evals = Evaluations(ctx if state.exp.rollout.eval_every else None)
         self.sender = (WeightSender(t, to_dict(settings), state.exp.sync, state.device,
                                     api_key=run_api_key(ctx.spec.keys_dir))
                        if settings.synchronizer else None)
@@ -91,7 +94,6 @@ class Link:
                                 {StatsRequest: self._stats}, name="trainer")
         self._serving: asyncio.Task | None = None
         self.last_metrics: dict[str, Any] = {}
-        self.eval: dict[str, Any] | None = None  # the newest evaluation, for the monitor
         metrics_path = settings.metrics_path
         self.metrics_path = Path(metrics_path) if metrics_path else None
         if self.metrics_path is not None:  # on another host, the run's directory is new there
@@ -105,6 +107,7 @@ class Link:
         if self.sender is not None:
             await self.sender.open()
         self._serving = asyncio.create_task(self.server.serve())
+        self.evals.open()
         return {"rpc": self.server.address}
 
     async def close(self) -> None:
@@ -113,9 +116,8 @@ class Link:
         if self.sender is not None:
             await self.sender.close()
         self.feed.close()
-        for client in (self.mq, self.rollouter):
-            if client is not None:
-                client.close()
+        self.evals.close()
+        self.mq.close()
         self.server.close()
         if self.sinks is not None:  # W&B finishes its run and stops its service process
             sinks, self.sinks = self.sinks, None
@@ -158,11 +160,54 @@ class Link:
                           broadcast_s=round(timings.get("sync_broadcast_s", 0.0), 4),
                           attempts=timings.get("sync_attempts"))
 
-    async def latest_eval(self) -> dict[str, Any] | None:
-        """The rollouter's newest finished evaluation of the held-out set, if any."""
-        if self.rollouter is None or not self.state.exp.rollout.eval_every:
+
+class Evaluations:
+    """The rollouter's evaluation results, as it publishes them to the status hub (topic
+    `eval.rollouter.`): each round when it ends, and the newest again every status interval.
+    Keeps the newest by version, so a message pub/sub dropped is made good by the next one and
+    an older one arriving late changes nothing; `unreported` hands each version out once
+    (`reported`: the last handed out, for the trainer's stats). Without a hub (no launcher) or
+    without evaluation (`ctx` None) nothing arrives; the training is the same."""
+
+    def __init__(self, ctx: RoleContext | None):
+        self.ctx = ctx
+        self.newest: EvalResult | None = None
+        self.reported: EvalResult | None = None
+        self._sub: Subscriber | None = None
+        self._task: asyncio.Task | None = None
+
+    def open(self) -> None:
+        self._sub = self.ctx.subscribe("eval.rollouter.") if self.ctx is not None else None
+        if self._sub is not None:
+            self._task = asyncio.create_task(self._receive(self._sub), name="evaluations")
+
+    def take(self, rec: Any) -> None:
+        if not isinstance(rec, EvalResult):
+            if self.ctx is not None:
+                self.ctx.log.warning("unexpected_eval_record", type=type(rec).__name__)
+            return
+        if self.newest is None or rec.version > self.newest.version:
+            self.newest = rec
+
+    def unreported(self) -> EvalResult | None:
+        """The newest result if it is newer than the last one handed out (it becomes that)."""
+        latest = self.newest
+        if latest is None or (self.reported is not None
+                              and latest.version <= self.reported.version):
             return None
-        return (await self.rollouter.request(StatsRequest())).values.get("eval")
+        self.reported = latest
+        return latest
+
+    async def _receive(self, sub: Subscriber) -> None:
+        while True:
+            _, rec = await sub.recv()  # a malformed one is counted and skipped by recv
+            self.take(rec)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._sub is not None:
+            self._sub.close()
 
 
 # -- batches in ------------------------------------------------------------------------------------
@@ -252,7 +297,6 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
     ckpt_dir = checkpoint_dir(settings)
     every = exp.trainer.checkpoint_every
     saved_at = state.step
-    reported_eval = None
     if state.step > 0 and state.version > 0:
         await publish_resumed(ctx, state, sender)
     while True:
@@ -265,10 +309,9 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
             metrics.update(await sync_weights(state, sender))
             await export_version(settings, state)
         if link is not None:
-            latest = await link.latest_eval()
-            if latest and latest != reported_eval:  # each evaluation once, on the next step
-                metrics.update(eval_metrics(latest))  # eval_pass@k, eval/{source}/...
-                reported_eval = link.eval = latest
+            evaluated = link.evals.unreported()  # each round once, the step after it arrives
+            if evaluated is not None:
+                metrics.update(eval_metrics(evaluated.summary()))  # eval_pass@k, eval/{source}/..
             link.report(metrics)
         # after the step's row: a checkpoint never holds a step whose row was not written
         # (killed in between, the step is trained again and its row written again)
@@ -377,8 +420,9 @@ async def main(ctx: RoleContext) -> None:
             ctx.set_status(lambda: {
                 "step": state.step, "version": state.version,
                 "samples_consumed": state.samples_consumed, **link.last_metrics,
-                **({"eval_reward_mean": link.eval["reward_mean"],
-                    "eval_version": link.eval["version"]} if link.eval else {})})
+                **({"eval_reward_mean": link.evals.reported.reward_mean,
+                    "eval_version": link.evals.reported.version}
+                   if link.evals.reported else {})})
         ctx.log.info("trainer_config", rank=ranks.rank, ranks=ranks.world, device=str(device),
                      backend=backend, sharding="fsdp2" if ranks.world > 1 else "none",
                      params=sum(math.prod(p.shape) for p in state.model.parameters()),

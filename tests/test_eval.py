@@ -1,9 +1,10 @@
 """Evaluation users can read: pass@k (the unbiased estimator, checked against every subset),
 a round's summary per data_source, the flat keys of the metrics row, the monitor's eval panel,
-and a real short run with rollout.eval_n answers per prompt."""
+the rollouter's results reaching the trainer through the status hub, and a real short run with rollout.eval_n answers per prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -12,14 +13,21 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
+import msgpack
 import pytest
 from rich.console import Console
 
 from rollmesh.evaluation import eval_metrics, eval_summary, pass_at_k, pass_ks
+from rollmesh.log import get_logger
 from rollmesh.monitor import StatusBoard, render
-from rollmesh.protocol import Metrics
+from rollmesh.protocol import EvalResult, Metrics, ProtocolError, decode, encode
+from rollmesh.rollouter import announce_evals
+from rollmesh.runtime import RoleContext, RoleSpec
+from rollmesh.trainer import Evaluations
+from rollmesh.transport import Publisher, StatusProxy, Transport
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,6 +204,110 @@ def test_monitor_eval_before_any_round_and_from_the_trainer_alone():
 # -- a real run -----------------------------------------------------------------------------------
 
 SOURCES = ("letters/people", "letters/sea")
+
+
+# -- the hand-off: rollouter -> status hub -> trainer --------------------------------------------
+
+
+def eval_result(version: int, reward: float = 0.5, sources: int = 2) -> EvalResult:
+    figures = {"prompts": 3, "n": 6, "failed": 0, "reward_mean": reward,
+               "pass_at": {"1": reward, "2": min(1.0, 2 * reward)}}
+    return EvalResult(version=version, prompts=3 * sources, n=6 * sources, failed=1,
+                      reward_mean=reward, pass_at={"1": reward, "2": min(1.0, 2 * reward)},
+                      by_source={f"source{i:02d}": dict(figures) for i in range(sources)},
+                      answers_resumed=2, response_tokens=640)
+
+
+def test_an_eval_result_crosses_the_wire_typed_and_strictly_checked():
+    rec = eval_result(4)
+    assert decode(encode(rec)) == rec
+    none = EvalResult(version=0, prompts=2, n=0, failed=2, reward_mean=None, pass_at={})
+    assert decode(encode(none)) == none and "by_source" not in none.summary()
+    frames = encode(rec)
+    body = msgpack.unpackb(frames[1])
+    body["pass_at"] = {"1": "half"}
+    with pytest.raises(ProtocolError, match="pass_at"):
+        decode([frames[0], msgpack.packb(body)])
+    # its summary is what eval_summary gives, so the metrics row keys are unchanged
+    row = eval_metrics(rec.summary())
+    assert row["eval_version"] == 4 and row["eval_pass@2"] == 1.0
+    assert row["eval/source01/pass@1"] == 0.5 and row["eval_failed"] == 1
+
+
+def test_the_trainer_reports_each_round_once_and_the_newest_by_version():
+    evals = Evaluations(None)
+    assert evals.unreported() is None
+    evals.take(eval_result(2))
+    assert evals.unreported().version == 2
+    evals.take(eval_result(2))  # the rollouter's repeat every status interval
+    assert evals.unreported() is None
+    evals.take(eval_result(6))
+    evals.take(eval_result(4))  # late and older: changes nothing
+    evals.take(Metrics(role="rollouter", host="h", values={}))  # not an EvalResult: ignored
+    got = evals.unreported()
+    assert got.version == 6 and evals.reported is got and evals.unreported() is None
+
+
+def role_context(t: Transport, hub: StatusProxy, role: str, interval_s: float) -> RoleContext:
+    spec = RoleSpec(role=role, entry="x:y", control="tcp://127.0.0.1:1",
+                    status_hub=hub.frontend, status_feed=hub.backend, status_interval_s=interval_s)
+    ctx = RoleContext(spec, t, control=None, log=get_logger("test"))
+    ctx.publisher = Publisher(t, hub.frontend)
+    return ctx
+
+
+def test_a_finished_round_reaches_the_trainer_through_the_hub_at_once_and_again():
+    async def until(cond, timeout_s: float = 10.0) -> None:
+        began = time.monotonic()
+        while not cond() and time.monotonic() - began < timeout_s:
+            await asyncio.sleep(0.01)
+
+    async def main():
+        with Transport() as t:
+            hub = StatusProxy(t, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+            # a status interval far longer than the test: what arrives was sent as the round ended
+            rollouter = role_context(t, hub, "rollouter", interval_s=600)
+            rounds = types.SimpleNamespace(last=None, on_result=None)
+            announcing = asyncio.create_task(announce_evals(rollouter, rounds))
+            evals = Evaluations(role_context(t, hub, "trainer", 600))
+            evals.open()
+            await asyncio.sleep(0.5)  # the subscription reaches the hub; nothing ended yet
+            assert evals.newest is None
+            rounds.last = eval_result(0, reward=0.25)
+            rounds.on_result(rounds.last)  # a round ends
+            await until(lambda: evals.newest is not None)
+            assert evals.unreported() == rounds.last
+            announcing.cancel()
+            # the newest again every interval: a trainer that subscribes later (restarted)
+            # gets it, as does one whose message was dropped
+            again = asyncio.create_task(announce_evals(role_context(t, hub, "rollouter", 0.2),
+                                                       rounds))
+            late = Evaluations(role_context(t, hub, "trainer", 600))
+            late.open()
+            await until(lambda: late.newest is not None)
+            assert late.unreported() == rounds.last
+            assert evals.unreported() is None  # the repeats report nothing twice
+            again.cancel()
+            for e in (evals, late):
+                e.close()
+            hub.close()
+
+    asyncio.run(main())
+
+
+def test_without_a_hub_there_is_nothing_to_subscribe_or_announce():
+    async def main():
+        with Transport() as t:
+            spec = RoleSpec(role="trainer", entry="x:y", control="tcp://127.0.0.1:1")
+            ctx = RoleContext(spec, t, control=None, log=get_logger("test"))
+            assert ctx.subscribe("eval.") is None
+            assert await ctx.announce("eval", eval_result(0)) is False
+            evals = Evaluations(ctx)
+            evals.open()  # no hub: nothing to receive, training goes on the same
+            assert evals.unreported() is None
+            evals.close()
+
+    asyncio.run(main())
 
 
 def write_eval_set(path: Path, prompts: int = 4) -> Path:

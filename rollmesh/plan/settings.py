@@ -84,8 +84,6 @@ class TrainerSettings:
     message_queue: str = _field("the MessageQueue's RPC address")
     synchronizer: str | None = _field(
         "the synchronizer's RPC address; none: no weight sync", None)
-    rollouter: str | None = _field(
-        "the rollouter's control address (the latest evaluation); none: not asked", None)
     engines: list[str] = _field("engine URLs (the weight-update group)", factory=list)
     engine_tp_sizes: list[int] | None = _field(
         "each engine's TP size (its ranks in the weight-update group); none: 1 each", None,

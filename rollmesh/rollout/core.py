@@ -481,7 +481,8 @@ class RolloutCore:
             "workers": {w.name: {"kind": w.kind, "credits": w.credits, "out": len(w.out)}
                         for w in self.workers.values()},
             "channel_protocol_errors": protocol_errors,
-            "eval": self.eval.last, "eval_pending": len(self.eval.queue),
+            "eval": self.eval.last.summary() if self.eval.last else None,
+            "eval_pending": len(self.eval.queue),
             "cursor": self.source.state(),
             "engines_healthy": self.engines_healthy, "engines": len(self.engines),
             "admission": self.admission, "queue_stale_groups": self.queue_stale_groups,

@@ -6,8 +6,9 @@ One round per `rollout.eval_every` versions (version 0 included: the policy befo
 dispatches them after its cancel queue and before new prompts. An answer a sync interrupts is
 resumed like a training trajectory (its partial tokens kept), still labelled by the version its
 round started at, so an answer longer than a sync interval still finishes. When the last answer
-of a round is scored, the round ends in one summary (`last`: the stats' `eval` and the `eval`
-log line): mean reward, pass@k and the same per data_source (`rollmesh.evaluation`).
+of a round is scored, the round ends in one `protocol.EvalResult` (`last`: the stats' `eval`,
+the `eval` log line, and `on_result`, through which the rollouter publishes it to the status
+hub for the trainer): mean reward, pass@k and the same per data_source (`rollmesh.evaluation`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable
 from rollmesh.config import ExperimentConfig
 from rollmesh.data import Dataset, PromptRow, render_prompt
 from rollmesh.evaluation import eval_summary
-from rollmesh.protocol import Trajectory
+from rollmesh.protocol import EvalResult, Trajectory
 from rollmesh.trajectories import new_trajectory
 
 __all__ = ["EvalRounds", "is_eval"]
@@ -30,7 +31,8 @@ def is_eval(traj: Trajectory) -> bool:
 
 class EvalRounds:
     """The rounds started and not yet summarised, their queue of answers not yet dispatched,
-    and the last summary. `counters`: the rollouter's own (`eval_interrupted`)."""
+    and the last result. `counters`: the rollouter's own (`eval_interrupted`); `on_result`:
+    called with each round's result as it ends."""
 
     def __init__(self, exp: ExperimentConfig, log: Any, counters: collections.Counter[str]):
         self.exp, self.log, self.counters = exp, log, counters
@@ -38,7 +40,8 @@ class EvalRounds:
                      if exp.rollout.eval_every and exp.data.eval_path else [])
         self.queue: collections.deque[Trajectory] = collections.deque()
         self.runs: dict[int, dict[str, Any]] = {}
-        self.last: dict[str, Any] | None = None
+        self.last: EvalResult | None = None
+        self.on_result: Callable[[EvalResult], None] | None = None
         if self.rows and getattr(exp.rollout, "eval_n", 1) > 1 \
                 and exp.rollout.eval_temperature == 0:
             self.log.warning("eval_n_greedy", eval_n=exp.rollout.eval_n,
@@ -98,7 +101,9 @@ class EvalRounds:
             summary = eval_summary(run["records"], eval_n=getattr(self.exp.rollout, "eval_n", 1),
                                    threshold=getattr(self.exp.rollout, "eval_pass_threshold",
                                                      1.0))
-            self.last = {"version": v, **summary, "answers_resumed": run["resumed"],
-                         "response_tokens": run["response_tokens"]}
+            self.last = EvalResult(version=v, **summary, answers_resumed=run["resumed"],
+                                   response_tokens=run["response_tokens"])
             del self.runs[v]
-            self.log.info("eval", **self.last)
+            self.log.info("eval", **self.last.summary())
+            if self.on_result is not None:
+                self.on_result(self.last)
