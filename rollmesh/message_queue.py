@@ -27,9 +27,13 @@ its version. Entries are msgpack lists; a group travels as the wire codec's own 
     ["version", v]                       the weight version
     ["state", {counters}]                absolute counters: the last record of a compacted log
 
-Compaction: when the file exceeds max(2 x live bytes, `compact_floor_bytes`) it is rewritten as
+Compaction: when the log exceeds max(2 x live bytes, `compact_floor_bytes`) it is rewritten as
 the live records only (puts of queued and pending groups, takes of the pending hand-outs, then
-the counters), so disk use stays within about max(2 x live, floor) + one record.
+the counters), so the log stays within about max(2 x live, floor) + one record. The log is
+recycled (`DurableLog` with `recycle=True`): a compaction writes the new log, salted, over the
+file the compaction before replaced, and keeps the file it replaces as the next one's spare, so
+appends go on over pages the kernel already caches instead of new ones; disk use is the log and
+one spare no larger than a log before its compaction.
 
 Hand-out with acknowledgement (issue 9): `GetBatch.step` is the trainer step the batch is for
 (state.step + 1) and `committed_step` the step of its latest checkpoint. A batch handed out for
@@ -264,7 +268,8 @@ class MessageQueue:
         self._compact_after = 0.0  # a failed compaction (no room) is retried after this
         if state_dir is not None:
             self.journal, payloads = DurableLog.open(
-                Path(state_dir) / LOG_NAME, fsync_interval_s=fsync_interval_s, log=self.log)
+                Path(state_dir) / LOG_NAME, fsync_interval_s=fsync_interval_s, log=self.log,
+                recycle=True)
             for i, payload in enumerate(payloads):
                 try:
                     self._apply(decode_entry(payload), len(payload) + HEADER.size)
