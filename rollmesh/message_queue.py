@@ -42,8 +42,9 @@ for a step already handed out and not yet committed (the trainer restarted from 
 or a retried request) gets exactly the same groups again, counted once. step = 0 keeps the old
 behaviour: a batch handed out is gone.
 
-The hot path (issue 16). The rollouter puts what it has ready in one PutGroups (`put_ready`):
-the groups' records go to the log in one write, acknowledged together. A group travels nested
+The hot path (issue 16). The rollouter puts what it has ready in PutGroups (`put_ready`), two
+out at once, what is ready shared between them so that they overlap: each put's records go to
+the log in one write, acknowledged together. A group travels nested
 as its own frames (`protocol.Framed`): the queue checks it strictly, keeps the frames it came
 in, writes those to the log and hands those out, never encoding a group again; the header of
 its put record is kept too, so a compaction writes the record again without its checksum
@@ -653,9 +654,9 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                     full: Callable[[], None] | None = None, timeout_s: float = 30.0,
                     max_groups: int = PUT_MAX_GROUPS, max_bytes: int = PUT_MAX_BYTES,
                     in_flight: int = PUTS_IN_FLIGHT) -> None:
-    """The rollouter's put loop, until cancelled: what is ready goes to the queue in one
-    PutGroups, oldest first, with up to `in_flight` puts out at once (the queue writes one
-    while it receives and checks the next). A group stays in `ready` until the queue has it
+    """The rollouter's put loop, until cancelled: what is ready goes to the queue in
+    PutGroups, oldest first, with up to `in_flight` puts out at once, shared evenly over the
+    puts that may go out (the queue writes one while it receives and checks the next). A group stays in `ready` until the queue has it
     in its log (then `queued(group)` is called); what the queue refused because it is full
     stays and goes again (`full()` is called; no new put for 10 ms, doubling to 0.5 s). A
     failed put (timeout, error) goes again after a second: a group the queue took and whose
@@ -671,7 +672,12 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                 waiting = collections.deque(g for g in ready if id(g) not in out)
                 if not waiting:
                     break
-                groups = next_put(waiting, max_groups=max_groups, max_bytes=max_bytes)
+                # what waits is shared over the puts that may go out now, so that they overlap
+                # (the queue writes one while the next is sent and checked) instead of one
+                # put carrying it all while the others have nothing to carry
+                share = -(-len(waiting) // (in_flight - len(flying)))
+                groups = next_put(waiting, max_groups=min(max_groups, share),
+                                  max_bytes=max_bytes)
                 flying.append((asyncio.create_task(
                     mq.request(PutGroups(groups=groups), timeout_s=timeout_s)), groups))
                 out.update(map(id, groups))
