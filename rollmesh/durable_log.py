@@ -1,9 +1,18 @@
 """An append-only log of checksummed records in one file: the MessageQueue's durable state.
 
-File layout:
+File layout, in one of two versions:
 
-    MAGIC (8 bytes: b"RMQLOG01")
+    MAGIC (8 bytes: b"RMQLOG01")                        a log written as one file from the start
     record*       record := length (u32 LE) | crc32 of payload (u32 LE) | payload (length bytes)
+
+    MAGIC_SALTED (8 bytes: b"RMQLOG02") | salt (u32 LE) | crc32 of the 12 bytes before (u32 LE)
+    record*       the same, but the stored checksum is crc32(payload) XOR salt
+
+A salted file is one that a compaction wrote into a recycled file (`recycle=True`, below): the
+bytes past its last record may be records of the file's earlier lives, whole and checksummed
+under their own salt. The salt (each compaction's one more than the last) makes them fail the
+check, so a replay stops where this life's records end, exactly as at a torn tail. An
+unsalted log reads as salt 0 (crc32 XOR 0 is crc32): both versions replay.
 
 The payload is opaque here (the MessageQueue writes msgpack entries whose groups are the wire
 codec's frames, never pickle). Reading stops at the first record that is incomplete or whose
@@ -28,6 +37,16 @@ Durability (`fsync_interval_s`):
   what the kernel held may not be on disk, so the owner should stop and replay the file.
 - A failed compaction (`rewrite`: no room for the new file) leaves the log as it was.
 
+Recycling (`recycle=True`, the MessageQueue's log): writing into pages the kernel must first
+allocate (and later free, when a compacted log is deleted) costs about three times what
+writing over pages it already caches does. So a compaction keeps the log it replaces as a
+spare (`<log>.compact`, under a second hard link while the new one is renamed in, so the log's
+name always holds a whole log) and the next compaction writes into the spare from its start,
+salted: the new log reuses the spare's pages, and appends go on over the rest of them. The file
+is then longer than its records until appends pass its old end; `close` cuts it back and
+deletes the spare (a leftover spare is deleted on open). Disk use: the log, plus a spare no
+larger than a log was before its compaction.
+
 Compaction: `rewrite(payloads)` writes the live records to a temporary file beside the log,
 fsyncs it, renames it over the log and fsyncs the directory: a crash at any moment leaves either
 the old log or the new one, whole. When to compact is the owner's rule (MessageQueue: when the
@@ -45,7 +64,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 MAGIC = b"RMQLOG01"
-HEADER = struct.Struct("<II")  # payload length, crc32(payload)
+MAGIC_SALTED = b"RMQLOG02"
+HEADER = struct.Struct("<II")  # payload length, crc32(payload) (XOR the file's salt)
+SALT_HEADER = struct.Struct("<8sII")  # MAGIC_SALTED, salt, crc32 of the 12 bytes before
 MAX_RECORD_BYTES = 1 << 31
 
 
@@ -70,11 +91,28 @@ def record_size(header: bytes) -> int:
     return HEADER.size + HEADER.unpack(header)[0]
 
 
-def scan(data: bytes | memoryview) -> tuple[list[memoryview], int]:
-    """The whole records of a log image (after MAGIC) and the offset where they end."""
+def salted(head: bytes, salt: int) -> bytes:
+    """A record header with its stored checksum XORed with `salt` (moved from one file's salt
+    to another's: XOR both)."""
+    if not salt:
+        return head
+    length, crc = HEADER.unpack(head)
+    return HEADER.pack(length, crc ^ salt)
+
+
+def salt_header(salt: int) -> bytes:
+    """The first bytes of a salted log."""
+    head = MAGIC_SALTED + salt.to_bytes(4, "little")
+    return head + zlib.crc32(head).to_bytes(4, "little")
+
+
+def scan(data: bytes | memoryview, start: int = len(MAGIC),
+         salt: int = 0) -> tuple[list[memoryview], int]:
+    """The whole records of a log image (from `start`, after the file's header) whose checksums
+    match under `salt`, and the offset where they end."""
     view = memoryview(data)
     records = []
-    offset = len(MAGIC)
+    offset = start
     end = len(view)
     while offset + HEADER.size <= end:
         length, crc = HEADER.unpack_from(view, offset)
@@ -82,7 +120,7 @@ def scan(data: bytes | memoryview) -> tuple[list[memoryview], int]:
         if start + length > end:
             break
         payload = view[start:start + length]
-        if zlib.crc32(payload) != crc:
+        if zlib.crc32(payload) ^ salt != crc:
             break
         records.append(payload)
         offset = start + length
@@ -115,10 +153,14 @@ def write_atomic(path: Path, text: str, fsync: bool = True) -> None:
 class DurableLog:
     """Open with `DurableLog.open(path)`, which also returns the records already there."""
 
-    def __init__(self, path: Path, fd: int, size: int, fsync_interval_s: float, log=None):
+    def __init__(self, path: Path, fd: int, size: int, fsync_interval_s: float, log=None,
+                 salt: int = 0, recycle: bool = False):
         self.path = path
         self._fd: int | None = fd
-        self.size = size
+        self.size = size  # where this life's records end (the file may be longer: recycled)
+        self.salt = salt  # XORed into every record's checksum (0: an unsalted log)
+        self.recycle = recycle
+        self._spare: Path | None = None  # the log before the last compaction, for the next
         self.fsync_interval_s = fsync_interval_s
         self.log = log
         self.dirty = False
@@ -132,17 +174,20 @@ class DurableLog:
         self.discarded_bytes = 0  # torn tail cut off at open
 
     @classmethod
-    def open(cls, path: str | Path, *, fsync_interval_s: float = 1.0,
-             log=None) -> tuple[DurableLog, list[bytes]]:
+    def open(cls, path: str | Path, *, fsync_interval_s: float = 1.0, log=None,
+             recycle: bool = False) -> tuple[DurableLog, list[bytes]]:
+        """`recycle`: compactions reuse the file they replace (see the module doc)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".compact")
-        if tmp.exists():  # a compaction that did not finish: the log itself is whole
-            tmp.unlink()
+        for leftover in (path.with_name(path.name + ".compact"),
+                         path.with_name(path.name + ".old")):
+            # a compaction that did not finish, or a spare: the log itself is whole
+            leftover.unlink(missing_ok=True)
         created = not path.exists()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             data = b""
+            salt = 0
             size = os.fstat(fd).st_size
             if size:
                 with open(path, "rb") as f:
@@ -153,6 +198,18 @@ class DurableLog:
                 os.write(fd, MAGIC)
                 os.fsync(fd)
                 discarded = 0
+            elif data.startswith(MAGIC_SALTED):
+                if len(data) < SALT_HEADER.size or \
+                        zlib.crc32(data[:SALT_HEADER.size - 4]) != SALT_HEADER.unpack_from(data)[2]:
+                    raise LogFormatError(f"{path}: the header of a salted rollmesh queue log "
+                                         f"is damaged ({bytes(data[:SALT_HEADER.size])!r})")
+                salt = SALT_HEADER.unpack_from(data)[1]
+                views, good = scan(data, SALT_HEADER.size, salt)
+                records = [bytes(v) for v in views]
+                discarded = len(data) - good
+                if discarded:
+                    os.ftruncate(fd, good)
+                    os.fsync(fd)
             elif not data.startswith(MAGIC):
                 raise LogFormatError(f"{path} is not a rollmesh queue log "
                                      f"(starts with {bytes(data[:8])!r})")
@@ -169,7 +226,7 @@ class DurableLog:
             raise
         if created:
             fsync_dir(path.parent)
-        self = cls(path, fd, good, fsync_interval_s, log)
+        self = cls(path, fd, good, fsync_interval_s, log, salt=salt, recycle=recycle)
         self.discarded_bytes = discarded
         if discarded and log is not None:
             log.warning("log_torn_tail", path=str(path), kept_bytes=good,
@@ -203,7 +260,7 @@ class DurableLog:
             crc = 0
             for v in views:
                 crc = zlib.crc32(v, crc)
-            header = HEADER.pack(length, crc)
+            header = HEADER.pack(length, crc ^ self.salt)
             headers.append(header)
             pending.append(memoryview(header))
             pending += (v for v in views if v.nbytes)
@@ -272,24 +329,33 @@ class DurableLog:
     def rewrite(self, records: Iterable[bytes | tuple[bytes, list[Any]]]) -> list[bytes]:
         """Replace the log by exactly these records (atomically, durably). A record is its
         payload, or (header, payload parts) as `append_records` wrote it before: written again
-        as it is, without computing its checksum again. Returns every record's header."""
+        as it is, without computing its checksum again (moved to the new file's salt by an
+        XOR). Returns every record's header.
+
+        `recycle`: the new log is written salted into the spare (the log the last compaction
+        replaced: its pages are cached), and the log it replaces becomes the next spare."""
         assert self._fd is not None, "log is closed"
         tmp = self.path.with_name(self.path.name + ".compact")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        reuse = self.recycle and self._spare is not None and tmp.exists()
+        salt = ((self.salt + 1) & 0xFFFFFFFF or 1) if self.recycle else 0
+        moved = self.salt ^ salt  # XOR into a kept header: its checksum under the new salt
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | (0 if reuse else os.O_TRUNC), 0o600)
         size = 0
         headers: list[bytes] = []
         try:
             with os.fdopen(fd, "wb", buffering=1 << 20, closefd=False) as f:
-                f.write(MAGIC)
-                size += len(MAGIC)
+                head = salt_header(salt) if self.recycle else MAGIC
+                f.write(head)
+                size += len(head)
                 for r in records:
                     if isinstance(r, tuple):
                         head, parts = r
+                        head = salted(head, moved)
                         f.write(head)
                         for part in parts:
                             f.write(part)
                     else:
-                        head = header(r)
+                        head = salted(header(r), salt)
                         f.write(head)
                         f.write(r)
                     headers.append(head)
@@ -298,30 +364,56 @@ class DurableLog:
         except BaseException as e:
             os.close(fd)
             tmp.unlink(missing_ok=True)
+            self._spare = None
             if isinstance(e, OSError) and e.filename is None:
                 raise OSError(e.errno, e.strerror, str(tmp)) from None
             raise
         os.close(fd)
+        spare = None
+        if self.recycle:
+            # the log being replaced keeps a second name, so that it survives the rename as
+            # the next spare (the log's own name holds a whole log at every moment)
+            spare = self.path.with_name(self.path.name + ".old")
+            try:
+                spare.unlink(missing_ok=True)
+                os.link(self.path, spare)
+            except OSError:  # no hard links here: the old log is simply deleted
+                spare = None
         os.replace(tmp, self.path)
         fsync_dir(self.path.parent)
+        self._spare = None
+        if spare is not None:
+            try:
+                os.replace(spare, tmp)
+                self._spare = tmp
+            except OSError:
+                spare.unlink(missing_ok=True)
         before = self.size
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_RDWR)
-        os.lseek(self._fd, 0, os.SEEK_END)
+        os.lseek(self._fd, size, os.SEEK_SET)  # a recycled file goes on past its records
         self.size = size
+        self.salt = salt
         self.dirty = False
         self.last_sync = time.monotonic()
         self.compactions += 1
         if self.log is not None:
             self.log.info("log_compacted", path=str(self.path), before_bytes=before,
-                          after_bytes=size)
+                          after_bytes=size, recycled=reuse)
         return headers
 
     def close(self) -> None:
+        """Sync and close; a recycled file is cut back to its records, the spare deleted."""
         if self._fd is not None:
+            if self.recycle and os.fstat(self._fd).st_size > self.size:
+                os.ftruncate(self._fd, self.size)
+                self.dirty = True
             self.sync()
             os.close(self._fd)
             self._fd = None
+        if self._spare is not None:
+            self._spare.unlink(missing_ok=True)
+            self._spare = None
 
     @property
     def closed(self) -> bool:

@@ -27,9 +27,13 @@ its version. Entries are msgpack lists; a group travels as the wire codec's own 
     ["version", v]                       the weight version
     ["state", {counters}]                absolute counters: the last record of a compacted log
 
-Compaction: when the file exceeds max(2 x live bytes, `compact_floor_bytes`) it is rewritten as
+Compaction: when the log exceeds max(2 x live bytes, `compact_floor_bytes`) it is rewritten as
 the live records only (puts of queued and pending groups, takes of the pending hand-outs, then
-the counters), so disk use stays within about max(2 x live, floor) + one record.
+the counters), so the log stays within about max(2 x live, floor) + one record. The log is
+recycled (`DurableLog` with `recycle=True`): a compaction writes the new log, salted, over the
+file the compaction before replaced, and keeps the file it replaces as the next one's spare, so
+appends go on over pages the kernel already caches instead of new ones; disk use is the log and
+one spare no larger than a log before its compaction.
 
 Hand-out with acknowledgement (issue 9): `GetBatch.step` is the trainer step the batch is for
 (state.step + 1) and `committed_step` the step of its latest checkpoint. A batch handed out for
@@ -38,8 +42,9 @@ for a step already handed out and not yet committed (the trainer restarted from 
 or a retried request) gets exactly the same groups again, counted once. step = 0 keeps the old
 behaviour: a batch handed out is gone.
 
-The hot path (issue 16). The rollouter puts what it has ready in one PutGroups (`put_ready`):
-the groups' records go to the log in one write, acknowledged together. A group travels nested
+The hot path (issue 16). The rollouter puts what it has ready in PutGroups (`put_ready`), two
+out at once, what is ready shared between them so that they overlap: each put's records go to
+the log in one write, acknowledged together. A group travels nested
 as its own frames (`protocol.Framed`): the queue checks it strictly, keeps the frames it came
 in, writes those to the log and hands those out, never encoding a group again; the header of
 its put record is kept too, so a compaction writes the record again without its checksum
@@ -264,7 +269,8 @@ class MessageQueue:
         self._compact_after = 0.0  # a failed compaction (no room) is retried after this
         if state_dir is not None:
             self.journal, payloads = DurableLog.open(
-                Path(state_dir) / LOG_NAME, fsync_interval_s=fsync_interval_s, log=self.log)
+                Path(state_dir) / LOG_NAME, fsync_interval_s=fsync_interval_s, log=self.log,
+                recycle=True)
             for i, payload in enumerate(payloads):
                 try:
                     self._apply(decode_entry(payload), len(payload) + HEADER.size)
@@ -648,9 +654,9 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                     full: Callable[[], None] | None = None, timeout_s: float = 30.0,
                     max_groups: int = PUT_MAX_GROUPS, max_bytes: int = PUT_MAX_BYTES,
                     in_flight: int = PUTS_IN_FLIGHT) -> None:
-    """The rollouter's put loop, until cancelled: what is ready goes to the queue in one
-    PutGroups, oldest first, with up to `in_flight` puts out at once (the queue writes one
-    while it receives and checks the next). A group stays in `ready` until the queue has it
+    """The rollouter's put loop, until cancelled: what is ready goes to the queue in
+    PutGroups, oldest first, with up to `in_flight` puts out at once, shared evenly over the
+    puts that may go out (the queue writes one while it receives and checks the next). A group stays in `ready` until the queue has it
     in its log (then `queued(group)` is called); what the queue refused because it is full
     stays and goes again (`full()` is called; no new put for 10 ms, doubling to 0.5 s). A
     failed put (timeout, error) goes again after a second: a group the queue took and whose
@@ -666,7 +672,12 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                 waiting = collections.deque(g for g in ready if id(g) not in out)
                 if not waiting:
                     break
-                groups = next_put(waiting, max_groups=max_groups, max_bytes=max_bytes)
+                # what waits is shared over the puts that may go out now, so that they overlap
+                # (the queue writes one while the next is sent and checked) instead of one
+                # put carrying it all while the others have nothing to carry
+                share = -(-len(waiting) // (in_flight - len(flying)))
+                groups = next_put(waiting, max_groups=min(max_groups, share),
+                                  max_bytes=max_bytes)
                 flying.append((asyncio.create_task(
                     mq.request(PutGroups(groups=groups), timeout_s=timeout_s)), groups))
                 out.update(map(id, groups))

@@ -835,6 +835,38 @@ def _buffer(frame: Frame) -> memoryview:
     return view.cast("B")
 
 
+# Array headers already checked -> (frame index, dtype, shape (None: 1-d), bytes expected).
+# The same few headers come in every message of a stream (the same fields, dtypes, lengths):
+# each is parsed and checked once, then found by its bytes. Bounded: cleared when full.
+_ARRAY_HEADERS: dict[bytes, tuple[int, np.dtype, tuple[int, ...] | None, int]] = {}
+_ARRAY_HEADERS_MAX = 4096
+
+
+def _array_header(data: bytes) -> tuple[int, np.dtype, tuple[int, ...] | None, int]:
+    """An array extension's header, checked (ProtocolError naming what is wrong)."""
+    meta = msgpack.unpackb(data, use_list=True)
+    if not (type(meta) is list and len(meta) == 3):
+        raise ProtocolError("array header must be [frame, dtype, shape]")
+    index, dtype_name, shape = meta
+    if type(index) is not int or index < 0:
+        raise ProtocolError(f"array refers to frame {index!r}")
+    dtype = WIRE_DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
+        raise ProtocolError(f"array dtype {dtype_name!r} is not allowed on the wire")
+    if type(shape) is not list or len(shape) > MAX_NDIM:
+        raise ProtocolError(f"bad array shape {shape!r}")
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ProtocolError(f"bad array shape {shape!r}")
+        count *= d
+    out = (index, dtype, None if len(shape) == 1 else tuple(shape), count * dtype.itemsize)
+    if len(_ARRAY_HEADERS) >= _ARRAY_HEADERS_MAX:
+        _ARRAY_HEADERS.clear()
+    _ARRAY_HEADERS[bytes(data)] = out
+    return out
+
+
 def decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None = None) -> Any:
     """Frames -> record, or ProtocolError naming what is wrong. Never allocates by a header."""
     try:
@@ -899,34 +931,21 @@ def _decode(frames: Sequence[Frame], expect: type | tuple[type, ...] | None,
             return nested(data)
         if code != _ARRAY_EXT:
             raise ProtocolError(f"unknown msgpack extension {code}")
-        meta = msgpack.unpackb(data, use_list=True)
-        if not (type(meta) is list and len(meta) == 3):
-            raise ProtocolError("array header must be [frame, dtype, shape]")
-        index, dtype_name, shape = meta
-        if type(index) is not int or not 0 <= index < n_buffers:
+        index, dtype, shape, expected = _ARRAY_HEADERS.get(data) or _array_header(data)
+        if index >= n_buffers:
             raise ProtocolError(f"array refers to frame {index!r}, message has {n_buffers}")
         if used[index]:
             raise ProtocolError(f"array frame {index} referenced twice")
         used[index] = True
-        dtype = WIRE_DTYPES.get(dtype_name) if type(dtype_name) is str else None
-        if dtype is None:
-            raise ProtocolError(f"array dtype {dtype_name!r} is not allowed on the wire")
-        if type(shape) is not list or len(shape) > MAX_NDIM:
-            raise ProtocolError(f"bad array shape {shape!r}")
-        count = 1
-        for d in shape:
-            if type(d) is not int or d < 0:
-                raise ProtocolError(f"bad array shape {shape!r}")
-            count *= d
         buf = _buffer(buffers[index])
-        expected = count * dtype.itemsize
         if expected != buf.nbytes:
             raise ProtocolError(
-                f"array frame {index} has {buf.nbytes} bytes, header says {shape} {dtype_name} "
-                f"= {expected}"
+                f"array frame {index} has {buf.nbytes} bytes, header says "
+                f"{list(shape) if shape is not None else [expected // dtype.itemsize]} "
+                f"{_DTYPE_NAMES.get(dtype, dtype.name)} = {expected}"
             )
         arr = np.frombuffer(buf, dtype=dtype)
-        return arr if len(shape) == 1 else arr.reshape(shape)
+        return arr if shape is None else arr.reshape(shape)
 
     obj = msgpack.unpackb(
         body, ext_hook=ext_hook, raw=False, strict_map_key=True, use_list=True,

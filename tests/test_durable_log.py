@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+import zlib
 
 import pytest
 
@@ -229,3 +230,85 @@ def test_an_fsync_in_another_thread_covers_what_was_written_before_it_began(tmp_
     every.append_records([[b"x"], [b"y"]])
     assert every.fsyncs == 1 and not every.dirty
     every.close()
+
+
+def crashed_copy(path, tmp_path):
+    """The file as a kill -9 would leave it (no close): copied while the log is open."""
+    copy = tmp_path / "crashed" / path.name
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(path.read_bytes())
+    return copy
+
+
+def test_a_recycled_log_never_replays_the_records_of_its_earlier_life(tmp_path):
+    """recycle=True: the second compaction writes the new log, salted, over the file the first
+    one replaced. A record of this life ending exactly where a whole record of the file's
+    earlier life begins: a kill there replays this life's records only."""
+    from rollmesh.durable_log import MAGIC_SALTED, SALT_HEADER
+
+    path = tmp_path / "q.log"
+    log, _ = DurableLog.open(path, recycle=True)
+    old = [bytes([i]) * 100 for i in range(20)]  # records of 108 bytes, from offset 8
+    for p in old:
+        log.append(p)
+    log.rewrite([])  # a new file (no spare yet); the old one is kept as the spare
+    assert (tmp_path / "q.log.compact").stat().st_size == len(MAGIC) + 20 * 108
+    log.append(b"second life")
+    log.rewrite([])  # written over the spare, from its start
+    assert path.read_bytes().startswith(MAGIC_SALTED) and log.salt == 2
+    assert log.size == SALT_HEADER.size and path.stat().st_size == len(MAGIC) + 20 * 108
+    new = b"n" * 92  # 16 + 100 = 116 = 8 + 108: the earlier life's second record starts here
+    log.append(new)
+    assert path.read_bytes()[116:116 + 108] == HEADER.pack(100, zlib.crc32(old[1])) + old[1]
+    copy = crashed_copy(path, tmp_path)
+    again, got = DurableLog.open(copy)
+    assert got == [new]  # not old[1:]: its checksum does not hold under this file's salt
+    assert again.discarded_bytes == 19 * 108 and copy.stat().st_size == 116
+    again.append(b"after")
+    again.close()
+    assert DurableLog.open(copy)[1] == [new, b"after"]
+    log.close()  # a clean close: the file cut back to its records, the spare deleted
+    assert path.stat().st_size == log.size == 116
+    assert not (tmp_path / "q.log.compact").exists()
+    reopened, got = DurableLog.open(path)
+    assert got == [new] and reopened.discarded_bytes == 0 and reopened.salt == 2
+    reopened.close()
+
+
+def test_recycled_compactions_keep_the_records_and_their_kept_headers(tmp_path):
+    """Records written again from their kept headers (checksums moved to the new salt by an
+    XOR, not computed again) replay whole, compaction after compaction, killed or closed."""
+    path = tmp_path / "q.log"
+    log, _ = DurableLog.open(path, recycle=True)
+    kept = [(log.append_records([[p]])[0], p) for p in payloads(30)]
+    for round in range(5):
+        for i in range(200):
+            log.append(b"garbage %d" % i * 50)
+        headers = log.rewrite([(h, [p]) for h, p in kept] + [b"counters %d" % round])
+        kept = list(zip(headers[:-1], (p for _, p in kept)))
+        assert log.salt == round + 1
+        got = DurableLog.open(crashed_copy(path, tmp_path))[1]
+        assert got == [p for _, p in kept] + [b"counters %d" % round]
+    assert log.compactions == 5 and path.stat().st_size > log.size  # pages kept for appends
+    log.close()
+    again, got = DurableLog.open(path)
+    assert got == [p for _, p in kept] + [b"counters 4"] and again.discarded_bytes == 0
+    again.close()
+
+
+def test_an_unsalted_log_replays_and_a_damaged_salted_header_is_refused(tmp_path):
+    path = tmp_path / "q.log"
+    write(path, payloads(5)).close()  # RMQLOG01, as every log before recycling
+    log, got = DurableLog.open(path, recycle=True)
+    assert got == payloads(5) and log.salt == 0
+    log.rewrite(got)
+    log.append(b"more")
+    log.close()
+    log, got = DurableLog.open(path)
+    assert got == payloads(5) + [b"more"] and log.salt == 1
+    log.close()
+    data = bytearray(path.read_bytes())
+    data[9] ^= 0xFF  # the salt, no longer matching the header's checksum
+    path.write_bytes(bytes(data))
+    with pytest.raises(LogFormatError, match="header of a salted rollmesh queue log is damaged"):
+        DurableLog.open(path)

@@ -173,6 +173,17 @@ def test_malformed_messages_are_protocol_errors(frames, reason):
     assert reason in str(err.value)
 
 
+@pytest.mark.parametrize("frames,reason", MALFORMED)
+def test_a_malformed_message_is_refused_after_its_array_headers_were_seen_whole(frames, reason):
+    """Array headers are parsed and checked once, then found by their bytes: a header already
+    seen in a good message still gets every check against this message's frames."""
+    decode([b"Trajectory", traj_body(), *BUFS])  # the usual headers, checked and remembered
+    for _ in range(2):  # as it arrives the first time, then again with its headers known
+        with pytest.raises(ProtocolError) as err:
+            decode(frames)
+        assert reason in str(err.value)
+
+
 def test_expected_type_is_enforced():
     with pytest.raises(ProtocolError, match="unexpected message Ok, expected Group"):
         decode(encode(Ok()), expect=Group)

@@ -160,6 +160,45 @@ def test_next_put_takes_the_oldest_ready_groups_within_its_limits():
     assert len(next_put(ready, max_bytes=1)) == 1  # one at least
 
 
+def test_put_ready_shares_what_is_ready_over_the_puts_it_may_have_out():
+    """64 groups ready, two puts out at once: two puts of 32 (the queue writes one while the
+    next comes in), not one of 64 and nothing for the other; one group: one put of one."""
+    sent: list[list[str]] = []
+    gate = asyncio.Event()
+
+    class Queue:  # answers every put in full once the gate opens
+        async def request(self, msg, timeout_s=None):
+            sent.append(ids(msg.groups))
+            await gate.wait()
+            return PutGroupsReply(accepted=len(msg.groups), depth=0)
+
+    async def body():
+        ready = collections.deque(group(i, tokens=8) for i in range(64))
+        wake, queued = asyncio.Event(), []
+        putting = asyncio.create_task(put_ready(Queue(), ready, wake, queued.append,
+                                                log=structlog_logger(), in_flight=2))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        first = list(sent)
+        gate.set()
+        for _ in range(100):
+            if not ready:
+                break
+            await asyncio.sleep(0.01)
+        ready.append(group(64, tokens=8))
+        wake.set()
+        for _ in range(100):
+            if len(queued) == 65:
+                break
+            await asyncio.sleep(0.01)
+        putting.cancel()
+        return first, [g.group_id for g in queued]
+
+    first, queued = asyncio.run(body())
+    assert first == [[f"g-{i:05d}" for i in range(32)], [f"g-{i:05d}" for i in range(32, 64)]]
+    assert sent[2:] == [["g-00064"]] and queued == [f"g-{i:05d}" for i in range(65)]
+
+
 # -- the queue role: the stream ------------------------------------------------------------------
 
 
