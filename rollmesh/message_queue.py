@@ -44,16 +44,16 @@ behaviour: a batch handed out is gone.
 
 The hot path (issue 16). The rollouter puts what it has ready in PutGroups (`put_ready`), two
 out at once, what is ready shared between them so that they overlap: each put's records go to
-the log in one write, acknowledged together. A group travels nested
-as its own frames (`protocol.Framed`): the queue checks it strictly, keeps the frames it came
-in, writes those to the log and hands those out, never encoding a group again; the header of
-its put record is kept too, so a compaction writes the record again without its checksum
-computed anew. The trainer takes its batches from a stream (`BatchFeed`): it opens one at its
-next step with credit for the steps it may take at its version (OpenBatchStream), and the
-queue pushes each step's batch as soon as it has the groups, while the trainer is still busy
-with the step before; the trainer moves the credit on as it goes (BatchCredit). Each step's
-batch is taken and kept exactly as a GetBatch for that step would, so a trainer that restarts
-and opens a stream at its checkpoint's next step gets the same batches again.
+the log in one write, acknowledged together. A group travels nested as its own frames
+(`protocol.Framed`): the queue checks it strictly, keeps the frames it came in, writes those to
+the log and hands those out, never encoding a group again; the header of its put record is kept
+too, so a compaction writes the record again without its checksum computed anew. The trainer
+takes its batches from a stream (`BatchFeed`): it opens one at its next step with credit for the
+steps it may take at its version (OpenBatchStream), and the queue pushes each step's batch as
+soon as it has the groups, while the trainer is still busy with the step before; the trainer
+moves the credit on as it goes (BatchCredit). Each step's batch is taken and kept exactly as a
+GetBatch for that step would, so a trainer that restarts and opens a stream at its checkpoint's
+next step gets the same batches again.
 """
 
 from __future__ import annotations
@@ -654,13 +654,14 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                     full: Callable[[], None] | None = None, timeout_s: float = 30.0,
                     max_groups: int = PUT_MAX_GROUPS, max_bytes: int = PUT_MAX_BYTES,
                     in_flight: int = PUTS_IN_FLIGHT) -> None:
-    """The rollouter's put loop, until cancelled: what is ready goes to the queue in
-    PutGroups, oldest first, with up to `in_flight` puts out at once, shared evenly over the
-    puts that may go out (the queue writes one while it receives and checks the next). A group stays in `ready` until the queue has it
-    in its log (then `queued(group)` is called); what the queue refused because it is full
-    stays and goes again (`full()` is called; no new put for 10 ms, doubling to 0.5 s). A
-    failed put (timeout, error) goes again after a second: a group the queue took and whose
-    reply was lost is counted once there (by its id). `wake` is set when `ready` grows."""
+    """The rollouter's put loop, until cancelled: what is ready goes to the queue in PutGroups,
+    oldest first, with up to `in_flight` puts out at once, shared evenly over the puts that may
+    go out (the queue writes one while it receives and checks the next). A group stays in
+    `ready` until the queue has it in its log (then `queued(group)` is called); what the queue
+    refused because it is full stays and goes again (`full()` is called; no new put for 10 ms,
+    doubling to 0.5 s). A failed put (timeout, error) goes again after a second: a group the
+    queue took and whose reply was lost is counted once there (by its id). `wake` is set when
+    `ready` grows."""
     running = asyncio.get_running_loop()
     delay = 0.01
     resume_at = 0.0  # no new put before this (the queue was full, or did not answer)
