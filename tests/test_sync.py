@@ -38,7 +38,7 @@ async def start_training(stack, exp, tmp_path):
     sync_rpc = (await sup.wait_ready(syncer, 120))["rpc"]
     trainers = spawn_trainers(sup, exp, {
         "message_queue": mq_rpc, "synchronizer": sync_rpc, "engines": [stack.engine.url],
-        "rollouter": rollouter_rpc, "export_dir": str(tmp_path / "export"),
+        "export_dir": str(tmp_path / "export"),
         "metrics_path": str(tmp_path / "metrics.jsonl")})
     return sync_rpc, trainers
 
