@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -165,6 +166,7 @@ class _Wiring:
     def __init__(self, cluster: ClusterConfig, plan: list[Planned], run_dir: str):
         assert cluster.experiment_config is not None
         self.exp = cluster.experiment_config
+        self.settings = cluster.settings
         self.run_dir = run_dir
         self.first: dict[str, Planned] = {}
         for p in plan:
@@ -176,6 +178,11 @@ class _Wiring:
         """The address of `role`'s first process's port named `port`."""
         p = self.first[role]
         return _connect(p.host, p.port(port))
+
+    def tuning(self, role: str) -> dict[str, Any]:
+        """`role`'s [settings.<role>] table, as its settings' keyword arguments."""
+        table = getattr(self.settings, role)
+        return {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
 
     def run_here(self, host: Host) -> str:
         """The run's directory on `host` (on another host: under its remote run directory)."""
@@ -203,7 +210,8 @@ def _plan_engine(p: Planned, exp: ExperimentConfig, run_dir: str,
 def _message_queue(w: _Wiring, p: Planned) -> MessageQueueSettings:
     # durable: its groups, uncommitted hand-outs and counters outlive a restart
     return MessageQueueSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
-                                state_dir=f"{w.run_here(p.host)}/message_queue")
+                                state_dir=f"{w.run_here(p.host)}/message_queue",
+                                **w.tuning("message_queue"))
 
 
 def _rollouter(w: _Wiring, p: Planned) -> RolloutSettings:
@@ -216,11 +224,12 @@ def _rollouter(w: _Wiring, p: Planned) -> RolloutSettings:
 
 def _agent_worker(w: _Wiring, p: Planned) -> AgentWorkerSettings:
     return AgentWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
-                               engines=w.engines)
+                               engines=w.engines, **w.tuning("agent_worker"))
 
 
 def _reward_worker(w: _Wiring, p: Planned) -> RewardWorkerSettings:
-    return RewardWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"))
+    return RewardWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
+                                **w.tuning("reward_worker"))
 
 
 def _synchronizer(w: _Wiring, p: Planned) -> SynchronizerSettings:
@@ -319,7 +328,9 @@ def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> Non
             gpus = f" gpus={list(p.proc.gpus)}" if p.proc.gpus else ""
             if env and host.same_machine:  # (ssh and srun show theirs in the command)
                 argv = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
-            print(f"  {p.name:18s}{gpus}{_cpus_note(p)}\n"
+            changed = cluster.settings.changed(p.proc.role)
+            tuned = "".join(f" {k}={v}" for k, v in changed.items())
+            print(f"  {p.name:18s}{gpus}{_cpus_note(p)}{tuned}\n"
                   f"    {shlex.join(argv) if host.local else argv[-1]}")
 
 

@@ -64,7 +64,7 @@ ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batc
                 "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
                 "eval_pass_threshold")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context"
-CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, slurm, launcher_cpus"
+CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, slurm, launcher_cpus, settings"
 HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
 
 # (id, file text, expected message): {file} is the broken file, {exp} the experiment, {dir} tmp.
@@ -183,6 +183,9 @@ CLUSTERS = [
     ("cluster_unknown_key_typo", cluster().replace("experiment =", "experiement ="),
      f"{{file}}: experiement: unknown key (did you mean 'experiment'? expected one of: "
      f"{CLUSTER_KEYS})"),
+    ("settings_unknown_key", cluster(tail="[settings.message_queue]\ncapacity = 8\n"),
+     "{file}: settings.message_queue.capacity: unknown key (expected one of: capacity_groups, "
+     "fsync_interval_s, compact_floor_bytes, max_pending_batches)"),
     ("host_unknown_key_typo", cluster(host='adress = "x"\n'),
      f"{{file}}: hosts.local.adress: unknown key (did you mean 'address'? expected one of: "
      f"{HOST_KEYS})"),

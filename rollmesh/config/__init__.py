@@ -43,11 +43,18 @@ from rollmesh.config.experiment import (
     SyncConfig,
     TrainerConfig,
 )
+from rollmesh.config.tuning import (
+    AgentWorkerTuning,
+    QueueTuning,
+    RewardWorkerTuning,
+    SettingsConfig,
+)
 from rollmesh.config.load import apply_overrides, load_cluster, load_experiment
 from rollmesh.config.parse import ConfigError, parse_config
 from rollmesh.config.write import field_reference, reference_markdown, to_dict, to_toml
 
 __all__ = [
+    "AgentWorkerTuning",
     "AlgorithmConfig",
     "ClusterConfig",
     "ConfigError",
@@ -61,10 +68,13 @@ __all__ = [
     "PortsConfig",
     "Process",
     "PythonToolConfig",
+    "QueueTuning",
     "ROLES",
+    "RewardWorkerTuning",
     "RolesConfig",
     "RolloutConfig",
     "SINGLETON_ROLES",
+    "SettingsConfig",
     "SftConfig",
     "SlurmConfig",
     "StalenessConfig",

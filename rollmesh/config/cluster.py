@@ -15,6 +15,7 @@ from typing import Literal, NamedTuple
 
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import _field, _Invalid, _plural, _show
+from rollmesh.config.tuning import SettingsConfig
 from rollmesh.cpus import CpuListError, parse_cpulist
 from rollmesh.plan.roles import ROLES, SINGLETON_ROLES
 
@@ -265,6 +266,9 @@ class ClusterConfig:
         "before. Unset: not pinned",
         None,
     )
+    settings: SettingsConfig = _field(
+        "each role's own knobs: [settings.message_queue], [settings.agent_worker], "
+        "[settings.reward_worker]", factory=SettingsConfig)
     # Derived: filled by load_cluster, never read from the file, not compared or written out.
     experiment_config: ExperimentConfig | None = field(
         default=None,

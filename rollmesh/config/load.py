@@ -116,7 +116,8 @@ def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = ()) ->
     """Read and validate a cluster file and the experiment it names (`.experiment_config`).
 
     An override goes to the cluster file if its first key is a cluster key (name, experiment,
-    run_dir, hosts, roles, ports), otherwise to the experiment (e.g. `staleness.max_staleness=0`).
+    run_dir, hosts, roles, ports, settings...), otherwise to the experiment (e.g.
+    `staleness.max_staleness=0`).
     """
     source = os.fspath(path)
     cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig) if f.init}
@@ -154,6 +155,11 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
                 f"{cluster.experiment}), got {placed}",
             )
     _check_local_model(cluster, exp)
+    capacity = cluster.settings.message_queue.capacity_groups
+    if capacity is not None and capacity < exp.rollout.batch_groups:
+        ctx.fail("settings.message_queue.capacity_groups",
+                 f"expected at least rollout.batch_groups ({exp.rollout.batch_groups} in "
+                 f"{cluster.experiment}: the trainer takes a batch whole), got {capacity}")
     if cluster.share_gpus and exp.sync.backend != "gloo":
         # 'auto' would pick nccl for a CUDA trainer
         ctx.fail("share_gpus", f"expected sync.backend = 'gloo' in {cluster.experiment} "

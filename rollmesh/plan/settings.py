@@ -10,32 +10,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollmesh.config.tuning import (
+    COMPACT_FLOOR_BYTES, MAX_PENDING_BATCHES, AgentWorkerTuning, QueueTuning, RewardWorkerTuning,
+)
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import _field
 
-
-# The MessageQueue's log and hand-out defaults (its class takes them too).
-COMPACT_FLOOR_BYTES = 64 << 20
-MAX_PENDING_BATCHES = 256
+__all__ = ["COMPACT_FLOOR_BYTES", "MAX_PENDING_BATCHES"]  # re-exported: the queue's defaults
 
 _EXPERIMENT = "the experiment (the resolved file, rollmesh.config.ExperimentConfig)"
 _LOCAL = "tcp://127.0.0.1:0"  # bind any free port on loopback
 
 
 @dataclass(kw_only=True)
-class MessageQueueSettings:
+class MessageQueueSettings(QueueTuning):
+    """Its wiring, and its tuning (capacity, fsync, compaction: the cluster file's
+    [settings.message_queue])."""
+
     experiment: ExperimentConfig = _field(_EXPERIMENT)
     bind: str = _field("address its RPC server binds (tcp://host:port)")
     state_dir: str | None = _field(
         "directory of its write-ahead log (a durable queue); none: in memory", None)
-    capacity_groups: int | None = _field(
-        "groups it holds before puts wait; none: message_queue.default_capacity", None, ge=1)
-    fsync_interval_s: float = _field("seconds between fsyncs of its log; 0: every record",
-                                     1.0, ge=0)
-    compact_floor_bytes: int = _field(
-        "log size below which it is never compacted", COMPACT_FLOOR_BYTES, ge=1)
-    max_pending_batches: int = _field(
-        "handed-out batches not yet committed it keeps", MAX_PENDING_BATCHES, ge=1)
 
 
 @dataclass(kw_only=True)
@@ -50,18 +45,16 @@ class RolloutSettings:
 
 
 @dataclass(kw_only=True)
-class AgentWorkerSettings:
+class AgentWorkerSettings(AgentWorkerTuning):
     experiment: ExperimentConfig = _field(_EXPERIMENT)
     rollouter: str = _field("the rollouter's channel address")
     engines: list[str] = _field("engine URLs")
-    credits: int = _field("trajectories it asks the rollouter for at once", 64, ge=1)
 
 
 @dataclass(kw_only=True)
-class RewardWorkerSettings:
+class RewardWorkerSettings(RewardWorkerTuning):
     experiment: ExperimentConfig = _field(_EXPERIMENT)
     rollouter: str = _field("the rollouter's channel address")
-    pool: int = _field("sandbox children that score (it asks for 4 per child)", 2, ge=1)
 
 
 @dataclass(kw_only=True)
