@@ -18,7 +18,8 @@ import numpy as np
 from rollmesh.config import ModelConfig
 from rollmesh.protocol import Trajectory
 
-__all__ = ["append_observation", "append_tokens", "load_tokenizer", "new_trajectory"]
+__all__ = ["append_observation", "append_tokens", "load_tokenizer", "new_trajectory",
+           "oldest_version"]
 
 
 def new_trajectory(sample_id: str, group_id: str, index: int, prompt_ids: list[int], *,
@@ -52,6 +53,16 @@ def append_tokens(traj: Trajectory, ids: list[int], logprobs: list[float] | None
             raise ValueError(f"{versions.size} weight versions for {n} tokens")
     traj.versions = np.concatenate([traj.versions, versions])
     traj.loss_mask = np.concatenate([traj.loss_mask, np.full(n, int(generated), np.uint8)])
+
+
+def oldest_version(traj: Trajectory) -> int | None:
+    """The oldest weight version among its generated tokens (None: nothing generated yet, or
+    versions that are not integers: the MessageQueue refuses those at the put)."""
+    v = traj.versions
+    if v.dtype.kind not in "iu" or not v.size:
+        return None
+    generated = v[v >= 0]
+    return int(generated.min()) if generated.size else None
 
 
 def append_observation(traj: Trajectory, ids: list[int]) -> None:

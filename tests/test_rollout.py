@@ -61,7 +61,10 @@ def test_staleness_bound_holds_and_stale_samples_are_dropped(tmp_path):
                 seen.append(d.version - oldest_version(g))
                 consumed += len(g.trajectories)
             await d.sync()
-        # three syncs with nothing consumed: what is queued now is too old to hand out
+        # three syncs with nothing consumed: what is queued now is too old to hand out (the
+        # queue drops it at hand-out), and what is still generating can no longer be trained
+        # (the rollouter drops it at the resume, or when it comes back)
+        await d.wait_for(lambda s: s["mq"]["depth_groups"] >= 2, what="groups queued")
         for _ in range(3):
             await d.sync()
         await d.wait_for(lambda s: s["mq"]["depth_groups"] > 0, what="groups queued")

@@ -204,3 +204,115 @@ def test_the_live_counters_are_what_a_replay_of_the_journal_gives(tmp_path):
         assert live[key] == replayed.counters[key], key
     assert live["accepted_groups"] == replayed.counters["accepted_groups"] + 1  # the ready one
     assert dict(core.dropped) == dict(replayed.dropped) == {"filtered": 2}
+
+
+# -- groups past the bound in flight ---------------------------------------------------------
+
+
+def generated(core: RolloutCore, group_id: str, version: int | None, status: str) -> list:
+    """Every sample of the group out with the agent worker comes back with 2 tokens generated
+    at `version` (None: none generated yet), `status` (finished or interrupted)."""
+    from rollmesh.trajectories import append_tokens
+
+    agent = worker(core, b"agent")
+    back = []
+    for traj in [t for t in agent.out.values() if t.group_id == group_id]:
+        if version is not None:
+            append_tokens(traj, [5, 6], [-0.1, -0.2], version)
+        traj.status = status
+        assert core.returned(agent, traj)
+        back.append(traj)
+    return back
+
+
+def identity_holds(core: RolloutCore) -> bool:
+    c = core.counters
+    return c["admitted_samples"] == (c["queued_samples"] + sum(core.dropped.values())
+                                     + core.in_flight())
+
+
+def test_a_group_past_the_bound_is_dropped_at_the_resume_not_generated_on(tmp_path):
+    core = make_core(tmp_path)  # max_staleness 1
+    old, young = dispatched_groups(list(core.dispatch()))[:2]
+    core.pause("abort")
+    generated(core, old, 0, "interrupted")
+    generated(core, young, None, "interrupted")  # queued at the engine: nothing generated
+    core.resume(1)
+    # version 1: tokens of version 0 are within the bound; both resume
+    assert core.events["stale_groups_dropped"] == 0
+    sends = list(core.dispatch())
+    assert {old, young} <= set(dispatched_groups(sends))
+    core.pause("abort")
+    generated(core, old, 1, "interrupted")  # its oldest tokens are still version 0
+    generated(core, young, 1, "interrupted")
+    held = core.capacity()
+    core.resume(2)  # bound 2 - 1 = 1: `old` can only be dropped at hand-out now
+    assert core.events["stale_groups_dropped"] == 1
+    assert old not in core.groups and young in core.groups
+    assert dict(core.dropped) == {"stale": 2}  # both its samples, dropped here
+    assert all(t.group_id != old for t in core.cancel_queue)
+    assert old not in dispatched_groups(list(core.dispatch()))  # never generated on
+    assert core.capacity() > held - 1  # its place is free again (a version of headroom too)
+    assert identity_holds(core)
+
+
+def test_a_sample_back_after_its_group_was_dropped_as_stale_is_dropped_as_stale(tmp_path):
+    core = make_core(tmp_path)
+    gid = dispatched_groups(list(core.dispatch()))[0]
+    agent = worker(core, b"agent")
+    first, second = [t for t in agent.out.values() if t.group_id == gid]
+    from rollmesh.trajectories import append_tokens
+
+    append_tokens(first, [5], [-0.1], 0)
+    first.status = "finished"
+    assert core.returned(agent, first)  # to be scored
+    core.pause("abort")
+    core.resume(3)  # `first` holds version 0 < 3 - 1: the group goes, `second` is still out
+    assert gid not in core.groups and core.stale_out == {gid: 1}
+    assert dict(core.dropped) == {"stale": 1}
+    append_tokens(second, [7], [-0.3], 3)
+    second.status = "finished"
+    assert core.returned(agent, second)
+    assert dict(core.dropped) == {"stale": 2} and core.stale_out == {}
+    assert identity_holds(core)
+
+
+def test_a_sample_past_the_bound_when_it_comes_back_drops_its_group(tmp_path):
+    core = make_core(tmp_path)
+    gid = dispatched_groups(list(core.dispatch()))[0]
+    core.version = 2  # two syncs while it generated (as a held sample's would go on)
+    back = generated(core, gid, 0, "finished")
+    assert gid not in core.groups and dict(core.dropped) == {"stale": 2}
+    assert not any(isinstance(s.msg, Score) and s.msg.trajectory.group_id == gid
+                   for s in core.dispatch())
+    assert back and core.stale_out == {}
+    assert identity_holds(core)
+
+
+def test_a_sample_scored_across_a_sync_past_the_bound_drops_its_group(tmp_path):
+    core = make_core(tmp_path)
+    gid = dispatched_groups(list(core.dispatch()))[0]
+    generated(core, gid, 0, "finished")
+    scoring = [s.msg.trajectory for s in core.dispatch() if isinstance(s.msg, Score)
+               and s.msg.trajectory.group_id == gid]
+    assert len(scoring) == 2
+    core.pause("abort")
+    core.resume(2)  # both are out with the reward worker: nothing in hand to look at
+    assert gid in core.groups
+    scorer = worker(core, b"reward")
+    for traj in scoring:
+        traj.reward, traj.reward_status = 1.0, "ok"
+        core.scored(scorer, traj)
+    assert gid not in core.groups and not core.ready
+    assert dict(core.dropped) == {"stale": 2} and core.stale_out == {}
+    assert identity_holds(core)
+
+
+def test_within_the_bound_nothing_is_dropped_early(tmp_path):
+    core = make_core(tmp_path, "staleness.max_staleness=3")
+    gid = dispatched_groups(list(core.dispatch()))[0]
+    generated(core, gid, 0, "finished")
+    core.pause("abort")
+    core.resume(3)  # 3 - 0 = 3: still trainable
+    finish(core, gid, [0.0, 1.0])
+    assert [g.group_id for g in core.ready] == [gid] and not core.dropped

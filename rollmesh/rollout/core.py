@@ -18,7 +18,9 @@ what is still to be accepted, and only with a group filter that drops groups: th
 left (the bound minus the accepted groups) is multiplied by min(over_sampling, 1 / (1 - the
 filter's observed rejection rate)), so accepted groups never take more than their share and an
 unfiltered run never generates groups that could only end up stale. Groups the MessageQueue
-dropped as stale give their places back (`queue_stale`).
+dropped as stale give their places back (`queue_stale`). A running group that can no longer be
+trained (a sample holds a token older than version - max_staleness) is dropped here as stale,
+at the resume or when such a sample comes back, instead of being generated on (`drop_stale`).
 
 Pause bookkeeping: `pause` stops dispatching and, but for `in_place`, names the agent workers
 to Cancel; the role answers Paused once `drained` (no trajectory out with an agent worker, but
@@ -46,7 +48,7 @@ from rollmesh.rollout.eval_round import EvalRounds, is_eval
 from rollmesh.rollout.filters import get_group_filter, keep_all
 from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
-from rollmesh.trajectories import new_trajectory
+from rollmesh.trajectories import new_trajectory, oldest_version
 
 __all__ = ["GroupState", "RolloutCore", "Send"]
 
@@ -95,6 +97,9 @@ class RolloutCore:
         self.engines: list[str] = []
         self.engines_healthy: int | None = None
         self.queue_stale_groups = 0  # groups the MessageQueue dropped as stale (`queue_stale`)
+        # Groups dropped here as stale (`drop_stale`) with samples still out with workers:
+        # group id -> those samples, dropped as stale too when they come back.
+        self.stale_out: dict[str, int] = {}
         self.admission_stopped_since: float | None = None
 
     # -- counters ----------------------------------------------------------------------------
@@ -298,6 +303,8 @@ class RolloutCore:
                 self.to_score.append(traj)
         elif traj.group_id not in self.groups:  # its group was already given up
             self._drop_straggler(traj)
+        elif traj.status in ("finished", "interrupted") and self.drop_stale(traj):
+            pass  # past the bound already: its group is dropped, this sample with it
         elif traj.status == "finished":
             self.to_score.append(traj)
         elif traj.status == "interrupted":
@@ -326,6 +333,8 @@ class RolloutCore:
         if state is None:  # its group was already given up
             self._drop_straggler(traj)
             return None
+        if self.drop_stale(traj):
+            return None  # a version went by while it was scored: past the bound now
         state.scored.append(traj)
         if len(state.scored) == state.size:
             return self.complete(traj.group_id, state)
@@ -348,7 +357,57 @@ class RolloutCore:
         return None
 
     def _drop_straggler(self, traj: Trajectory) -> None:
-        self.journal.drop(traj.group_id, "group_failed", 1)
+        left = self.stale_out.get(traj.group_id)
+        if left is None:
+            self.journal.drop(traj.group_id, "group_failed", 1)
+            return
+        self.journal.drop(traj.group_id, "stale", 1)
+        if left <= 1:
+            del self.stale_out[traj.group_id]
+        else:
+            self.stale_out[traj.group_id] = left - 1
+
+    # -- staleness in flight -----------------------------------------------------------------
+
+    def stale_bound(self) -> int:
+        """The oldest version a generated token may have and its group still be trained: the
+        trainer takes batches at the engines' version or later, and a group whose oldest
+        token is older than this would be dropped at hand-out (MessageQueue)."""
+        return self.version - self.exp.staleness.max_staleness
+
+    def drop_stale(self, traj: Trajectory | None = None) -> int:
+        """Drop now, as stale, the groups that can no longer be trained: one of their samples
+        in hand (`traj`, just back; or, without it, every one the rollouter holds) has a token
+        older than `stale_bound`. Generating the rest would only feed the MessageQueue's stale
+        drop: their places and the engines' time go to new prompts instead. Returns how many
+        groups were dropped."""
+        bound = self.stale_bound()
+        if traj is not None:
+            candidates: Any = (traj,)
+        else:
+            candidates = [*self.cancel_queue, *self.to_score,
+                          *(t for g in self.groups.values() for t in g.scored)]
+        doomed: dict[str, int] = {}
+        for t in candidates:
+            if t.group_id in self.groups and t.group_id not in doomed and not is_eval(t):
+                oldest = oldest_version(t)
+                if oldest is not None and oldest < bound:
+                    doomed[t.group_id] = oldest
+        for gid, oldest in doomed.items():
+            size = self.groups[gid].size
+            in_hand = (len(self.groups[gid].scored)
+                       + sum(t.group_id == gid for q in (self.pending, self.cancel_queue,
+                                                          self.to_score) for t in q))
+            extra = [traj] if traj is not None and traj.group_id == gid else []
+            self.finish_group(gid, None, "stale", extra=extra)
+            out = size - in_hand - len(extra)
+            if out > 0:
+                self.stale_out[gid] = out
+            self.events["stale_groups_dropped"] += 1
+            self.log.info("group_dropped_stale", group=gid, oldest_version=oldest,
+                          version=self.version, max_staleness=self.exp.staleness.max_staleness,
+                          still_out=max(out, 0))
+        return len(doomed)
 
     def finish_group(self, group_id: str, group: Group | None, reason: str | None,
                      extra: list[Trajectory] = ()) -> None:
@@ -422,9 +481,10 @@ class RolloutCore:
         self.holding.clear()
         self.held_count = 0
         self.announce_resume = True
+        stale = self.drop_stale()
         self.start_eval()
         self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue),
-                      held=held)
+                      held=held, stale_groups_dropped=stale)
 
     # -- what the role learns from the queue and the engines ---------------------------------
 
