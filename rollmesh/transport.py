@@ -40,6 +40,10 @@ log = get_logger("rollmesh.transport")
 PROTOCOL_ERRORS: collections.Counter[str] = collections.Counter()
 
 DEFAULT_HWM = 1000
+ZAP_STOP_TIMEOUT_S = 5.0  # the longest close() waits for the CURVE authenticator's thread
+# What a stuck authenticator thread still uses (its authenticator, its context), kept from the
+# garbage collector, whose clean-up would close or wait on them under that thread.
+_ABANDONED: list[Any] = []
 DEFAULT_MAX_MSG_BYTES = 256 << 20
 DEFAULT_LINGER_MS = 1000
 # ZMTP heartbeats on every connection: a connection that stays silent (a partition that drops
@@ -176,12 +180,47 @@ class Transport:
 
     def close(self) -> None:
         if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+            auth, self._auth = self._auth, None
+            if not self._stop_auth(auth):
+                # its thread still uses a socket of this context: destroying the context
+                # under it is unsafe, and term() would wait for it. Leave both (a daemon
+                # thread: it does not hold up the process's exit).
+                for sock in list(self._sockets):
+                    if not sock.closed:
+                        sock.close(linger=0)
+                _ABANDONED.append(self.sync_ctx)
+                return
         for sock in list(self._sockets):
             if not sock.closed:
                 sock.close(linger=0)
         self.sync_ctx.destroy(linger=0)
+
+    @staticmethod
+    def _stop_auth(auth: ThreadAuthenticator, timeout_s: float | None = None) -> bool:
+        """pyzmq's `ThreadAuthenticator.stop`, but waiting at most `timeout_s` for its thread
+        (pyzmq's joins it for good): False, logged, if the thread did not stop."""
+        timeout_s = ZAP_STOP_TIMEOUT_S if timeout_s is None else timeout_s
+        thread = auth.thread
+        if auth.pipe is not None:
+            try:
+                auth.pipe.send(b"TERMINATE", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.error("zap_thread_stuck", waited_s=timeout_s)
+                if auth.pipe is not None:  # ours; without it pyzmq's __del__ sends no stop
+                    auth.pipe.close(linger=0)  # (a send nobody reads would block for good)
+                    auth.pipe = None  # type: ignore[assignment]
+                _ABANDONED.append(auth)  # never collected: its socket stays the thread's
+                return False
+        auth.thread = None  # type: ignore[assignment]
+        if auth.pipe is not None:
+            auth.pipe.close()
+            auth.pipe = None  # type: ignore[assignment]
+        zmq.auth.Authenticator.stop(auth)
+        return True
 
     def socket(
         self,

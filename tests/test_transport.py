@@ -150,6 +150,33 @@ def test_curve_accepts_the_run_key_and_refuses_an_unknown_key(tmp_path):
     asyncio.run(main())
 
 
+def test_close_stops_the_authenticator_and_does_not_wait_for_a_stuck_one(tmp_path, monkeypatch):
+    import threading
+
+    import rollmesh.transport as transport
+
+    keys = CurveKeys.generate(tmp_path / "run")
+    t = Transport(keys)
+    thread = t._auth.thread
+    t.close()  # the real thread: told to stop, joined, the context destroyed
+    assert not thread.is_alive() and t.sync_ctx.closed
+
+    monkeypatch.setattr(transport, "ZAP_STOP_TIMEOUT_S", 0.2)
+    t = Transport(keys)
+    real = t._auth.thread
+    stuck = threading.Event()
+    t._auth.thread = threading.Thread(target=stuck.wait, daemon=True)  # never answers
+    t._auth.thread.start()
+    sock = t.socket(zmq.PULL, bind=f"tcp://127.0.0.1:{free_port()}", secure=True)
+    began = time.monotonic()
+    t.close()
+    assert time.monotonic() - began < 3  # pyzmq's own stop would wait for good
+    assert sock.closed and not t.sync_ctx.closed  # the context is left to the stuck thread
+    stuck.set()
+    real.join(5)  # (the real thread got TERMINATE and stopped)
+    assert not real.is_alive()
+
+
 def test_curve_keys_missing_is_a_clear_error(tmp_path):
     with pytest.raises(TransportError, match=f"cannot load CURVE keys from {tmp_path}"):
         CurveKeys.load(tmp_path)
