@@ -583,6 +583,9 @@ class OpenAIEndpoint:
             except Interrupted:
                 if ctx.cancelling.is_set() or not ctx.resumed.is_set():
                     synced, stalled = True, 0  # a weight sync: go on after the Resume
+                    # where the sync cut it, as the worker records for a trajectory it
+                    # returns interrupted (training.batching.trajectory_counts)
+                    traj.interrupted_at = [*traj.interrupted_at, len(traj.token_ids)]
                 elif len(traj.token_ids) - start > done:
                     stalled = 0  # the engine aborted it on its own: go on
                 else:

@@ -534,6 +534,11 @@ def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
         generated = traj.versions[traj.loss_mask == 1].tolist()
         cut = generated.index(version + 1)
         assert 4 <= cut < 48 and generated == [version] * cut + [version + 1] * (48 - cut)
+        # held through the sync, the cut is recorded as for a trajectory returned interrupted
+        assert traj.interrupted_at == [traj.prompt_len + cut]
+        from rollmesh.training.batching import trajectory_counts
+
+        assert trajectory_counts([traj])["samples_resumed_mid_turn"] == 1
         result = traj.metadata["agent_result"]  # one completion, the whole answer
         assert result["completion_tokens"] == 48 and result["finish_reason"] == "length"
         from rollmesh.engine.models import tiny_tokenizer
