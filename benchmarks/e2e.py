@@ -334,7 +334,7 @@ def main() -> int:
                   f"{r['span_s']:.1f}s steady, run {r['wall_s']:.0f}s; mean response "
                   f"{r['response_tokens_mean']:.0f} tok; staleness max "
                   f"{r['staleness_max']:g}; dropped {r['dropped'] or 0})", flush=True)
-            print(f"    affinity: " + ", ".join(f"{k}={v}" for k, v in
+            print("    affinity: " + ", ".join(f"{k}={v}" for k, v in
                                                sorted(r["placement"].items())), flush=True)
     finally:
         if not args.keep:

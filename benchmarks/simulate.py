@@ -252,7 +252,6 @@ def simulate(c: Costs, gpus: int, rollout_gpus: int, staleness: float | None, *,
     # per-sample arrays, grown on demand
     target = np.zeros(0, np.int64)
     admitted_v = np.zeros(0, np.int64)     # weight version at admission
-    done_at_resp = np.zeros(0, np.int64)
     n_admitted = 0
     running = 0
     accepted = 0                           # finished samples (into the queue)

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO
+from typing import Any, Callable, TextIO
 
 PLAIN_EVERY_S = 5.0  # a plain progress line at most this often
 PLAIN_IDLE_S = 30.0  # ... and one this often while the step does not move

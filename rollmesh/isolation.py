@@ -366,7 +366,7 @@ def _run_code(code: str, shared: object) -> int:
     """Run `code` as __main__; the exit status, tracebacks printed as Python would."""
     import builtins
     import linecache
-    import traceback
+    import traceback  # noqa: F401 - loaded before the code runs, which may then break imports
 
     linecache.cache[CODE_FILENAME] = (len(code), None, code.splitlines(True), CODE_FILENAME)
     status = 0

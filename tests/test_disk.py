@@ -9,9 +9,7 @@ succeed: the run goes on. Needs root to mount the tmpfs; skipped otherwise, with
 
 from __future__ import annotations
 
-import asyncio
 import errno
-import os
 import subprocess
 from pathlib import Path
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import math
-import os
 import threading
 import time
 from pathlib import Path

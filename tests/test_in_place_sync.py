@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from rollmesh.agent_loops import LoopContext, SingleTurn, token_stamps
 from rollmesh.config import RolloutConfig

@@ -189,7 +189,7 @@ def test_a_batch_is_kept_per_step_until_a_checkpoint_covers_it(tmp_path):
     q = MessageQueue(100, 1, state_dir=tmp_path)
     for i in range(6):
         q.put(group(i))
-    b1 = q.take(2, 0, step=1)
+    q.take(2, 0, step=1)
     b2 = q.take(2, 0, step=2)
     assert q.consumed_samples == 8 and sorted(q.pending) == [1, 2]
     assert ids(q.redeliver(2).groups) == ids(b2)  # counted once

@@ -29,7 +29,7 @@ from rollmesh.hosts import SshHost
 from rollmesh.protocol import Metrics, StatsRequest, encode
 from rollmesh.runtime import Supervisor
 from rollmesh.transport import (
-    CurveKeys, Publisher, RpcClient, StatusProxy, Subscriber, Transport,
+    CurveKeys, Publisher, RpcClient, StatusProxy, Transport,
     TransportError, free_port, is_loopback,
 )
 

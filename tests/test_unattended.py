@@ -28,7 +28,7 @@ from rollmesh.watchdog import Snapshot, stalled
 from tests.helpers.sshd import Sshd
 from tests.test_launcher import (
     ROOT, alive, assert_nothing_trained_twice, check_accounting, finish, launch, metrics,
-    rollmesh, status, wait_for,
+    status, wait_for,
 )
 
 

@@ -7,7 +7,6 @@ float32 in and out. Responses cut off by the length limit can also leave the los
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 __all__ = ["overlong_penalty", "shape_rewards"]
