@@ -394,13 +394,8 @@ class RolloutCore:
                 if oldest is not None and oldest < bound:
                     doomed[t.group_id] = oldest
         for gid, oldest in doomed.items():
-            size = self.groups[gid].size
-            in_hand = (len(self.groups[gid].scored)
-                       + sum(t.group_id == gid for q in (self.pending, self.cancel_queue,
-                                                          self.to_score) for t in q))
             extra = [traj] if traj is not None and traj.group_id == gid else []
-            self.finish_group(gid, None, "stale", extra=extra)
-            out = size - in_hand - len(extra)
+            out = self.finish_group(gid, None, "stale", extra=extra)
             if out > 0:
                 self.stale_out[gid] = out
             self.events["stale_groups_dropped"] += 1
@@ -410,12 +405,13 @@ class RolloutCore:
         return len(doomed)
 
     def finish_group(self, group_id: str, group: Group | None, reason: str | None,
-                     extra: list[Trajectory] = ()) -> None:
-        """A group leaves the running set: accepted (to `ready`) or dropped with a reason."""
+                     extra: list[Trajectory] = ()) -> int:
+        """A group leaves the running set: accepted (to `ready`) or dropped with a reason.
+        Returns the samples still out with workers (dropped when they come back)."""
         state = self.groups.pop(group_id)
         if group is not None:
             self.ready.append(group)
-            return
+            return 0
         # Dropped: the scored ones and the failed ones are in hand; the rest are still out
         # somewhere and are dropped when they come back (see scored / returned).
         n = len(state.scored) + len(extra)
@@ -427,6 +423,7 @@ class RolloutCore:
             q.clear()
             q.extend(keep)
         self.journal.drop(group_id, reason, n, whole=True)
+        return state.size - n
 
     def queued(self, group: Group) -> None:
         """The MessageQueue has the group (it left `ready`)."""
