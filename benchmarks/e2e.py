@@ -76,7 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import row, write  # noqa: E402
-from rollmesh.cpus import parse_cpulist  # noqa: E402
+from rollmesh.runtime.cpus import parse_cpulist  # noqa: E402
 
 PYTHON = ROOT / ".venv" / "bin" / "python"
 LOOP_NAME = "bench_long_tail"

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.engine_proc import start_engine  # noqa: E402
 from benchmarks.results import row, write  # noqa: E402
-from rollmesh.engine.models import build_tiny, load_model  # noqa: E402
+from rollmesh.models.loading import build_tiny, load_model  # noqa: E402
 
 GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
 

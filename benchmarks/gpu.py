@@ -169,8 +169,8 @@ def part_train(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 def part_sync(args: argparse.Namespace, device: torch.device) -> list[dict]:
     from rollmesh.training.state import build_state
-    from rollmesh.weight_sync.sender import WeightSender
-    from rollmesh.transport import Transport
+    from rollmesh.training.weight_sender import WeightSender
+    from rollmesh.wire.transport import Transport
 
     exp = real_scale.experiment(args.dir, f'trainer.device="{device.type}"',
                                 f'model.dtype="{_dtype(device)}"')
@@ -261,7 +261,7 @@ def main() -> int:
         return 2
     device = torch.device(args.device)
     if args.small:
-        from rollmesh.engine.models import materialize
+        from rollmesh.models.loading import materialize
 
         args.dir = materialize("tiny", Path(tempfile.mkdtemp()) / "tiny")
         args.requests, args.new_tokens, args.seqs, args.tokens = 4, 8, 2, 64

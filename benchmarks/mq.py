@@ -73,10 +73,10 @@ import collections  # noqa: E402
 import structlog  # noqa: E402
 
 from rollmesh.config import load_experiment, to_dict  # noqa: E402
-from rollmesh.message_queue import STREAM_AHEAD, BatchFeed, put_ready  # noqa: E402
-from rollmesh.protocol import Group, PutGroups, Trajectory, encode  # noqa: E402
-from rollmesh.runtime import Supervisor  # noqa: E402
-from rollmesh.transport import RpcClient, Transport, free_port  # noqa: E402
+from rollmesh.mq.role import STREAM_AHEAD, BatchFeed, put_ready  # noqa: E402
+from rollmesh.wire.protocol import Group, PutGroups, Trajectory, encode  # noqa: E402
+from rollmesh.launcher.supervisor import Supervisor  # noqa: E402
+from rollmesh.wire.transport import RpcClient, Transport, free_port  # noqa: E402
 
 
 def _load(name: str) -> Any:
@@ -460,7 +460,7 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--json", help="write the comparison rows here (benchmarks/results.py)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    p.add_argument("--mq-entry", default="rollmesh.message_queue:main", help=argparse.SUPPRESS)
+    p.add_argument("--mq-entry", default="rollmesh.mq.role:main", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         role, params = a.child[0], json.loads(a.child[1])

@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine_proc import start_engine  # noqa: E402
 from benchmarks.results import row, write  # noqa: E402
-from rollmesh.engine.models import tiny_tokenizer  # noqa: E402
+from rollmesh.models.loading import tiny_tokenizer  # noqa: E402
 
 PYTHON = ROOT / ".venv" / "bin" / "python"
 

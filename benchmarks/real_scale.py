@@ -6,14 +6,14 @@
 What a user's first run on CPU meets, each figure beside a baseline measured in the same run:
     load    peak host memory (RSS high-water mark, `ru_maxrss`) per trainer rank of building the
             policy and the reference model with 2 ranks: shard-by-shard loading
-            (`rollmesh.sharded_load`) vs every rank building the whole models, then sharding
+            (`rollmesh.models.sharded`) vs every rank building the whole models, then sharding
             (the trainer's path before it);
     train   time and peak RSS per rank of one trainer step (`prepare`: old log-probs, then
             `update_policy`: forward, backward, AdamW), --seqs x --tokens, float32, for each
             rank count of --ranks, vs one plain step (transformers forward, token cross-entropy,
             backward, torch AdamW) on the same tokens in one process;
     sync    one weight sync trainer -> built-in engine over gloo on the real path
-            (`rollmesh.weight_sync.sender.WeightSender.broadcast`: gather, buckets, HTTP announcements, the
+            (`rollmesh.training.weight_sender.WeightSender.broadcast`: gather, buckets, HTTP announcements, the
             engine loading each bucket), float32, vs one raw gloo broadcast of a flat buffer of
             the same bytes to another process (the floor);
     decode  built-in engine tokens/s for --requests greedy requests x --new-tokens (ignore_eos),
@@ -73,7 +73,7 @@ def write_checkpoint(path: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from rollmesh.engine.models import tiny_tokenizer
+    from rollmesh.models.loading import tiny_tokenizer
 
     if (path / "complete").is_file():
         return path
@@ -120,7 +120,7 @@ def batch(seqs: int, tokens: int, vocab_used: int = 2000) -> Any:
     import numpy as np
 
     from rollmesh.training.batching import from_groups
-    from rollmesh.protocol import Group, Trajectory
+    from rollmesh.wire.protocol import Group, Trajectory
 
     rng = np.random.default_rng(0)
     prompt_len = tokens // 8
@@ -143,7 +143,7 @@ def batch(seqs: int, tokens: int, vocab_used: int = 2000) -> Any:
 
 def rank_process(args: argparse.Namespace) -> dict[str, Any]:
     """One trainer rank: build (load), or build and take one step (train)."""
-    from rollmesh.ranks import close_ranks, init_ranks
+    from rollmesh.training.ranks import close_ranks, init_ranks
     from rollmesh.training.state import build_state
     from rollmesh.training.step import prepare, update_policy
 
@@ -204,7 +204,7 @@ def floor_receiver(args: argparse.Namespace) -> None:
 
 def run_ranks(args: argparse.Namespace, role: str, world: int, mode: str = "sharded",
               ) -> list[dict[str, Any]]:
-    from rollmesh.transport import free_port
+    from rollmesh.wire.transport import free_port
 
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(
@@ -313,8 +313,8 @@ async def sync_three(args: argparse.Namespace, url: str) -> tuple[dict[str, floa
     import dataclasses
 
     from rollmesh.training.state import build_state
-    from rollmesh.weight_sync.sender import WeightSender
-    from rollmesh.transport import Transport
+    from rollmesh.training.weight_sender import WeightSender
+    from rollmesh.wire.transport import Transport
 
     exp = experiment(args.dir)
     state = build_state(exp)
@@ -336,7 +336,7 @@ async def sync_three(args: argparse.Namespace, url: str) -> tuple[dict[str, floa
 
 
 def floor_broadcast(args: argparse.Namespace, nbytes: int, repeats: int = 2) -> float:
-    from rollmesh.transport import free_port
+    from rollmesh.wire.transport import free_port
     from rollmesh.weight_sync.group import init_weight_update_group
 
     port = free_port()
@@ -376,7 +376,7 @@ async def generate_all(url: str, prompts: list[list[int]], new_tokens: int) -> f
 
 
 def prompts(n: int) -> list[list[int]]:
-    from rollmesh.engine.models import tiny_tokenizer
+    from rollmesh.models.loading import tiny_tokenizer
 
     tok = tiny_tokenizer()
     return [tok.apply_chat_template([{"role": "user", "content": f"What is {i} times {i + 7}?"}],
@@ -391,8 +391,8 @@ def part_sync_decode(args: argparse.Namespace, parts: set[str]) -> list[dict]:
         return rows
     nbytes = 0
     if "sync" in parts:
-        from rollmesh.weight_sync.sender import weight_specs
-        from rollmesh.sharded_load import empty_causal_lm
+        from rollmesh.training.weight_sender import weight_specs
+        from rollmesh.models.sharded import empty_causal_lm
 
         nbytes = sum(s.nbytes for s in weight_specs(empty_causal_lm(args.dir, torch.float32),
                                                     torch.float32))

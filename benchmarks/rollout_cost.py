@@ -68,17 +68,17 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.engine_proc import start_engine, with_repo_on_path  # noqa: E402
 from benchmarks.results import row, write  # noqa: E402
 from rollmesh.config import load_experiment, to_dict  # noqa: E402
-from rollmesh.data import PromptRow, render_prompt  # noqa: E402
+from rollmesh.rollout.data import PromptRow, render_prompt  # noqa: E402
 from rollmesh.engine.client import EngineClient  # noqa: E402
-from rollmesh.engine.models import tiny_tokenizer  # noqa: E402
-from rollmesh.trajectories import new_trajectory  # noqa: E402
-from rollmesh.protocol import (  # noqa: E402
+from rollmesh.models.loading import tiny_tokenizer  # noqa: E402
+from rollmesh.core.trajectory import new_trajectory  # noqa: E402
+from rollmesh.wire.protocol import (  # noqa: E402
     Batch, GetBatch, Group, Pause, PutGroup, Resume, Returned, StatsRequest, Trajectory,
     WeightVersion, decode, encode,
 )
 from rollmesh.rollout.workers import Worker, WorkerPool  # noqa: E402
-from rollmesh.runtime import Supervisor  # noqa: E402
-from rollmesh.transport import RpcClient, Transport, free_port  # noqa: E402
+from rollmesh.launcher.supervisor import Supervisor  # noqa: E402
+from rollmesh.wire.transport import RpcClient, Transport, free_port  # noqa: E402
 
 def cpu_s(pid: int, main_thread: bool) -> float:
     """Seconds on a CPU of a process's main thread, or of all its threads (schedstat: ns)."""
@@ -145,11 +145,11 @@ async def measure(args: argparse.Namespace, tokens: int, group_size: int, sync: 
     sup = Supervisor(t, heartbeat_s=1.0, liveness=60, log_dir=work / f"logs-{tokens}-{group_size}-{int(sync)}")
     clients: list[RpcClient] = []
     try:
-        mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=env, config={
+        mq = sup.spawn("message_queue", "rollmesh.mq.role:main", env=env, config={
             "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}",
             "state_dir": str(work / f"mq-{tokens}-{group_size}-{int(sync)}")})
         mq_rpc = (await sup.wait_ready(mq, 120))["rpc"]
-        rollouter = sup.spawn("rollouter", "rollmesh.rollouter:main", env=env, config={
+        rollouter = sup.spawn("rollouter", "rollmesh.rollout.role:main", env=env, config={
             "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}",
             "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": mq_rpc,
             "engines": [url], "state_dir": str(work / f"rollouter-{tokens}-{group_size}-{int(sync)}")})
@@ -163,11 +163,11 @@ async def measure(args: argparse.Namespace, tokens: int, group_size: int, sync: 
         idle = {k: (idle1[k] - idle0[k]) / (idle1["t"] - idle0["t"]) for k in idle0 if k != "t"}
         for i in range(args.rewards):
             await sup.wait_ready(sup.spawn(
-                "reward_worker", "rollmesh.reward_worker:main", instance=i, env=env,
+                "reward_worker", "rollmesh.rewards.role:main", instance=i, env=env,
                 config={"experiment": spec, "rollouter": eps["channel"]}), 120)
         for i in range(args.agents):
             await sup.wait_ready(sup.spawn(
-                "agent_worker", "rollmesh.agent_worker:main", instance=i, env=env,
+                "agent_worker", "rollmesh.agents.role:main", instance=i, env=env,
                 config={"experiment": spec, "rollouter": eps["channel"], "engines": [url]}), 120)
         ro = RpcClient(t, eps["rpc"], timeout_s=120, name="rollouter")
         q = RpcClient(t, mq_rpc, timeout_s=120, name="message queue")
@@ -272,7 +272,7 @@ async def queue_alone(args: argparse.Namespace, tokens: int, group_size: int,
     n_groups = max(args.queue_samples // group_size, 4 * per_get)
     groups = [group(i) for i in range(n_groups)]
     try:
-        mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=env, config={
+        mq = sup.spawn("message_queue", "rollmesh.mq.role:main", env=env, config={
             "experiment": to_dict(exp), "bind": f"tcp://127.0.0.1:{free_port()}",
             "capacity_groups": 3 * per_get,  # room for a batch and the next ones
             "state_dir": str(work / f"queue-{tokens}-{group_size}")})

@@ -171,7 +171,7 @@ def sender(args: argparse.Namespace) -> list[dict]:
     params = {s.name: torch.randn(s.shape, generator=gen).to(s.dtype) for s in specs}
     print(f"{len(specs)} tensors, {sum(t.numel() for t in params.values()) / 1e6:.1f}M parameters, "
           f"{total / 1e9:.3f} GB in {args.dtype}, {args.receivers} receivers over gloo", flush=True)
-    from rollmesh.transport import free_port
+    from rollmesh.wire.transport import free_port
 
     port = free_port()
     cmd = [sys.executable, __file__, "--receiver-rank", "0", "--port", str(port),
@@ -249,8 +249,8 @@ def sender(args: argparse.Namespace) -> list[dict]:
 
 async def pause_window(trials: int) -> list[dict]:
     from rollmesh.engine.client import EngineClient
-    from rollmesh.protocol import Pause, Resume, WeightVersion
-    from rollmesh.transport import Transport
+    from rollmesh.wire.protocol import Pause, Resume, WeightVersion
+    from rollmesh.wire.transport import Transport
     from tests.helpers.rollout_stack import experiment, start_stack, stop_stack, write_dataset
 
     rows = [{"prompt": f"Tell a long story about the number {i}.", "label": str(i)}

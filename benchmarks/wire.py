@@ -25,8 +25,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from rollmesh.protocol import Trajectory, decode, encode
-from rollmesh.transport import RpcClient, RpcServer, Transport, free_port
+from rollmesh.wire.protocol import Trajectory, decode, encode
+from rollmesh.wire.transport import RpcClient, RpcServer, Transport, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.results import row, write  # noqa: E402

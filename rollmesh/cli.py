@@ -8,13 +8,13 @@ import sys
 
 # Sub-commands that own their own argument parsing: name -> "module:function(argv) -> int".
 _DELEGATED = {
-    "engine": ("rollmesh.engine.server:main", "serve a model over the SGLang HTTP contract"),
-    "role": ("rollmesh.runtime:role_main", "run one role process (used by the launcher)"),
-    "monitor": ("rollmesh.monitor:main", "watch a running run live, read-only"),
-    "launch": ("rollmesh.launcher:main", "start every role of a cluster file"),
-    "status": ("rollmesh.launcher:status_main", "show a run's processes (rollmesh status RUN)"),
-    "stop": ("rollmesh.launcher:stop_main", "stop a run from another terminal"),
-    "sft": ("rollmesh.sft:main", "supervised warm-start on chat transcripts (before RL)"),
+    "engine": ("rollmesh.engine.builtin.server:main", "serve a model over the SGLang HTTP contract"),
+    "role": ("rollmesh.runtime.process:role_main", "run one role process (used by the launcher)"),
+    "monitor": ("rollmesh.observe.monitor:main", "watch a running run live, read-only"),
+    "launch": ("rollmesh.launcher.launcher:main", "start every role of a cluster file"),
+    "status": ("rollmesh.launcher.launcher:status_main", "show a run's processes (rollmesh status RUN)"),
+    "stop": ("rollmesh.launcher.launcher:stop_main", "stop a run from another terminal"),
+    "sft": ("rollmesh.training.sft:main", "supervised warm-start on chat transcripts (before RL)"),
 }
 
 
@@ -81,7 +81,7 @@ def _config(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rollmesh.plot import metrics_file, plot_run
+    from rollmesh.observe.plot import metrics_file, plot_run
 
     metrics = None
     if args.metrics is not None:

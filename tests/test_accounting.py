@@ -1,4 +1,4 @@
-"""The accounting identity and the parsing of the statuses it reads (rollmesh.accounting)."""
+"""The accounting identity and the parsing of the statuses it reads (rollmesh.core.accounting)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rollmesh.accounting import (
+from rollmesh.core.accounting import (
     Identity, QueueStatus, RolloutStatus, StatusError, TrainerStatus, dropped_by_reason, identity,
 )
 

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from rollmesh.agent_loops import (
+from rollmesh.agents.loops import (
     calculator, load_agent_loops, parse_tool_calls, parse_version, run_tool,
 )
-from rollmesh.trajectories import append_observation, append_tokens, new_trajectory
+from rollmesh.core.trajectory import append_observation, append_tokens, new_trajectory
 
 
 def test_token_rows_carry_mask_version_and_logprob():
@@ -102,7 +102,7 @@ def _generated_turn(tok, messages, tools, reply: str) -> list[int]:
 def test_tool_responses_continue_the_conversation_as_the_template_renders_it(family):
     """prompt + generated turn + observation == the template's rendering of the whole
     conversation with the tool results, token for token."""
-    from rollmesh.agent_loops import next_turn_ids, tool_observation
+    from rollmesh.agents.loops import next_turn_ids, tool_observation
     from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer(family)
@@ -135,7 +135,7 @@ def test_tool_responses_continue_the_conversation_as_the_template_renders_it(fam
 
 
 def test_a_template_that_cannot_render_tool_turns_is_a_clear_error():
-    from rollmesh.agent_loops import ChatTemplateError, tool_observation
+    from rollmesh.agents.loops import ChatTemplateError, tool_observation
     from tests.helpers.hf_checkpoints import build_tokenizer
 
     gemma = build_tokenizer("gemma2")  # roles must alternate user/assistant: no tool role
@@ -152,7 +152,7 @@ def test_load_tokenizer_honours_tokenizer_path_and_trust_remote_code(tmp_path, m
     transformers."""
     import transformers
 
-    from rollmesh.trajectories import load_tokenizer
+    from rollmesh.core.trajectory import load_tokenizer
     from rollmesh.config import ModelConfig
     from tests.helpers.hf_checkpoints import build_tokenizer
 
@@ -182,9 +182,9 @@ CALL = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+30"
 def run_tool_agent(tok, replies: list[str], tools: dict | None = None):
     """tool_agent on USER (rendered with a calculator tool) against an engine that answers
     `replies` in turn, each ended by eos: the trajectory, and the prompt ids of each request."""
-    from rollmesh.agent_loops import LoopContext, ToolAgent
+    from rollmesh.agents.loops import LoopContext, ToolAgent
     from rollmesh.config import RolloutConfig
-    from rollmesh.data import PromptRow, render_prompt
+    from rollmesh.rollout.data import PromptRow, render_prompt
     from rollmesh.engine.client import GenerateOutput
 
     prompts = []
@@ -237,7 +237,7 @@ def test_tool_agent_records_each_executed_call_for_the_reward():
     2,000 characters), a malformed one without name or arguments; the count stays too."""
     import msgpack
 
-    from rollmesh.agent_loops import recorded_call
+    from rollmesh.agents.loops import recorded_call
     from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer("qwen2.5")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from rollmesh.algorithms.logits import token_logprobs
-from rollmesh.checkpoint import export_hf
-from rollmesh.engine.models import ModelSpecError, load_model
+from rollmesh.training.checkpoint import export_hf
+from rollmesh.models.loading import ModelSpecError, load_model
 from rollmesh.weight_sync.tensors import check_update, load_weights
 from tests.engine.engine_harness import Engine
 from tests.helpers.hf_checkpoints import write_checkpoint
@@ -138,7 +138,7 @@ def test_trainer_logprobs_match_the_engines(served):
     recomputes) against the engine's behaviour log-probs."""
     import numpy as np
 
-    from rollmesh.protocol import Group, Trajectory
+    from rollmesh.wire.protocol import Group, Trajectory
     from rollmesh.training.batching import from_groups
     from rollmesh.training.state import build_state
     from rollmesh.training.step import batch_logprobs
@@ -188,10 +188,10 @@ def test_a_sync_leaves_the_engine_with_the_trainers_weights(served):
     then decodes as the trained model does."""
     import asyncio
 
-    from rollmesh.checkpoint import full_state_dict
-    from rollmesh.weight_sync.sender import WeightSender
-    from rollmesh.ranks import Ranks
-    from rollmesh.transport import Transport
+    from rollmesh.training.checkpoint import full_state_dict
+    from rollmesh.training.weight_sender import WeightSender
+    from rollmesh.training.ranks import Ranks
+    from rollmesh.wire.transport import Transport
 
     _, path, engine, before, tokenizer = served
     exp, state = _trained_state(path, "sync.bucket_mb=0.05")  # several buckets
@@ -294,7 +294,7 @@ def test_trust_remote_code_runs_the_checkpoints_own_code(tmp_path):
     modelling code is refused; with it, that code builds the model. The engine's and SGLang's
     command lines carry it and `model.tokenizer_path`."""
     from rollmesh.config import EngineConfig, ModelConfig
-    from rollmesh.engine.sglang import engine_launch
+    from rollmesh.engine.launch import engine_launch
     from tests.helpers.hf_checkpoints import write_remote_code_checkpoint
 
     path = write_remote_code_checkpoint(tmp_path / "remote")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollmesh import checkpoint
+from rollmesh.training import checkpoint
 from rollmesh.training.batching import from_groups
 from rollmesh.training.state import build_state
 from rollmesh.training.step import prepare, update_policy

@@ -1,4 +1,4 @@
-"""The console of `rollmesh launch` (rollmesh.console): what a user sees on a terminal, in a pipe,
+"""The console of `rollmesh launch` (rollmesh.launcher.console): what a user sees on a terminal, in a pipe,
 with --verbose, and when a role fails. Unit tests of the rendering first (no processes), then
 short runs of launch/local.toml (6 trainer steps, ~30 s each on CPU)."""
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.console import Console, DropSummary, Progress, eval_text, render_line, tail_lines
+from rollmesh.launcher.console import Console, DropSummary, Progress, eval_text, render_line, tail_lines
 from tests.test_launcher import ROOT, free_ports_base, metrics, status, wait_for
 
 STEPS = 6

@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, strategies as st
 
 from rollmesh.config import ConfigError, HostConfig, load_cluster
-from rollmesh.cpus import (
+from rollmesh.runtime.cpus import (
     CpuListError, available_cpus, format_cpulist, parse_cpulist, pinned, thread_env,
 )
-from rollmesh.hosts import make_host
-from rollmesh.launcher import _make_hosts, build_plan, print_plan
-from rollmesh.runtime import Supervisor
-from rollmesh.slurm import SlurmHost
-from rollmesh.transport import Transport
+from rollmesh.launcher.host_kinds import make_host
+from rollmesh.launcher.launcher import _make_hosts, build_plan, print_plan
+from rollmesh.launcher.supervisor import Supervisor
+from rollmesh.launcher.slurm import SlurmHost
+from rollmesh.wire.transport import Transport
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "configs" / "tiny_cpu.toml"
@@ -169,7 +169,7 @@ def test_a_remote_host_is_not_checked_at_load(tmp_path):
 
 
 def plan_of(cluster, run_dir: Path):
-    from rollmesh.launcher import launcher_affinity
+    from rollmesh.launcher.launcher import launcher_affinity
 
     return build_plan(cluster, _make_hosts(cluster), str(run_dir), engine_key="k",
                       launcher_before=launcher_affinity(cluster))
@@ -192,13 +192,13 @@ def test_the_plan_shows_each_process_cpus_threads_and_the_prelude(tmp_path, caps
     head, cmd = entry("trainer[0]")
     assert head.split()[1:] == ["cpus=0-1", "threads=2"]
     assert "OMP_NUM_THREADS=2" in cmd and "MKL_NUM_THREADS=2" in cmd
-    assert "-m rollmesh.cpus 0-1 'trainer[0] on host local' -- -m rollmesh role" in cmd
+    assert "-m rollmesh.runtime.cpus 0-1 'trainer[0] on host local' -- -m rollmesh role" in cmd
     head, cmd = entry("agent_worker[0]")
-    assert head.split()[1:] == ["cpus=1", "threads=1"] and "-m rollmesh.cpus 1 " in cmd
+    assert head.split()[1:] == ["cpus=1", "threads=1"] and "-m rollmesh.runtime.cpus 1 " in cmd
     assert entry("agent_worker[1]")[0].split()[1:] == ["cpus=0", "threads=1"]
     head, cmd = entry("engine[0]")
     assert head.split()[1:] == ["cpus=0", "threads=1"]
-    assert (f"{sys.executable} -m rollmesh.cpus 0 'engine[0] on host local' -- "
+    assert (f"{sys.executable} -m rollmesh.runtime.cpus 0 'engine[0] on host local' -- "
             f"{sys.executable} -m rollmesh engine") in cmd
     # no cpus of its own, the launcher pinned: it keeps the launcher's affinity from before
     head, cmd = entry("rollouter[0]")
@@ -230,7 +230,7 @@ def test_without_cpus_nothing_is_wrapped(tmp_path, capsys):
     assert all(not p.cpus and not p.env() for p in plan)
     print_plan(cluster, plan, str(tmp_path / "run"))
     out = capsys.readouterr().out
-    assert "rollmesh.cpus" not in out and "cpus=" not in out
+    assert "rollmesh.runtime.cpus" not in out and "cpus=" not in out
 
 
 def test_a_slurm_step_with_cpus_leaves_binding_to_the_prelude():
@@ -239,14 +239,14 @@ def test_a_slurm_step_with_cpus_leaves_binding_to_the_prelude():
     plain = host.argv(["-m", "x"], {}, "r-0")
     assert "--cpu-bind=none" in pinned_argv and "--cpu-bind=none" not in plain
     assert pinned_argv[pinned_argv.index("python3"):][:5] == [
-        "python3", "-m", "rollmesh.cpus", "2-3", "w"]
+        "python3", "-m", "rollmesh.runtime.cpus", "2-3", "w"]
 
 
 def test_an_ssh_command_carries_the_prelude_and_thread_env():
     host = make_host("far", HostConfig(address="far.example", launch="ssh", python="py"))
     line = host.argv(pinned(["-m", "rollmesh", "role"], (4, 5), "trainer[0] on host far"),
                      thread_env((4, 5), {}))[-1]
-    assert ("exec env MKL_NUM_THREADS=2 OMP_NUM_THREADS=2 ROLLMESH_CPUS=4-5 py -m rollmesh.cpus "
+    assert ("exec env MKL_NUM_THREADS=2 OMP_NUM_THREADS=2 ROLLMESH_CPUS=4-5 py -m rollmesh.runtime.cpus "
             "4-5 'trainer[0] on host far' -- -m rollmesh role") in line
 
 
@@ -256,7 +256,7 @@ def test_an_ssh_command_carries_the_prelude_and_thread_env():
 
 
 def prelude(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollmesh.cpus", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "rollmesh.runtime.cpus", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

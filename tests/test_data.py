@@ -1,4 +1,4 @@
-"""rollmesh.data: JSONL rows (text and chat prompts), every bad row's exact message, GSM8K from
+"""rollmesh.rollout.data: JSONL rows (text and chat prompts), every bad row's exact message, GSM8K from
 the real file, the cursor's determinism and exact resume across epochs, prompt groups, and
 prompt rendering through a chat template."""
 
@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from rollmesh.config import DataConfig
-from rollmesh.data import (
+from rollmesh.rollout.data import (
     Dataset,
     DatasetError,
     PromptCursor,

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollmesh.config import DataConfig
-from rollmesh.data import Dataset, DatasetError, PromptSource, gsm8k_final_answer, load_dataset
+from rollmesh.rollout.data import Dataset, DatasetError, PromptSource, gsm8k_final_answer, load_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -253,7 +253,7 @@ def test_hf_save_to_disk_dataset_and_dataset_dict(tmp_path):
 def test_hf_without_the_datasets_package_names_the_extra(tmp_path):
     code = (
         "import sys; sys.modules['datasets'] = None\n"  # import datasets now raises ImportError
-        "from rollmesh.data import DatasetError, load_dataset\n"
+        "from rollmesh.rollout.data import DatasetError, load_dataset\n"
         "try:\n"
         f"    load_dataset({str(tmp_path)!r}, format='hf')\n"
         "except DatasetError as e:\n"

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.data import PromptGroup, PromptRow
-from rollmesh.durable_log import DurableLog
-from rollmesh.message_queue import LOG_NAME
-from rollmesh.protocol import PutGroup
+from rollmesh.rollout.data import PromptGroup, PromptRow
+from rollmesh.runtime.durable_log import DurableLog
+from rollmesh.mq.role import LOG_NAME
+from rollmesh.wire.protocol import PutGroup
 from rollmesh.rollout.journal import Journal, JournalDiskError
-from rollmesh.transport import RemoteError, RpcClient
+from rollmesh.wire.transport import RemoteError, RpcClient
 from tests.test_message_queue import balance, group, kill_and_respawn, spawn_queue, stats
 from tests.test_trainer import with_supervisor
 

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from rollmesh.durable_log import HEADER, MAGIC, DurableLog, LogFormatError
+from rollmesh.runtime.durable_log import HEADER, MAGIC, DurableLog, LogFormatError
 
 
 def payloads(n: int) -> list[bytes]:
@@ -152,7 +152,7 @@ def test_a_file_size_limit_fails_the_append_naming_the_file_and_leaves_whole_rec
     path = tmp_path / "q.log"
     script = f"""
 import errno, resource, signal
-from rollmesh.durable_log import DurableLog
+from rollmesh.runtime.durable_log import DurableLog
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
 log, _ = DurableLog.open({str(path)!r}, fsync_interval_s=0)
@@ -244,7 +244,7 @@ def test_a_recycled_log_never_replays_the_records_of_its_earlier_life(tmp_path):
     """recycle=True: the second compaction writes the new log, salted, over the file the first
     one replaced. A record of this life ending exactly where a whole record of the file's
     earlier life begins: a kill there replays this life's records only."""
-    from rollmesh.durable_log import MAGIC_SALTED, SALT_HEADER
+    from rollmesh.runtime.durable_log import MAGIC_SALTED, SALT_HEADER
 
     path = tmp_path / "q.log"
     log, _ = DurableLog.open(path, recycle=True)

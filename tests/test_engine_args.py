@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rollmesh.config import ConfigError, EngineConfig, ModelConfig, load_experiment
-from rollmesh.engine.sglang import engine_launch
+from rollmesh.engine.launch import engine_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

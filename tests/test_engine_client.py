@@ -12,7 +12,7 @@ import pytest
 
 from rollmesh.config import EngineConfig, ModelConfig
 from rollmesh.engine.client import RID_WIDTH, EngineClient, EngineError, EngineRequestError
-from rollmesh.engine.sglang import builtin_argv, engine_launch
+from rollmesh.engine.launch import builtin_argv, engine_launch
 from tests.engine.engine_harness import REPO, Engine, repo_env
 
 PROMPT = [11, 12, 13, 14, 15]
@@ -187,6 +187,6 @@ def test_launch_commands_for_both_kinds():
     assert builtin.argv[:6] == ["py", "-m", "rollmesh", "engine", "--model", "tiny"]
     # nothing on a CPU host imports sglang
     out = subprocess.run([sys.executable, "-c",
-                          "import sys, rollmesh.engine.sglang, rollmesh.engine.client; "
+                          "import sys, rollmesh.engine.launch, rollmesh.engine.client; "
                           "print('sglang' in sys.modules)"], capture_output=True, text=True)
     assert out.stdout.strip() == "False"

@@ -22,16 +22,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollmesh.agent_loops import Interrupted, LoopContext
+from rollmesh.agents.loops import Interrupted, LoopContext
 from rollmesh.config import RolloutConfig
 from rollmesh.engine.client import EngineClient, EngineUnavailable, GenerationCancelled
-from rollmesh.engine.sglang import builtin_argv
+from rollmesh.engine.launch import builtin_argv
 from rich.console import Console
 
-from rollmesh.monitor import StatusBoard, render
-from rollmesh.protocol import Metrics, Pause
-from rollmesh.trajectories import append_tokens, new_trajectory
-from rollmesh.transport import Transport
+from rollmesh.observe.monitor import StatusBoard, render
+from rollmesh.wire.protocol import Metrics, Pause
+from rollmesh.core.trajectory import append_tokens, new_trajectory
+from rollmesh.wire.transport import Transport
 from tests.engine.engine_harness import REPO, Engine, repo_env
 from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
 from tests.test_launcher import (

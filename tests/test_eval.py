@@ -20,14 +20,14 @@ import msgpack
 import pytest
 from rich.console import Console
 
-from rollmesh.evaluation import eval_metrics, eval_summary, pass_at_k, pass_ks
-from rollmesh.log import get_logger
-from rollmesh.monitor import StatusBoard, render
-from rollmesh.protocol import EvalResult, Metrics, ProtocolError, decode, encode
-from rollmesh.rollouter import announce_evals
-from rollmesh.runtime import RoleContext, RoleSpec
-from rollmesh.trainer import Evaluations
-from rollmesh.transport import Publisher, StatusProxy, Transport
+from rollmesh.core.evaluation import eval_metrics, eval_summary, pass_at_k, pass_ks
+from rollmesh.runtime.log import get_logger
+from rollmesh.observe.monitor import StatusBoard, render
+from rollmesh.wire.protocol import EvalResult, Metrics, ProtocolError, decode, encode
+from rollmesh.rollout.role import announce_evals
+from rollmesh.runtime.process import RoleContext, RoleSpec
+from rollmesh.training.role import Evaluations
+from rollmesh.wire.transport import Publisher, StatusProxy, Transport
 
 ROOT = Path(__file__).resolve().parents[1]
 

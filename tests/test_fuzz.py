@@ -35,13 +35,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollmesh.config import to_dict
-from rollmesh.protocol import (
+from rollmesh.wire.protocol import (
     RECORDS, Cancel, GetBatch, Heartbeat, Metrics, Ok, Pause, Paused, ProtocolError, Resume,
     Score, Scored, StatsRequest, SyncDone, SyncRequest, Trajectory, WeightVersion, WorkerHello,
     decode, encode,
 )
-from rollmesh.runtime import Supervisor
-from rollmesh.transport import StatusProxy, Subscriber, Transport, free_port
+from rollmesh.launcher.supervisor import Supervisor
+from rollmesh.wire.transport import StatusProxy, Subscriber, Transport, free_port
 from tests.engine.engine_harness import Engine
 from tests.helpers.rollout_stack import ENV, experiment, write_dataset
 from tests.helpers.wire import Puller, Pusher
@@ -192,21 +192,21 @@ def run(tmp_path_factory):
         r.hub = StatusProxy(r.t, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
         sup = r.sup = Supervisor(r.t, heartbeat_s=1.0, liveness=10, log_dir=tmp / "logs",
                                  status_hub=r.hub.frontend)
-        r.mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV,
+        r.mq = sup.spawn("message_queue", "rollmesh.mq.role:main", env=ENV,
                          config={"experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}"})
         r.channel = f"tcp://127.0.0.1:{free_port()}"  # the test's own (hostile) rollouter
-        r.reward = sup.spawn("reward_worker", "rollmesh.reward_worker:main", env=ENV,
+        r.reward = sup.spawn("reward_worker", "rollmesh.rewards.role:main", env=ENV,
                              config={"experiment": spec, "rollouter": r.channel, "pool": 1})
-        r.agent = sup.spawn("agent_worker", "rollmesh.agent_worker:main", env=ENV,
+        r.agent = sup.spawn("agent_worker", "rollmesh.agents.role:main", env=ENV,
                             config={"experiment": spec, "rollouter": r.channel,
                                     "engines": [r.engine.url], "credits": 4})
         r.mq_rpc = (await sup.wait_ready(r.mq, 120))["rpc"]
-        r.rollouter = sup.spawn("rollouter", "rollmesh.rollouter:main", env=ENV, config={
+        r.rollouter = sup.spawn("rollouter", "rollmesh.rollout.role:main", env=ENV, config={
             "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}",
             "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": r.mq_rpc})
         eps = await sup.wait_ready(r.rollouter, 120)
         r.r_channel, r.r_rpc = eps["channel"], eps["rpc"]
-        r.sync = sup.spawn("synchronizer", "rollmesh.synchronizer:main", env=ENV, config={
+        r.sync = sup.spawn("synchronizer", "rollmesh.sync.role:main", env=ENV, config={
             "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}",
             "rollouter": r.r_rpc, "message_queue": r.mq_rpc})
         r.sync_rpc = (await sup.wait_ready(r.sync, 120))["rpc"]
@@ -424,7 +424,7 @@ def test_rollouter_channel(run):
     traj = Trajectory(sample_id="nope", group_id="nope", token_ids=np.zeros(2, np.int32),
                       logprobs=np.zeros(2, np.float32), versions=np.zeros(2, np.int32),
                       loss_mask=np.zeros(2, np.uint8), prompt_len=1)
-    from rollmesh.protocol import Returned
+    from rollmesh.wire.protocol import Returned
     for rec in (Returned(trajectory=traj), Scored(trajectory=traj), Cancel(), Paused(in_flight=1,
                                                                                     cancel_queue=2)):
         sock.send_multipart(encode(rec))
@@ -474,7 +474,7 @@ def _recv_from(r: Run, peer: bytes, want: type, timeout_s: float = 30) -> Any:
 
 
 def _score_request(r: Run, answer: str) -> Trajectory:
-    from rollmesh.trajectories import load_tokenizer
+    from rollmesh.core.trajectory import load_tokenizer
 
     tok = load_tokenizer("tiny")
     prompt = tok.encode("q", add_special_tokens=False)

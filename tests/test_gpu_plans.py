@@ -17,9 +17,9 @@ import pytest
 
 from rollmesh.config import ConfigError, load_cluster
 from rollmesh.engine.client import EngineClient
-from rollmesh.engine.models import materialize
-from rollmesh.hosts import make_host
-from rollmesh.launcher import build_plan
+from rollmesh.models.loading import materialize
+from rollmesh.launcher.host_kinds import make_host
+from rollmesh.launcher.launcher import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollmesh.agent_loops import LoopContext, SingleTurn, token_stamps
+from rollmesh.agents.loops import LoopContext, SingleTurn, token_stamps
 from rollmesh.config import RolloutConfig
 from rollmesh.engine.client import EngineClient, GenerateOutput
-from rollmesh.engine.models import build_tiny
-from rollmesh.message_queue import MessageQueue
-from rollmesh.protocol import Group
+from rollmesh.models.loading import build_tiny
+from rollmesh.mq.role import MessageQueue
+from rollmesh.wire.protocol import Group
 from rollmesh.training import batching
-from rollmesh.trajectories import new_trajectory
+from rollmesh.core.trajectory import new_trajectory
 from tests.engine.engine_harness import REPO, Engine, chat_prompt, free_port, repo_env
 
 HERE = Path(__file__).parent
@@ -329,8 +329,8 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
 
     # What reached the MessageQueue (its log's puts): answers that ran across a sync carry the
     # old version on their first tokens and the new one after, never the other way round.
-    from rollmesh.durable_log import DurableLog
-    from rollmesh.message_queue import decode_entry
+    from rollmesh.runtime.durable_log import DurableLog
+    from rollmesh.mq.role import decode_entry
 
     journal, payloads = DurableLog.open(run_dir / "message_queue" / "queue.log")
     journal.close()

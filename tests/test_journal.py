@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import structlog
 
-from rollmesh.data import PromptGroup, PromptRow
+from rollmesh.rollout.data import PromptGroup, PromptRow
 from rollmesh.rollout.journal import Journal
 
 LOG = structlog.get_logger("test")

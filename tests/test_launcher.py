@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.accounting import Identity
-from rollmesh.durable_log import write_atomic
+from rollmesh.core.accounting import Identity
+from rollmesh.runtime.durable_log import write_atomic
 from tests.helpers.sshd import Sshd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,7 +232,7 @@ def environ(pid: int) -> dict[str, str]:
 
 def check_cpu_placement(run_dir: Path, launcher_pid: int, here: list[int]) -> None:
     """The placement PINNED asks for, read back from /proc (see its launch arguments)."""
-    from rollmesh.cpus import format_cpulist
+    from rollmesh.runtime.cpus import format_cpulist
 
     first, last, every = str(here[0]), str(here[-1]), format_cpulist(here)
     procs = {p["name"]: p for p in status(run_dir)["processes"]}
@@ -252,7 +252,7 @@ def check_cpu_placement(run_dir: Path, launcher_pid: int, here: list[int]) -> No
 
 
 def pinned_args(here: list[int]) -> list[str]:
-    from rollmesh.cpus import format_cpulist
+    from rollmesh.runtime.cpus import format_cpulist
 
     first, last = here[0], here[-1]
     return ["--set", f"roles.engine.cpus={format_cpulist(here)}",
@@ -265,7 +265,7 @@ def pinned_args(here: list[int]) -> list[str]:
 def test_stopping_a_run_leaves_no_process_behind(tmp_path, how):
     # with CPU placement (cpus per role and per process, launcher_cpus): each process runs
     # where the cluster file says, read back from /proc
-    from rollmesh.cpus import available_cpus
+    from rollmesh.runtime.cpus import available_cpus
 
     here = sorted(available_cpus())
     run_dir = tmp_path / "run"

@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollmesh.accounting import QueueStatus
+from rollmesh.core.accounting import QueueStatus
 from rollmesh.config import load_experiment, to_dict
-from rollmesh.durable_log import HEADER, DurableLog
-from rollmesh.message_queue import LOG_NAME, MessageQueue, decode_entry, encode_entry
-from rollmesh.protocol import (
+from rollmesh.runtime.durable_log import HEADER, DurableLog
+from rollmesh.mq.role import LOG_NAME, MessageQueue, decode_entry, encode_entry
+from rollmesh.wire.protocol import (
     Batch, GetBatch, Group, PutGroup, StatsRequest, Trajectory, WeightVersion,
 )
-from rollmesh.runtime import Supervisor
-from rollmesh.transport import RpcClient, free_port
+from rollmesh.launcher.supervisor import Supervisor
+from rollmesh.wire.transport import RpcClient, free_port
 from tests.test_trainer import with_supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def experiment(*overrides: str):
 
 
 def spawn_queue(sup: Supervisor, state_dir: Path, **config):
-    return sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV, config={
+    return sup.spawn("message_queue", "rollmesh.mq.role:main", env=ENV, config={
         "experiment": to_dict(experiment()), "bind": f"tcp://127.0.0.1:{free_port()}",
         "state_dir": str(state_dir), **config})
 
@@ -350,7 +350,7 @@ def test_a_real_trainer_after_a_dead_one_trains_on_the_batch_it_was_handed(tmp_p
     exp = trainer_experiment("trainer.total_steps=2", "trainer.checkpoint_every=1")
 
     async def body(t, sup):
-        mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV, config={
+        mq = sup.spawn("message_queue", "rollmesh.mq.role:main", env=ENV, config={
             "experiment": to_dict(exp), "bind": f"tcp://127.0.0.1:{free_port()}",
             "state_dir": str(tmp_path / "mq")})
         address = (await sup.wait_ready(mq, 60))["rpc"]

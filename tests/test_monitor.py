@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rollmesh.monitor import (
+from rollmesh.observe.monitor import (
     MonitorError, StatusBoard, find_run_dir, load_run, render, sparkline,
 )
-from rollmesh.protocol import Metrics
-from rollmesh.transport import CurveKeys, Publisher, StatusProxy, Transport
+from rollmesh.wire.protocol import Metrics
+from rollmesh.wire.transport import CurveKeys, Publisher, StatusProxy, Transport
 
 ROOT = Path(__file__).resolve().parents[1]
 

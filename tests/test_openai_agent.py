@@ -19,16 +19,16 @@ pytest.importorskip("openai")
 import openai  # noqa: E402
 from aiohttp import ClientSession, web  # noqa: E402
 
-from rollmesh.agent_loops import LoopContext  # noqa: E402
+from rollmesh.agents.loops import LoopContext  # noqa: E402
 from rollmesh.config import RolloutConfig  # noqa: E402
 from rollmesh.engine.client import EngineClient  # noqa: E402
-from rollmesh.engine.models import build_tiny  # noqa: E402
-from rollmesh.log import get_logger  # noqa: E402
-from rollmesh.openai_agent import (  # noqa: E402
+from rollmesh.models.loading import build_tiny  # noqa: E402
+from rollmesh.runtime.log import get_logger  # noqa: E402
+from rollmesh.agents.openai_agent import (  # noqa: E402
     AgentError, CallError, OpenAIAgent, OpenAIEndpoint, Session, message_difference,
     normalize_message, recorded_tool_calls, resolve_agent,
 )
-from rollmesh.trajectories import new_trajectory  # noqa: E402
+from rollmesh.core.trajectory import new_trajectory  # noqa: E402
 from tests.engine.engine_harness import teacher_forced_logprobs  # noqa: E402
 
 HERE = "tests.test_openai_agent"
@@ -46,7 +46,7 @@ class ThreadEngine:
     """rollmesh's built-in engine (tiny, version 0) on an event loop of its own thread."""
 
     def __init__(self) -> None:
-        from rollmesh.engine.server import EngineServer, _parser
+        from rollmesh.engine.builtin.server import EngineServer, _parser
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -368,9 +368,9 @@ def test_tool_calls_are_parsed_and_the_tool_turn_rendered_by_the_template():
     """With Qwen2.5's template: a Hermes <tool_call> reply becomes `tool_calls` (finish_reason
     tool_calls); the agent's echo of it (the SDK's dump) continues the trajectory, and the tool
     result is appended as the template renders a tool turn; a changed argument is named."""
-    from rollmesh.agent_loops import next_turn_ids
-    from rollmesh.trajectories import append_tokens
-    from rollmesh.openai_agent import ChatRequest
+    from rollmesh.agents.loops import next_turn_ids
+    from rollmesh.core.trajectory import append_tokens
+    from rollmesh.agents.openai_agent import ChatRequest
     from tests.helpers.hf_checkpoints import build_tokenizer
 
     tok = build_tokenizer("qwen2.5")
@@ -434,10 +434,10 @@ SPEC = SimpleNamespace(role="agent", instance=0, host="local", heartbeat_s=60.0,
 def _rollouter(tmp_path: Path, agent: str):
     """An in-process rollouter on a real ZeroMQ channel (one row, groups of 2, one group per
     version), with its transport and experiment."""
-    from rollmesh.trajectories import load_tokenizer
-    from rollmesh.data import PromptSource
-    from rollmesh.rollouter import Rollouter
-    from rollmesh.transport import Channel, RpcClient, Transport
+    from rollmesh.core.trajectory import load_tokenizer
+    from rollmesh.rollout.data import PromptSource
+    from rollmesh.rollout.role import Rollouter
+    from rollmesh.wire.transport import Channel, RpcClient, Transport
     from tests.helpers.rollout_stack import experiment, write_dataset
 
     rows = [{"prompt": "Tell me a story.", "label": "x", "agent_loop": "openai_agent",
@@ -455,8 +455,8 @@ def _rollouter(tmp_path: Path, agent: str):
 
 async def _stack(engine_url: str, tmp_path: Path, agent: str):
     """An in-process rollouter and agent worker over a real ZeroMQ channel."""
-    from rollmesh.agent_worker import AgentWorker
-    from rollmesh.transport import ChannelClient
+    from rollmesh.agents.role import AgentWorker
+    from rollmesh.wire.transport import ChannelClient
 
     t, r, exp = _rollouter(tmp_path, agent)
     client = await EngineClient([engine_url]).__aenter__()
@@ -541,7 +541,7 @@ def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
         assert trajectory_counts([traj])["samples_resumed_mid_turn"] == 1
         result = traj.metadata["agent_result"]  # one completion, the whole answer
         assert result["completion_tokens"] == 48 and result["finish_reason"] == "length"
-        from rollmesh.engine.models import tiny_tokenizer
+        from rollmesh.models.loading import tiny_tokenizer
 
         tok = tiny_tokenizer()
         assert result["content"] == tok.decode(traj.token_ids[traj.prompt_len:].tolist(),
@@ -553,9 +553,9 @@ def test_held_trajectories_are_counted_once_whatever_happens_to_them(tmp_path):
     """The rollouter's side of Held: a pause does not wait for held trajectories, they stay
     in flight; one that comes back, or whose worker dies, leaves the held count; the accounting
     identity holds at every step; the row's chat messages reach openai_agent trajectories."""
-    from rollmesh.protocol import WorkerHello
+    from rollmesh.wire.protocol import WorkerHello
     from rollmesh.rollout.workers import Worker
-    from rollmesh.transport import ChannelClient
+    from rollmesh.wire.transport import ChannelClient
 
     async def body():
         t, r, _ = _rollouter(tmp_path, "long_agent")

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from rollmesh.protocol import Heartbeat, Ok
-from rollmesh.transport import (
+from rollmesh.wire.protocol import Heartbeat, Ok
+from rollmesh.wire.transport import (
     Channel, ChannelClient, Heartbeater, Liveness, PeerTimeout, RpcClient, RpcServer, Transport,
 )
 from tests.helpers.relay import Relay
@@ -202,10 +202,10 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
     admitted = consumed + dropped + in flight. With `delayed`, both links delay every message by
     200 ms instead: the same steps finish, nothing dropped, the identity holds."""
     from rollmesh.config import to_dict
-    from rollmesh.monitor import StatusBoard
-    from rollmesh.protocol import Pause
-    from rollmesh.runtime import Supervisor
-    from rollmesh.transport import free_port
+    from rollmesh.observe.monitor import StatusBoard
+    from rollmesh.wire.protocol import Pause
+    from rollmesh.launcher.supervisor import Supervisor
+    from rollmesh.wire.transport import free_port
     from tests.engine.engine_harness import Engine
     from tests.helpers.rollout_stack import ENV, Driver, accounting, experiment, write_dataset
 
@@ -219,22 +219,22 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
                                              "--weight-version", "0")
             relays = []
             try:
-                mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV, config={
+                mq = sup.spawn("message_queue", "rollmesh.mq.role:main", env=ENV, config={
                     "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}"})
                 mq_rpc = (await sup.wait_ready(mq, 120))["rpc"]
                 to_mq = Relay(port_of(mq_rpc))
                 bind = f"tcp://127.0.0.1:{free_port()}"
                 to_rollouter = Relay(port_of(bind))
                 relays += [to_mq, to_rollouter]
-                rollouter = sup.spawn("rollouter", "rollmesh.rollouter:main", env=ENV, config={
+                rollouter = sup.spawn("rollouter", "rollmesh.rollout.role:main", env=ENV, config={
                     "experiment": spec, "bind": bind,
                     "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": to_mq.address})
                 eps = await sup.wait_ready(rollouter, 120)
-                reward = sup.spawn("reward_worker", "rollmesh.reward_worker:main", env=ENV,
+                reward = sup.spawn("reward_worker", "rollmesh.rewards.role:main", env=ENV,
                                    config={"experiment": spec, "rollouter": eps["channel"],
                                            "pool": 2})
                 await sup.wait_ready(reward, 120)
-                agent = sup.spawn("agent_worker", "rollmesh.agent_worker:main", env=ENV, config={
+                agent = sup.spawn("agent_worker", "rollmesh.agents.role:main", env=ENV, config={
                     "experiment": spec, "rollouter": to_rollouter.address,
                     "engines": [engine.url], "credits": 16})
                 await sup.wait_ready(agent, 120)
@@ -313,7 +313,7 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
 # handed it, pointed at the test's relay (the MessageQueue itself binds its usual port).
 LAUNCH_THROUGH_RELAY = """
 import os, sys
-import rollmesh.launcher as launcher
+import rollmesh.launcher.launcher as launcher
 planned = launcher.build_plan
 def build_plan(*args, **kwargs):
     plan = planned(*args, **kwargs)

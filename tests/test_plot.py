@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.plot import build_figure, plot_metric, plot_run, read_metrics
+from rollmesh.observe.plot import build_figure, plot_metric, plot_run, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -157,6 +157,6 @@ def test_plot_metric_writes_reward_png_even_without_values(tmp_path):
 
 
 def test_importing_the_module_leaves_matplotlib_unloaded():
-    code = "import sys, rollmesh.plot; print('matplotlib' in sys.modules)"
+    code = "import sys, rollmesh.observe.plot; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

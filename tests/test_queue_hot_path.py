@@ -16,16 +16,17 @@ import collections
 import numpy as np
 import pytest
 
-from rollmesh import durable_log, protocol
-from rollmesh.durable_log import DurableLog
-from rollmesh.message_queue import (
+from rollmesh.runtime import durable_log
+from rollmesh.wire import protocol
+from rollmesh.runtime.durable_log import DurableLog
+from rollmesh.mq.role import (
     LOG_NAME, BatchFeed, MessageQueue, decode_entry, next_put, put_ready,
 )
-from rollmesh.protocol import (
+from rollmesh.wire.protocol import (
     Batch, BatchCredit, Group, OpenBatchStream, PutGroups, PutGroupsReply, StatsRequest,
     StreamState, WeightVersion,
 )
-from rollmesh.transport import PeerTimeout, RpcClient
+from rollmesh.wire.transport import PeerTimeout, RpcClient
 from tests.test_message_queue import (
     balance, group, ids, kill_and_respawn, spawn_queue, stats,
 )
@@ -69,7 +70,7 @@ def test_put_many_returns_once_its_groups_are_in_the_log_and_a_failed_write_queu
         tmp_path, monkeypatch):
     import os
 
-    from rollmesh.message_queue import QueueDiskError
+    from rollmesh.mq.role import QueueDiskError
 
     q = MessageQueue(10, 1, state_dir=tmp_path, fsync_interval_s=3600)
     assert q.put_many([group(0), group(1)]) == 2
@@ -417,7 +418,7 @@ def test_the_feed_gets_the_same_batches_across_a_killed_queue(tmp_path):
 
 
 def structlog_logger():
-    from rollmesh.log import get_logger
+    from rollmesh.runtime.log import get_logger
 
     return get_logger("test")
 

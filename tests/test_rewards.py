@@ -33,7 +33,7 @@ from rollmesh.rewards import (
 )
 from rollmesh.config import RolloutConfig
 from rollmesh.rewards.trajectory import trajectory_view
-from rollmesh.trajectories import append_observation, append_tokens, new_trajectory
+from rollmesh.core.trajectory import append_observation, append_tokens, new_trajectory
 from tests import reward_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -520,9 +520,9 @@ def test_the_reward_worker_gives_the_trajectory_view_to_functions_that_take_it()
     before, a raising one recorded as an error."""
     from types import SimpleNamespace
 
-    from rollmesh.trajectories import load_tokenizer
-    from rollmesh.log import get_logger
-    from rollmesh.reward_worker import RewardWorker
+    from rollmesh.core.trajectory import load_tokenizer
+    from rollmesh.runtime.log import get_logger
+    from rollmesh.rewards.role import RewardWorker
 
     tok = load_tokenizer("tiny")
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from rollmesh.config import ConfigError, load_cluster, parse_config, to_dict
-from rollmesh.launcher import _make_hosts, build_plan, print_plan
-from rollmesh.plan.settings import (
+from rollmesh.launcher.launcher import _make_hosts, build_plan, print_plan
+from rollmesh.config.settings import (
     COMPACT_FLOOR_BYTES, AgentWorkerSettings, MessageQueueSettings, RewardWorkerSettings,
 )
-from rollmesh.protocol import Metrics, StatsRequest
-from rollmesh.runtime import Supervisor
-from rollmesh.transport import RpcClient, Transport, free_port
+from rollmesh.wire.protocol import Metrics, StatsRequest
+from rollmesh.launcher.supervisor import Supervisor
+from rollmesh.wire.transport import RpcClient, Transport, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "configs" / "tiny_cpu.toml"  # rollout.batch_groups = 4
@@ -126,7 +126,7 @@ def test_the_launched_queue_runs_with_the_planned_settings(tmp_path):
         with Transport() as t:
             sup = Supervisor(t, heartbeat_s=1.0)
             try:
-                mq = sup.spawn("message_queue", "rollmesh.message_queue:main", config=config,
+                mq = sup.spawn("message_queue", "rollmesh.mq.role:main", config=config,
                                env={"PYTHONPATH": str(ROOT)})
                 address = (await sup.wait_ready(mq, 60))["rpc"]
                 client = RpcClient(t, address, timeout_s=10)

@@ -12,10 +12,10 @@ import pytest
 import structlog
 
 from rollmesh.engine.client import EngineClient
-from rollmesh.message_queue import oldest_version
-from rollmesh.protocol import Pause, Resume, WeightVersion
+from rollmesh.mq.role import oldest_version
+from rollmesh.wire.protocol import Pause, Resume, WeightVersion
 from rollmesh.rollout.journal import Journal
-from rollmesh.transport import Transport
+from rollmesh.wire.transport import Transport
 from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
 
 ROWS = [{"prompt": f"What is {a} plus {b}?", "label": str(a + b)}

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import structlog
 
-from rollmesh.data import PromptSource
-from rollmesh.protocol import Assign, Group, Score
+from rollmesh.rollout.data import PromptSource
+from rollmesh.wire.protocol import Assign, Group, Score
 from rollmesh.rollout.core import RolloutCore
 from rollmesh.rollout.filters import dapo_filter, get_group_filter, keep_all
 from rollmesh.rollout.workers import Worker
-from rollmesh.trajectories import load_tokenizer, new_trajectory
+from rollmesh.core.trajectory import load_tokenizer, new_trajectory
 from tests.helpers.rollout_stack import experiment, write_dataset
 
 LOG = structlog.get_logger("test")
@@ -212,7 +212,7 @@ def test_the_live_counters_are_what_a_replay_of_the_journal_gives(tmp_path):
 def generated(core: RolloutCore, group_id: str, version: int | None, status: str) -> list:
     """Every sample of the group out with the agent worker comes back with 2 tokens generated
     at `version` (None: none generated yet), `status` (finished or interrupted)."""
-    from rollmesh.trajectories import append_tokens
+    from rollmesh.core.trajectory import append_tokens
 
     agent = worker(core, b"agent")
     back = []
@@ -261,7 +261,7 @@ def test_a_sample_back_after_its_group_was_dropped_as_stale_is_dropped_as_stale(
     gid = dispatched_groups(list(core.dispatch()))[0]
     agent = worker(core, b"agent")
     first, second = [t for t in agent.out.values() if t.group_id == gid]
-    from rollmesh.trajectories import append_tokens
+    from rollmesh.core.trajectory import append_tokens
 
     append_tokens(first, [5], [-0.1], 0)
     first.status = "finished"

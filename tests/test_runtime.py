@@ -17,9 +17,10 @@ import pytest
 import torch
 import zmq
 
-from rollmesh.protocol import PROTOCOL_VERSION, Group, Hello, Metrics, Ok, Trajectory, to_torch
-from rollmesh.runtime import EXIT_FATAL, RoleFailed, Supervisor
-from rollmesh.transport import RemoteError, RpcClient, Transport
+from rollmesh.wire.protocol import PROTOCOL_VERSION, Group, Hello, Metrics, Ok, Trajectory, to_torch
+from rollmesh.runtime.process import EXIT_FATAL
+from rollmesh.launcher.supervisor import RoleFailed, Supervisor
+from rollmesh.wire.transport import RemoteError, RpcClient, Transport
 from tests.helpers.wire import Shutdown
 from tests.helpers.wire_strategies import assert_same
 
@@ -198,8 +199,8 @@ def test_silent_child_is_declared_dead_within_liveness_and_recovers():
 PARENT = textwrap.dedent("""
     import asyncio, os, sys
     from pathlib import Path
-    from rollmesh.runtime import Supervisor
-    from rollmesh.transport import Transport
+    from rollmesh.launcher.supervisor import Supervisor
+    from rollmesh.wire.transport import Transport
 
     async def main():
         t = Transport()
@@ -266,9 +267,9 @@ def test_hello_with_another_protocol_version_is_refused():
 def test_ready_gives_up_on_a_parent_that_stops_answering_only_when_asked_to_stop():
     """The parent can die between seeing Ready and answering it: the role must wind down on
     its stop signal then, not fail on a PeerTimeout; without a stop the timeout is an error."""
-    from rollmesh.log import get_logger
-    from rollmesh.runtime import RoleContext, RoleSpec
-    from rollmesh.transport import PeerTimeout
+    from rollmesh.runtime.log import get_logger
+    from rollmesh.runtime.process import RoleContext, RoleSpec
+    from rollmesh.wire.transport import PeerTimeout
 
     async def main(stop_after: float | None):
         with Transport() as t:

@@ -25,10 +25,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from rollmesh import config as C
 from rollmesh.config import ConfigError, HostConfig, load_cluster, parse_config
-from rollmesh.hosts import SshHost
-from rollmesh.protocol import Metrics, StatsRequest, encode
-from rollmesh.runtime import Supervisor
-from rollmesh.transport import (
+from rollmesh.launcher.hosts import SshHost
+from rollmesh.wire.protocol import Metrics, StatsRequest, encode
+from rollmesh.launcher.supervisor import Supervisor
+from rollmesh.wire.transport import (
     CurveKeys, Publisher, RpcClient, StatusProxy, Transport,
     TransportError, free_port, is_loopback,
 )
@@ -39,7 +39,7 @@ ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 def launcher_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, CurveKeys]:
     """A run directory made by the launcher itself (launch/local.toml), and its keys."""
-    from rollmesh.launcher import Launcher
+    from rollmesh.launcher.launcher import Launcher
 
     monkeypatch.chdir(ROOT)  # the cluster file's paths are relative to the repo root
     cluster = load_cluster(ROOT / "launch/local.toml")
@@ -146,15 +146,15 @@ def test_non_loopback_is_curve_by_default(tmp_path, address, curve):
 
 def test_the_launcher_binds_remote_roles_and_the_hub_with_curve():
     """The plan's bind addresses: loopback only on a single-host run; otherwise CURVE."""
-    from rollmesh.launcher import _bind
-    from rollmesh.hosts import make_host
+    from rollmesh.launcher.launcher import _bind
+    from rollmesh.launcher.host_kinds import make_host
 
     local = make_host("a", HostConfig(address="127.0.0.1"))
     remote = make_host("b", HostConfig(address="10.1.2.3"))
     named = make_host("c", HostConfig(address="gpu-node-3", launch="ssh"))
     assert is_loopback(_bind(local, 5000))
     assert not is_loopback(_bind(remote, 5000)) and not is_loopback(_bind(named, 5000))
-    src = (ROOT / "rollmesh/launcher.py").read_text()
+    src = (ROOT / "rollmesh/launcher/launcher.py").read_text()
     assert "StatusProxy(t, " in src and "secure=True)" in src.split("StatusProxy(t, ")[1][:120]
 
 
@@ -298,16 +298,16 @@ SENDING = {"PUB", "PUSH", "DEALER", "ROUTER", "REQ", "REP", "PAIR", "XPUB", "XSU
 
 
 def test_the_monitor_only_subscribes_in_its_source():
-    tree = ast.parse((ROOT / "rollmesh/monitor.py").read_text())
+    tree = ast.parse((ROOT / "rollmesh/observe/monitor.py").read_text())
     zmq_types = {n.attr for n in ast.walk(tree)
                  if isinstance(n, ast.Attribute) and _dotted(n.value) == "zmq"}
     assert not zmq_types & SENDING, zmq_types & SENDING
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    from rollmesh import transport
+    from rollmesh.wire import transport
     senders = {"Publisher", "Pusher", "RpcClient", "RpcServer", "Channel", "ChannelClient",
                "StatusProxy", "Puller"}
     assert hasattr(transport, "Subscriber") and not names & senders, names & senders
-    assert ".socket(" not in (ROOT / "rollmesh/monitor.py").read_text()
+    assert ".socket(" not in (ROOT / "rollmesh/observe/monitor.py").read_text()
 
 
 def test_the_hub_passes_nothing_from_a_subscriber_to_the_run(tmp_path):
@@ -315,7 +315,7 @@ def test_the_hub_passes_nothing_from_a_subscriber_to_the_run(tmp_path):
     sends into the hub's XPUB side (raw messages from an XSUB, or any frames from a socket type
     the XPUB does not pair with) reaches neither the monitor nor the publishing roles; the hub
     keeps forwarding the roles' status."""
-    from rollmesh.monitor import HubLink, Run, StatusBoard
+    from rollmesh.observe.monitor import HubLink, Run, StatusBoard
 
     keys = CurveKeys.generate(tmp_path / "keys")
 
@@ -398,7 +398,7 @@ def test_ssh_options_cannot_turn_host_key_checking_off(opt):
 
 
 def test_engine_http_binds_loopback_by_default():
-    from rollmesh.engine.server import _parser
+    from rollmesh.engine.builtin.server import _parser
 
     assert _parser().parse_args(["--model", "tiny", "--port", "1"]).host == "127.0.0.1"
     assert C.HostConfig  # the config module is the one the launcher uses

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from rollmesh.config import load_experiment
-from rollmesh.engine.models import load_model, tiny_tokenizer
-from rollmesh.log import get_logger
+from rollmesh.models.loading import load_model, tiny_tokenizer
+from rollmesh.runtime.log import get_logger
 from rollmesh.training.batching import trajectory_counts
-from rollmesh.sft import SftError, load_transcripts, render_transcript, train
-from rollmesh.trajectories import append_observation, append_tokens, new_trajectory
+from rollmesh.training.sft import SftError, load_transcripts, render_transcript, train
+from rollmesh.core.trajectory import append_observation, append_tokens, new_trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The trainer's shard-by-shard loading (`rollmesh.sharded_load`): the weights each rank holds
+"""The trainer's shard-by-shard loading (`rollmesh.models.sharded`): the weights each rank holds
 are, gathered, those of `from_pretrained` bit for bit, and training on them is what training on
 the whole-model path (every rank builds the whole model, then shards) gives, bit for bit."""
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rollmesh.engine.models import load_model, tiny_tokenizer
+from rollmesh.models.loading import load_model, tiny_tokenizer
 from rollmesh.training.batching import from_groups
-from rollmesh.sharded_load import (
+from rollmesh.models.sharded import (
     CheckpointFiles, UnsupportedCheckpoint, checkpoint_keys, empty_causal_lm,
 )
 from rollmesh.training.state import build_state
 from rollmesh.training.step import prepare, update_policy
-from rollmesh.transport import free_port
+from rollmesh.wire.transport import free_port
 from tests.test_trainer import GAE, experiment, make_groups
 
 
@@ -149,7 +149,7 @@ def test_a_checkpoint_with_other_names_is_refused_before_anything_is_allocated(t
 
 
 def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from rollmesh.ranks import full_tensor
+    from rollmesh.training.ranks import full_tensor
 
     return {n: full_tensor(p).clone() for n, p in model.named_parameters()}
 
@@ -157,7 +157,7 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _rank(rank: int, rendezvous: str, paths: dict[str, str]) -> dict[str, Any]:
     """One trainer rank: for each checkpoint, the sharded and the whole-model states, their
     gathered weights before and after one step with GAE and a reference model, and the stats."""
-    from rollmesh.ranks import close_ranks, init_ranks
+    from rollmesh.training.ranks import close_ranks, init_ranks
 
     torch.set_num_threads(1)
     ranks = init_ranks(rendezvous, rank, 2, "gloo", timeout_s=60)  # a failing rank: no hang

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh import slurm
+from rollmesh.config import slurm as slurm_allocation
+from rollmesh.launcher import slurm
 from rollmesh.config import ConfigError, load_cluster
-from rollmesh.hosts import make_host
+from rollmesh.launcher.host_kinds import make_host
 from tests.helpers.slurm_cluster import Slurm
 from tests.test_launcher import (
     check_accounting, cpus_allowed, free_ports_base, metrics, status, wait_for,
@@ -46,7 +47,7 @@ def allocation(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-03]")
     monkeypatch.setenv("SLURM_GPUS_PER_NODE", "a100:4")
-    monkeypatch.setattr(slurm, "expand_nodelist",
+    monkeypatch.setattr(slurm_allocation, "expand_nodelist",
                         lambda nodelist: ["gpu01", "gpu02", "gpu03"] if nodelist == "gpu[01-03]"
                         else pytest.fail(nodelist))
 

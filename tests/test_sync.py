@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollmesh.engine.models import build_tiny
-from rollmesh.protocol import Ok, Pause, Paused, StatsRequest, SyncDone, SyncRequest
-from rollmesh.transport import RemoteError, RpcClient, Transport, free_port
+from rollmesh.models.loading import build_tiny
+from rollmesh.wire.protocol import Ok, Pause, Paused, StatsRequest, SyncDone, SyncRequest
+from rollmesh.wire.transport import RemoteError, RpcClient, Transport, free_port
 from rollmesh.weight_sync.buckets import BucketSender, WeightSpec, announce, plan_buckets
 from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
 from tests.engine.engine_harness import chat_prompt, greedy_decode, teacher_forced_logprobs
@@ -32,7 +32,7 @@ async def start_training(stack, exp, tmp_path):
     synchronizer's RPC address and the trainer children."""
     sup, spec = stack.sup, stack.mq.spec.config["experiment"]
     rollouter_rpc, mq_rpc = stack.rollouter.endpoints["rpc"], stack.mq.endpoints["rpc"]
-    syncer = sup.spawn("synchronizer", "rollmesh.synchronizer:main", env=ENV, config={
+    syncer = sup.spawn("synchronizer", "rollmesh.sync.role:main", env=ENV, config={
         "experiment": spec, "rollouter": rollouter_rpc, "message_queue": mq_rpc,
         "bind": f"tcp://127.0.0.1:{free_port()}"})
     sync_rpc = (await sup.wait_ready(syncer, 120))["rpc"]
@@ -247,8 +247,8 @@ class FakePeer:
 def synchronizer(timeout_s: float = 600.0):
     from types import SimpleNamespace
 
-    from rollmesh.log import get_logger
-    from rollmesh.synchronizer import Synchronizer
+    from rollmesh.runtime.log import get_logger
+    from rollmesh.sync.role import Synchronizer
     from tests.test_trainer import experiment as trainer_experiment
 
     exp = trainer_experiment(f"sync.timeout_s={timeout_s}")
@@ -436,8 +436,8 @@ def test_an_abandoned_in_place_sync_continues_the_engines():
     from aiohttp import web
 
     from rollmesh.engine.client import EngineClient
-    from rollmesh.log import get_logger
-    from rollmesh.synchronizer import Synchronizer
+    from rollmesh.runtime.log import get_logger
+    from rollmesh.sync.role import Synchronizer
     from tests.test_trainer import experiment as trainer_experiment
 
     async def body():

@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from rollmesh.engine.client import EngineError
-from rollmesh.log import get_logger
+from rollmesh.runtime.log import get_logger
 from rollmesh.training.batching import from_groups
-from rollmesh.protocol import Ok, Pause, Paused, SyncDone, SyncRequest, WeightVersion
-from rollmesh.weight_sync.sender import WeightSender, finish_sync, sync_weights
-from rollmesh.ranks import full_tensor
-from rollmesh.synchronizer import Synchronizer
+from rollmesh.wire.protocol import Ok, Pause, Paused, SyncDone, SyncRequest, WeightVersion
+from rollmesh.training.weight_sender import WeightSender, finish_sync, sync_weights
+from rollmesh.training.ranks import full_tensor
+from rollmesh.sync.role import Synchronizer
 from rollmesh.training.state import build_state
 from rollmesh.training.step import prepare, update_policy
-from rollmesh.transport import RpcServer, Transport, free_port
+from rollmesh.wire.transport import RpcServer, Transport, free_port
 from rollmesh.weight_sync.buckets import Snapshot, WeightSpec
 from tests.engine.engine_harness import Engine
 from tests.test_trainer import experiment, make_groups

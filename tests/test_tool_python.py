@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.agent_loops import LoopContext, ToolAgent, builtin_tools, run_tool
+from rollmesh.agents.loops import LoopContext, ToolAgent, builtin_tools, run_tool
 from rollmesh.config import PythonToolConfig, RolloutConfig, parse_config
-from rollmesh.tools import PythonTool
-from rollmesh.trajectories import new_trajectory
+from rollmesh.agents.tools import PythonTool
+from rollmesh.core.trajectory import new_trajectory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ def test_the_worker_survives_hostile_calls_at_once_and_a_cancelled_one(tmp_root)
 
 
 def test_tool_agent_calls_it_with_the_rollouts_limits(tmp_root):
-    from rollmesh.data import PromptRow, render_prompt
+    from rollmesh.rollout.data import PromptRow, render_prompt
     from rollmesh.engine.client import GenerateOutput
     from tests.helpers.hf_checkpoints import build_tokenizer
 
@@ -319,6 +319,6 @@ def test_limits_are_configured_under_rollout_python_tool():
 
 def test_registered_as_a_tool():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["project"]["entry-points"]["rollmesh.tools"]["python"] == "rollmesh.tools:python"
+    assert project["project"]["entry-points"]["rollmesh.tools"]["python"] == "rollmesh.agents.tools:python"
     # needs the package (re)installed, as its entry points come from the installed metadata
     assert isinstance(builtin_tools().get("python"), PythonTool)

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from rollmesh.algorithms import aggregate, gae_advantages, grpo_advantages, kl_estimate
 from rollmesh.config import ConfigError, ExperimentConfig, apply_overrides, parse_config, to_dict
-from rollmesh.engine.models import build_tiny
-from rollmesh.protocol import Group, PutGroup, StatsRequest, Trajectory
-from rollmesh.runtime import Child, Supervisor
+from rollmesh.models.loading import build_tiny
+from rollmesh.wire.protocol import Group, PutGroup, StatsRequest, Trajectory
+from rollmesh.launcher.supervisor import Child, Supervisor
 from rollmesh.training import batching
 from rollmesh.training.batching import BatchData, from_groups
 from rollmesh.training.state import TrainState, build_state
@@ -27,7 +27,7 @@ from rollmesh.training.step import (
     StepBatch, critic_micro_batch_loss, critic_values, micro_batch_loss, micro_batches, prepare,
     step_metrics, update_policy,
 )
-from rollmesh.transport import RpcClient, Transport, free_port
+from rollmesh.wire.transport import RpcClient, Transport, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -149,7 +149,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 async def start_queue(sup: Supervisor, exp: ExperimentConfig) -> str:
-    mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV,
+    mq = sup.spawn("message_queue", "rollmesh.mq.role:main", env=ENV,
                    config={"experiment": to_dict(exp), "bind": f"tcp://127.0.0.1:{free_port()}"})
     return (await sup.wait_ready(mq, 120))["rpc"]
 
@@ -167,7 +167,7 @@ def spawn_trainers(sup: Supervisor, exp: ExperimentConfig, config: dict[str, Any
     config = {"experiment": to_dict(exp), "threads": 1, **config}
     if exp.trainer.ranks > 1:
         config["rendezvous"] = f"tcp://127.0.0.1:{free_port()}"
-    return [sup.spawn("trainer", "rollmesh.trainer:main", instance=r, env=ENV, config=config,
+    return [sup.spawn("trainer", "rollmesh.training.role:main", instance=r, env=ENV, config=config,
                       grace_s=30) for r in range(exp.trainer.ranks)]
 
 
@@ -626,8 +626,8 @@ def test_two_rank_training_equals_one_rank_training(tmp_path, overrides):
 
 def test_tensorboard_sink_writes_event_files_where_installed(tmp_path):
     pytest.importorskip("tensorboard", reason="the optional `tensorboard` extra is not installed")
-    from rollmesh.log import get_logger
-    from rollmesh.trainer import _tensorboard
+    from rollmesh.runtime.log import get_logger
+    from rollmesh.training.role import _tensorboard
 
     writer = _tensorboard(tmp_path / "tensorboard", get_logger())
     writer.add_scalar("reward_mean", 0.5, 1)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import zmq
 
-from rollmesh.protocol import Group, Heartbeat, Metrics, Ok, Trajectory
-from rollmesh.transport import (
+from rollmesh.wire.protocol import Group, Heartbeat, Metrics, Ok, Trajectory
+from rollmesh.wire.transport import (
     CurveKeys, Heartbeater, Liveness, PeerTimeout, Publisher, RemoteError,
     RpcClient, RpcServer, StatusProxy, Subscriber, Transport, TransportError, free_port,
     is_loopback,
@@ -153,7 +153,7 @@ def test_curve_accepts_the_run_key_and_refuses_an_unknown_key(tmp_path):
 def test_close_stops_the_authenticator_and_does_not_wait_for_a_stuck_one(tmp_path, monkeypatch):
     import threading
 
-    import rollmesh.transport as transport
+    import rollmesh.wire.transport as transport
 
     keys = CurveKeys.generate(tmp_path / "run")
     t = Transport(keys)
@@ -314,7 +314,7 @@ def test_the_rendezvous_store_listens_only_on_the_address_the_ranks_are_given():
     import threading
     from datetime import timedelta
 
-    from rollmesh.ranks import tcp_store
+    from rollmesh.runtime.rendezvous import tcp_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -351,7 +351,7 @@ def test_a_stream_delivers_in_order_ends_with_an_error_and_breaks_on_a_reconnect
         return items()
 
     async def main():
-        from rollmesh.transport import StreamBroken
+        from rollmesh.wire.transport import StreamBroken
 
         with Transport() as t:
             server = RpcServer(t, address, {Ok: numbers})

@@ -6,7 +6,7 @@ dies takes every process with it, and a run that cannot progress stops with an e
   metrics.jsonl holds each step once;
 - kill -9 of `rollmesh launch`: every role and engine exits within seconds, and
   `rollmesh launch --resume RUN` finishes the run with nothing lost or trained twice;
-- the progress watchdog (rollmesh.watchdog): unit tests of its decision, and a run whose engines
+- the progress watchdog (rollmesh.launcher.watchdog): unit tests of its decision, and a run whose engines
   can never catch up (every sample stale) stopped with the cause named;
 (`rollmesh stop RUN` through the launcher's control socket: tests/test_launcher.py.)
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from rollmesh.watchdog import Snapshot, stalled
+from rollmesh.launcher.watchdog import Snapshot, stalled
 from tests.helpers.sshd import Sshd
 from tests.test_launcher import (
     ROOT, alive, assert_nothing_trained_twice, check_accounting, finish, launch, metrics,

@@ -1,4 +1,4 @@
-"""The Weights & Biases sink (`rollmesh.metrics_sink`): a real run in WANDB_MODE=offline, its
+"""The Weights & Biases sink (`rollmesh.training.metrics_sink`): a real run in WANDB_MODE=offline, its
 offline run directory read back record by record; the missing extra's error.
 
 The offline run file (RUN/wandb/offline-run-*/run-<id>.wandb) is W&B's transaction log: a
@@ -199,8 +199,8 @@ def test_missing_wandb_package_is_a_clear_error_naming_the_extra(tmp_path):
         sys.modules["wandb"] = None  # `import wandb` raises ModuleNotFoundError
         from pathlib import Path
         from rollmesh.config import ConfigError, load_experiment
-        from rollmesh.log import get_logger
-        from rollmesh.metrics_sink import MetricsSinks
+        from rollmesh.runtime.log import get_logger
+        from rollmesh.training.metrics_sink import MetricsSinks
         exp = load_experiment("configs/tiny_cpu.toml",
                               ["metrics.wandb_project=rollmesh-test", "metrics.wandb_mode=offline"])
         try:
@@ -248,8 +248,8 @@ def test_wandb_failing_mid_run_is_a_warning_not_an_error(tmp_path, wandb_env):
         import os, signal, sys, time
         from pathlib import Path
         from rollmesh.config import load_experiment
-        from rollmesh.log import configure_logging
-        from rollmesh.metrics_sink import MetricsSinks
+        from rollmesh.runtime.log import configure_logging
+        from rollmesh.training.metrics_sink import MetricsSinks
         log = configure_logging("trainer", json=True)
         exp = load_experiment("configs/tiny_cpu.toml", ["metrics.wandb_project=rollmesh-test"])
         sinks = MetricsSinks.open(exp, Path({str(tmp_path)!r}) / "metrics.jsonl", log)
@@ -281,8 +281,8 @@ def test_no_wandb_project_never_imports_wandb(tmp_path):
         import sys
         from pathlib import Path
         from rollmesh.config import load_experiment
-        from rollmesh.log import get_logger
-        from rollmesh.metrics_sink import MetricsSinks
+        from rollmesh.runtime.log import get_logger
+        from rollmesh.training.metrics_sink import MetricsSinks
         sinks = MetricsSinks.open(load_experiment("configs/tiny_cpu.toml"),
                                   Path({str(tmp_path)!r}) / "metrics.jsonl", get_logger())
         sinks.log({{"step": 1, "reward_mean": 0.5, "group_ids": [1, 2]}})

@@ -13,8 +13,8 @@ import pytest
 
 from rollmesh.config import load_cluster
 from rollmesh.engine.client import EngineClient
-from rollmesh.hosts import make_host
-from rollmesh.launcher import build_plan
+from rollmesh.launcher.host_kinds import make_host
+from rollmesh.launcher.launcher import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "launch" / "gsm8k_gpu.example.toml"

@@ -5,7 +5,10 @@ This package owns the schema of the two kinds of config file and every rule abou
 - an experiment file (`configs/*.toml`) -> `ExperimentConfig`, one dataclass per component
   (model, data, rollout, staleness, algorithm, trainer, sync, engine): `experiment.py`;
 - a cluster file (`launch/*.toml`) -> `ClusterConfig`: hosts, where each role runs, ports,
-  and the experiment it launches (`cluster.experiment_config`): `cluster.py`.
+  and the experiment it launches (`cluster.experiment_config`): `cluster.py`;
+- the roles the launcher starts (`roles.ROLE_TABLE`: entry point, single process, restart,
+  start order, named ports) and each role's settings (`settings.py`: one dataclass per role,
+  what its `main` parses; `tuning.py`: the cluster file's `[settings.<role>]` tables).
 
 The schema is those dataclasses; one generic validator (`parse.py`) walks their type hints, so a
 field declared there is parsed, checked and documented (its `help`) with no further code.
@@ -52,8 +55,26 @@ from rollmesh.config.tuning import (
 from rollmesh.config.load import apply_overrides, load_cluster, load_experiment
 from rollmesh.config.parse import ConfigError, parse_config
 from rollmesh.config.write import field_reference, reference_markdown, to_dict, to_toml
+from rollmesh.config.roles import ROLE, ROLE_TABLE, START_ORDER
+from rollmesh.config.settings import (
+    AgentWorkerSettings,
+    MessageQueueSettings,
+    RewardWorkerSettings,
+    RolloutSettings,
+    SynchronizerSettings,
+    TrainerSettings,
+)
 
 __all__ = [
+    "ROLE",
+    "ROLE_TABLE",
+    "START_ORDER",
+    "AgentWorkerSettings",
+    "MessageQueueSettings",
+    "RewardWorkerSettings",
+    "RolloutSettings",
+    "SynchronizerSettings",
+    "TrainerSettings",
     "AgentWorkerTuning",
     "AlgorithmConfig",
     "ClusterConfig",

@@ -16,8 +16,8 @@ from typing import Literal, NamedTuple
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import _field, _Invalid, _plural, _show
 from rollmesh.config.tuning import SettingsConfig
-from rollmesh.cpus import CpuListError, parse_cpulist
-from rollmesh.plan.roles import ROLES, SINGLETON_ROLES
+from rollmesh.runtime.cpus import CpuListError, parse_cpulist
+from rollmesh.config.roles import ROLES, SINGLETON_ROLES
 
 def is_local_address(address: str) -> bool:
     """Loopback, this machine's name, or one of its addresses."""
@@ -163,7 +163,7 @@ class RolesConfig:
                     )
 
 
-# One field per role of rollmesh.plan.ROLE_TABLE, in its (the port plan's) order.
+# One field per role of rollmesh.config.ROLE_TABLE, in its (the port plan's) order.
 assert tuple(f.name for f in dataclasses.fields(RolesConfig)) == ROLES
 
 
@@ -209,7 +209,7 @@ class Process(NamedTuple):
 @dataclass(kw_only=True)
 class SlurmConfig:
     """`[slurm]` (or `hosts = "slurm"`): hosts node0..nodeN-1 from the Slurm allocation
-    (rollmesh.slurm); each process a job step (srun). Needs a filesystem shared by the nodes."""
+    (rollmesh.launcher.slurm); each process a job step (srun). Needs a filesystem shared by the nodes."""
 
     nodes: int = _field("nodes to ask for with `--sbatch` (inside an allocation: its nodes)", 1,
                         ge=1)

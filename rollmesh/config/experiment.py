@@ -406,7 +406,7 @@ class EngineConfig:
             raise _Invalid("tp_size", f"expected 1 for kind = 'builtin', got {self.tp_size}")
         if self.kind == "builtin" and self.extra_args:
             # the engine's own parser, now, rather than a usage line in its log after launch
-            from rollmesh.engine.sglang import EngineArgsError, check_builtin_args
+            from rollmesh.config.engine_args import EngineArgsError, check_builtin_args
 
             try:
                 check_builtin_args(self.extra_args)

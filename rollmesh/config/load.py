@@ -15,8 +15,8 @@ from typing import Any
 from rollmesh.config.cluster import ClusterConfig, _placement_key, is_local_address
 from rollmesh.config.experiment import ExperimentConfig
 from rollmesh.config.parse import ConfigError, _Context, _join, _parse, _plural, _show
-from rollmesh.cpus import parse_cpulist
-from rollmesh.plan.roles import ROLES
+from rollmesh.runtime.cpus import parse_cpulist
+from rollmesh.config.roles import ROLES
 
 def _read_toml(path: str) -> dict[str, Any]:
     try:
@@ -127,9 +127,9 @@ def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = ()) ->
         (mine if first in cluster_keys else theirs).append(text)
     data, ctx = _merge_overrides(_read_toml(source), mine, source)
     if "slurm" in data or data.get("hosts") == "slurm":
-        from rollmesh.slurm import fill_cluster  # hosts and roles from the allocation
+        from rollmesh.config.slurm import fill_cluster  # hosts and roles from the allocation
 
-        data = fill_cluster(data, ctx, source, theirs)
+        data = fill_cluster(data, ctx, lambda: _experiment_shape(data, source, theirs))
     cluster: ClusterConfig = _parse(ClusterConfig, data, ctx)
     cluster.experiment = os.path.abspath(os.path.join(os.path.dirname(source), cluster.experiment))
     if not os.path.isfile(cluster.experiment):
@@ -178,8 +178,8 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
 def _check_local_cpus(cluster: ClusterConfig, ctx: _Context) -> None:
     """`cpus` on a host that is this machine (and `launcher_cpus`, unless the launcher runs in a
     Slurm allocation) must name CPUs it has, now; SSH hosts and Slurm nodes are checked by each
-    process as it starts (rollmesh.cpus)."""
-    from rollmesh.cpus import available_cpus, missing_problem, supported
+    process as it starts (rollmesh.runtime.cpus)."""
+    from rollmesh.runtime.cpus import available_cpus, missing_problem, supported
 
     checks: list[tuple[str, str, str]] = []  # key, where, cpulist
     if cluster.launcher_cpus is not None and cluster.slurm is None:
@@ -233,3 +233,19 @@ def _check_local_model(cluster: ClusterConfig, exp: ExperimentConfig) -> None:
                         f": it is the warm-start's output, run `rollmesh sft "
                         f"{cluster.experiment}` first" if exp.sft.init else ""),
                 )
+
+
+def _experiment_shape(data: dict[str, Any], source: str,
+                      overrides: list[str]) -> tuple[int, int, int]:
+    """The cluster file's experiment's engines, engine tp_size and trainer ranks (1, 1, 1 while it
+    cannot be read: that is reported when the cluster's experiment is loaded)."""
+    experiment = data.get("experiment")
+    if isinstance(experiment, str):
+        path = os.path.join(os.path.dirname(source), experiment)
+        if os.path.isfile(path):
+            try:
+                exp = load_experiment(path, overrides)
+                return exp.engine.count, exp.engine.tp_size, exp.trainer.ranks
+            except ConfigError:
+                pass
+    return 1, 1, 1

@@ -1,5 +1,5 @@
 """The cluster file's `[settings.<role>]` tables: a role's own knobs (capacity, fsync, credits),
-the same for every process of the role. Each role's settings (rollmesh.plan.settings) are its
+the same for every process of the role. Each role's settings (rollmesh.config.settings) are its
 table's fields and its wiring, so a knob has one default and one help text.
 """
 
@@ -18,7 +18,7 @@ MAX_PENDING_BATCHES = 256
 @dataclass(kw_only=True)
 class QueueTuning:
     """`[settings.message_queue]`: how the MessageQueue holds and logs its groups (the role's
-    settings, rollmesh.plan.MessageQueueSettings, are these and its wiring)."""
+    settings, rollmesh.config.MessageQueueSettings, are these and its wiring)."""
 
     capacity_groups: int | None = _field(
         "groups the MessageQueue holds before the rollouter's puts wait (at least the "

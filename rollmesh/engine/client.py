@@ -36,11 +36,21 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from rollmesh.log import get_logger
+from rollmesh.runtime.log import get_logger
 
 log = get_logger("rollmesh.engine.client")
 
 RID_WIDTH = 24  # "r" + 23 hex digits: unique per client process and never a prefix of another
+
+
+def engine_version(info: dict[str, Any]) -> int | None:
+    """The weight version an engine's /get_server_info reports; None when it reports none or
+    not an integer (an SGLang started without --weight-version says "default"): such an engine
+    is not judged by its version (rollmesh starts its engines with --weight-version 0)."""
+    try:
+        return int(info.get("weight_version"))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 class EngineError(RuntimeError):

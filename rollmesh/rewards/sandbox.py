@@ -34,8 +34,8 @@ from typing import Any, BinaryIO, Literal
 
 import msgpack
 
-from rollmesh.isolation import die_with_parent, limit_data
-from rollmesh.log import get_logger
+from rollmesh.runtime.isolation import die_with_parent, limit_data
+from rollmesh.runtime.log import get_logger
 from rollmesh.rewards.registry import check_reward_output, get_reward_fn, wants_trajectory
 
 __all__ = ["RewardResult", "RewardSandbox", "serve"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rollmesh.protocol import Trajectory
+from rollmesh.wire.protocol import Trajectory
 
 __all__ = ["trajectory_view"]
 

@@ -1,4 +1,4 @@
-"""The rollouter's rules, without sockets (the role is `rollmesh.rollouter`).
+"""The rollouter's rules, without sockets (the role is `rollmesh.rollout.role`).
 
 As `message_queue.MessageQueue` holds the queue's rules apart from its server, this package
 holds the rollouter's state and rules as plain objects that tests drive directly:

@@ -1,4 +1,4 @@
-"""The rollouter's state and rules, without sockets: what `rollmesh.rollouter` runs.
+"""The rollouter's state and rules, without sockets: what `rollmesh.rollout.role` runs.
 
     admit prompt groups under the staleness capacity
       -> dispatch trajectories to agent workers that hold credit (the cancel queue first)
@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollmesh.config import ExperimentConfig
-from rollmesh.data import PromptGroup, PromptRow, PromptSource, chat_messages, render_prompt
-from rollmesh.protocol import Assign, Cancel, Group, Resume, Score, Trajectory, WorkerHello
+from rollmesh.rollout.data import PromptGroup, PromptRow, PromptSource, chat_messages, render_prompt
+from rollmesh.wire.protocol import Assign, Cancel, Group, Resume, Score, Trajectory, WorkerHello
 from rollmesh.rollout.eval_round import EvalRounds, is_eval
 from rollmesh.rollout.filters import get_group_filter, keep_all
 from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
-from rollmesh.trajectories import new_trajectory, oldest_version
+from rollmesh.core.trajectory import new_trajectory, oldest_version
 
 __all__ = ["GroupState", "RolloutCore", "Send"]
 

@@ -8,7 +8,7 @@ resumed like a training trajectory (its partial tokens kept), still labelled by 
 round started at, so an answer longer than a sync interval still finishes. When the last answer
 of a round is scored, the round ends in one `protocol.EvalResult` (`last`: the stats' `eval`,
 the `eval` log line, and `on_result`, through which the rollouter publishes it to the status
-hub for the trainer): mean reward, pass@k and the same per data_source (`rollmesh.evaluation`).
+hub for the trainer): mean reward, pass@k and the same per data_source (`rollmesh.core.evaluation`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import collections
 from typing import Any, Callable
 
 from rollmesh.config import ExperimentConfig
-from rollmesh.data import Dataset, PromptRow, render_prompt
-from rollmesh.evaluation import eval_summary
-from rollmesh.protocol import EvalResult, Trajectory
-from rollmesh.trajectories import new_trajectory
+from rollmesh.rollout.data import Dataset, PromptRow, render_prompt
+from rollmesh.core.evaluation import eval_summary
+from rollmesh.wire.protocol import EvalResult, Trajectory
+from rollmesh.core.trajectory import new_trajectory
 
 __all__ = ["EvalRounds", "is_eval"]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import msgpack
 
-from rollmesh.data import PromptGroup
-from rollmesh.durable_log import DurableLog
+from rollmesh.rollout.data import PromptGroup
+from rollmesh.runtime.durable_log import DurableLog
 
 __all__ = ["Journal", "JournalDiskError", "OpenGroup"]
 
@@ -40,7 +40,7 @@ class JournalDiskError(OSError):
 class Journal:
     """The rollouter's state on disk, so that a restarted rollouter (kill -9, or
     `rollmesh launch --resume`) goes on where this one stood: an append-only log
-    (`rollmesh.durable_log`) of msgpack records
+    (`rollmesh.runtime.durable_log`) of msgpack records
 
         admit   group id, row, size, version, the prompt cursor after it
         queued  group id (the MessageQueue accepted it)
@@ -68,8 +68,8 @@ class Journal:
         if path is not None:
             self.file, records = DurableLog.open(path, fsync_interval_s=1.0, log=log)
         if log is None:
-            from rollmesh.log import get_logger
-            log = get_logger("rollmesh.rollouter")
+            from rollmesh.runtime.log import get_logger
+            log = get_logger("rollmesh.rollout.role")
         self.log = log
         self.error: str | None = None  # the last failed write
         self._compact_after = 0.0

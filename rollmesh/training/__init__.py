@@ -1,4 +1,4 @@
-"""Training: what the trainer role (`rollmesh.trainer`) and `rollmesh sft` compute with.
+"""Training: what the trainer role (`rollmesh.training.role`) and `rollmesh sft` compute with.
 
 - `state`: the trainer's state (`TrainState`) and how it is built: the policy, the reference,
   the critic (`Critic`), their FSDP2 sharding, optimizers and schedules (`build_state`).

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollmesh.protocol import Group, Trajectory
+from rollmesh.wire.protocol import Group, Trajectory
 
 
 @dataclass

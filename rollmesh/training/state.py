@@ -12,7 +12,7 @@ read from position t - 1 (the state before token t was chosen; the first token h
 Ranks: the models are sharded with FSDP2 over the trainer's K ranks (`shard`: `fully_shard`
 per decoder layer, then the root), on CPU ranks over gloo as on GPUs over nccl. A checkpoint
 directory is built on the meta device, sharded, and each rank reads only its own rows of every
-parameter (`rollmesh.sharded_load`): K ranks hold one copy of each model between them, not K.
+parameter (`rollmesh.models.sharded`): K ranks hold one copy of each model between them, not K.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from torch import Tensor
 
 from rollmesh.algorithms import lr_lambda
 from rollmesh.config import ExperimentConfig
-from rollmesh.engine.models import is_tiny, load_model, load_tokenizer
-from rollmesh.log import get_logger
-from rollmesh.ranks import Ranks
-from rollmesh.sharded_load import UnsupportedCheckpoint, load_causal_lm
+from rollmesh.models.loading import is_tiny, load_model, load_tokenizer
+from rollmesh.runtime.log import get_logger
+from rollmesh.training.ranks import Ranks
+from rollmesh.models.sharded import UnsupportedCheckpoint, load_causal_lm
 from rollmesh.weight_sync.tensors import dtype_from_name
 
 log = get_logger("rollmesh.training")
@@ -114,7 +114,7 @@ def load_models(exp: ExperimentConfig, ranks: Ranks, device: torch.device,
     around its decoder), `prepare`d, then sharded over the ranks, float32 master weights.
 
     A checkpoint directory is built on meta and each rank reads only its shards
-    (`rollmesh.sharded_load`), so K ranks hold one model between them, not K; a checkpoint that
+    (`rollmesh.models.sharded`), so K ranks hold one model between them, not K; a checkpoint that
     loader cannot read (it says why in the log), `whole`, and tiny specs (seeded, built the same
     in every process) are built whole on every rank, then sharded."""
     path, dtype = exp.model.path, torch.float32
@@ -151,7 +151,7 @@ def _tokenizer(exp: ExperimentConfig) -> Any:
 def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device,
           compute_dtype: torch.dtype) -> torch.nn.Module:
     """FSDP2 over the trainer's ranks: each decoder layer, then the root (K = 1: as it is).
-    Parameters still on meta stay there: `rollmesh.sharded_load` fills the shards."""
+    Parameters still on meta stay there: `rollmesh.models.sharded` fills the shards."""
     if ranks.world == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh

@@ -44,7 +44,7 @@ from rollmesh.algorithms import (
     token_logprobs, value_loss,
 )
 from rollmesh.config import AlgorithmConfig
-from rollmesh.ranks import full_tensor
+from rollmesh.training.ranks import full_tensor
 from rollmesh.training import batching
 from rollmesh.training.batching import BatchData
 from rollmesh.training.state import TrainState

@@ -10,5 +10,5 @@
 - `tensors`: dtype names, and checking and loading received tensors into a model.
 
 The whole sync, step by step, is in docs/architecture.md ("One weight sync, step by step"); the
-synchronizer's side is `rollmesh.synchronizer`; the built-in engine's is `rollmesh.engine.server`.
+synchronizer's side is `rollmesh.sync.role`; the built-in engine's is `rollmesh.engine.builtin.server`.
 """

@@ -22,7 +22,7 @@ from torch.distributed.distributed_c10d import (
     _new_process_group_helper,
 )
 
-from rollmesh.ranks import tcp_store
+from rollmesh.runtime.rendezvous import tcp_store
 
 
 def init_weight_update_group(

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from rollmesh.engine.models import build_tiny
+from rollmesh.models.loading import build_tiny
 from rollmesh.weight_sync.buckets import BucketSender, WeightSpec, plan_buckets, update_body
 from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
 

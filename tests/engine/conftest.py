@@ -19,7 +19,7 @@ def tiny():
     """(model, tokenizer) of `tiny`, built in the test process: the engine's exact weights."""
     import torch
 
-    from rollmesh.engine.models import build_tiny
+    from rollmesh.models.loading import build_tiny
 
     return build_tiny("tiny")
 

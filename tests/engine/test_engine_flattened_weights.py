@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_harness import REPO, Engine, chat_prompt, free_port, greedy_decode, repo_env
 
-from rollmesh.engine.models import build_tiny
+from rollmesh.models.loading import build_tiny
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 
 from engine_harness import REPO, Engine, chat_prompt, free_port, greedy_decode, repo_env
 
-from rollmesh.engine.models import build_tiny, materialize
+from rollmesh.models.loading import build_tiny, materialize
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollmesh.engine import models
+from rollmesh.models import loading as models
 
 GSM8K = Path("/work/shared/data/gsm8k")
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) of a real
 engine process, driven by the official `openai` client with the run's API key; and the pure
-parts of rollmesh.engine.openai_api (tool-call parsing, chat rendering with tools, streaming)."""
+parts of rollmesh.engine.builtin.openai_api (tool-call parsing, chat rendering with tools, streaming)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import openai
 import pytest
 from engine_harness import Engine
 
-from rollmesh.engine import api, openai_api
-from rollmesh.engine.models import tiny_tokenizer
-from rollmesh.engine.sampling import parse_sampling_params
-from rollmesh.engine.scheduler import Request
+from rollmesh.engine.builtin import api
+from rollmesh.engine.builtin import openai_api
+from rollmesh.models.loading import tiny_tokenizer
+from rollmesh.engine.builtin.sampling import parse_sampling_params
+from rollmesh.engine.builtin.scheduler import Request
 
 KEY = "test-openai-key"
 QUESTION = "Natalia sold clips to 48 of her friends in April. How many clips?"

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from rollmesh.engine.kvcache import PrefixCache
-from rollmesh.engine.sampling import SamplingParams
-from rollmesh.engine.scheduler import Request, Scheduler
+from rollmesh.engine.builtin.kvcache import PrefixCache
+from rollmesh.engine.builtin.sampling import SamplingParams
+from rollmesh.engine.builtin.scheduler import Request, Scheduler
 
 LOGPROB_TOL = 1e-4  # float32: another forward shape, another summation order
 
@@ -225,9 +225,9 @@ def test_radix_tree_shares_prefixes_splits_and_evicts_least_recently_used():
 
 
 def test_disable_radix_cache_is_sglangs_flag_and_turns_sharing_off(tiny):
-    from rollmesh.engine.server import EngineServer, _parser
-    from rollmesh.engine.sglang import check_builtin_args
-    from rollmesh.log import get_logger
+    from rollmesh.engine.builtin.server import EngineServer, _parser
+    from rollmesh.engine.launch import check_builtin_args
+    from rollmesh.runtime.log import get_logger
 
     model, tok = tiny
     check_builtin_args(["--disable-radix-cache"])  # engine.extra_args, as for SGLang

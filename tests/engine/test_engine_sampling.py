@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollmesh.algorithms.logits import token_logprobs
-from rollmesh.engine.sampling import (
+from rollmesh.engine.builtin.sampling import (
     BadRequest,
     SamplingParams,
     parse_sampling_params,

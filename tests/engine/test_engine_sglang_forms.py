@@ -217,8 +217,8 @@ def test_per_prompt_options_of_a_batch(engine, tiny):
 
 
 def test_input_logprobs_in_chunks_equal_one_log_softmax(monkeypatch):
-    from rollmesh.engine import scheduler
-    from rollmesh.engine.sampling import SamplingParams
+    from rollmesh.engine.builtin import scheduler
+    from rollmesh.engine.builtin.sampling import SamplingParams
 
     monkeypatch.setattr(scheduler, "INPUT_LOGPROB_CHUNK", 3)
     ids = list(range(1, 12))

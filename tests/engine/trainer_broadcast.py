@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bucket_broadcast import post  # the script beside this one (its directory is on sys.path)
-from rollmesh.engine.models import build_tiny
+from rollmesh.models.loading import build_tiny
 from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
 from rollmesh.weight_sync.tensors import dtype_name
 

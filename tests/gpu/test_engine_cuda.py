@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollmesh.engine.models import build_tiny
+from rollmesh.models.loading import build_tiny
 from tests.engine.engine_harness import Engine, chat_prompt
 
 pytestmark = pytest.mark.slow

@@ -10,13 +10,13 @@ import asyncio
 import pytest
 import torch
 
-from rollmesh.checkpoint import full_state_dict
+from rollmesh.training.checkpoint import full_state_dict
 from rollmesh.training.batching import from_groups
-from rollmesh.weight_sync.sender import WeightSender
-from rollmesh.ranks import Ranks
+from rollmesh.training.weight_sender import WeightSender
+from rollmesh.training.ranks import Ranks
 from rollmesh.training.state import build_state
 from rollmesh.training.step import prepare, update_policy
-from rollmesh.transport import Transport
+from rollmesh.wire.transport import Transport
 from tests.engine.engine_harness import Engine
 from tests.test_trainer import experiment, make_groups
 

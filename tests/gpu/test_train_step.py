@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 def _fsdp_rank(rank: int, port: int, out: dict) -> None:
-    from rollmesh.ranks import close_ranks, full_tensor, init_ranks
+    from rollmesh.training.ranks import close_ranks, full_tensor, init_ranks
 
     torch.cuda.set_device(rank)
     ranks = init_ranks(f"tcp://127.0.0.1:{port}", rank, 2, "nccl", timeout_s=120)

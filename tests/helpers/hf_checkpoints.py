@@ -4,7 +4,7 @@ Each is what `save_pretrained` writes for a real model — config.json, safetens
 where asked), generation_config.json, and a fast tokenizer with that family's special tokens
 and chat template — at tiny shapes with random weights, so tests load them through the same
 code paths a downloaded Qwen2.5 / Qwen3 / Llama-3.1 / Gemma2 checkpoint takes. The tokenizer's
-vocabulary is the tiny byte-level BPE (rollmesh/engine/assets/tokenizer.json) plus the
+vocabulary is the tiny byte-level BPE (rollmesh/models/assets/tokenizer.json) plus the
 family's special tokens; the chat templates are the families' own (Qwen2.5-Instruct's with
 tools, Qwen3's with tools and thinking, Llama-3.1-Instruct's with tools).
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rollmesh.engine.models import TOKENIZER_FILE
+from rollmesh.models.loading import TOKENIZER_FILE
 
 # Qwen2.5-Instruct's tokenizer_config.json chat_template, verbatim.
 QWEN25_TEMPLATE = """{%- if tools %}

@@ -1,12 +1,12 @@
-"""Prompt filtering the tests use on rows loaded by rollmesh.data (no role calls it)."""
+"""Prompt filtering the tests use on rows loaded by rollmesh.rollout.data (no role calls it)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from rollmesh.data import PromptRow, render_prompt
-from rollmesh.log import get_logger
+from rollmesh.rollout.data import PromptRow, render_prompt
+from rollmesh.runtime.log import get_logger
 
 log = get_logger("tests.helpers.prompts")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from rollmesh.protocol import Group, Metrics, Ok, Trajectory
-from rollmesh.runtime import RoleContext
-from rollmesh.transport import RpcServer
+from rollmesh.wire.protocol import Group, Metrics, Ok, Trajectory
+from rollmesh.runtime.process import RoleContext
+from rollmesh.wire.transport import RpcServer
 from tests.helpers.wire import Shutdown
 
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollmesh.accounting import QueueStatus, RolloutStatus, identity
+from rollmesh.core.accounting import QueueStatus, RolloutStatus, identity
 from rollmesh.config import ExperimentConfig, load_experiment, to_dict
 from rollmesh.engine.client import EngineClient
-from rollmesh.protocol import Batch, GetBatch, Group, Pause, Paused, Resume, StatsRequest, WeightVersion
-from rollmesh.runtime import Child, Supervisor
-from rollmesh.transport import RpcClient, Transport, free_port
+from rollmesh.wire.protocol import Batch, GetBatch, Group, Pause, Paused, Resume, StatsRequest, WeightVersion
+from rollmesh.launcher.supervisor import Child, Supervisor
+from rollmesh.wire.transport import RpcClient, Transport, free_port
 from tests.engine.engine_harness import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,16 +115,16 @@ async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents:
     engine = await asyncio.to_thread(Engine, tmp / "engine.log", "--weight-version", "0",
                                      *engine_args)
     spec = to_dict(exp)
-    mq = sup.spawn("message_queue", "rollmesh.message_queue:main", env=ENV,
+    mq = sup.spawn("message_queue", "rollmesh.mq.role:main", env=ENV,
                    config={"experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}"})
     mq_rpc = (await sup.wait_ready(mq, 120))["rpc"]
-    rollouter = sup.spawn("rollouter", "rollmesh.rollouter:main", env=ENV, config={
+    rollouter = sup.spawn("rollouter", "rollmesh.rollout.role:main", env=ENV, config={
         "experiment": spec, "bind": f"tcp://127.0.0.1:{free_port()}",
         "control": f"tcp://127.0.0.1:{free_port()}", "message_queue": mq_rpc,
         # watch_engines: the engine URL as the launcher gives it (admission stops in an outage)
         **({"engines": [engine.url]} if watch_engines else {}), **(rollouter_config or {})})
     eps = await sup.wait_ready(rollouter, 120)
-    reward_children = [sup.spawn("reward_worker", "rollmesh.reward_worker:main", instance=i,
+    reward_children = [sup.spawn("reward_worker", "rollmesh.rewards.role:main", instance=i,
                                  env=ENV, config={"experiment": spec, "rollouter": eps["channel"],
                                                   "pool": 2})
                        for i in range(rewards)]
@@ -132,7 +132,7 @@ async def start_stack(t: Transport, tmp: Path, exp: ExperimentConfig, *, agents:
         await sup.wait_ready(c, 120)
     # agent workers last: generation starts when the first one joins, so the test's body
     # begins close to that moment however slowly the other processes started
-    agent_children = [sup.spawn("agent_worker", "rollmesh.agent_worker:main", instance=i, env=ENV,
+    agent_children = [sup.spawn("agent_worker", "rollmesh.agents.role:main", instance=i, env=ENV,
                                 config={"experiment": spec, "rollouter": eps["channel"],
                                         "engines": [engine.url], "credits": credits})
                       for i in range(agents)]

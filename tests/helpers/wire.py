@@ -9,9 +9,9 @@ from typing import Any
 
 import zmq
 
-from rollmesh import protocol
-from rollmesh.protocol import record
-from rollmesh.transport import Transport, _Receiver, _send_now
+from rollmesh.wire import protocol
+from rollmesh.wire.protocol import record
+from rollmesh.wire.transport import Transport, _Receiver, _send_now
 
 
 @record

@@ -10,7 +10,7 @@ from typing import Any, Literal, Union
 import numpy as np
 from hypothesis import strategies as st
 
-from rollmesh.protocol import RECORDS, WIRE_DTYPES
+from rollmesh.wire.protocol import RECORDS, WIRE_DTYPES
 
 _plain = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)

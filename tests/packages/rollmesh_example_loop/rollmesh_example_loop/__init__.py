@@ -8,9 +8,9 @@ trajectory interrupted by a weight sync resumes exactly where it stopped, on any
 
 from __future__ import annotations
 
-from rollmesh.agent_loops import LoopContext, next_turn_ids
-from rollmesh.protocol import Trajectory
-from rollmesh.trajectories import append_observation
+from rollmesh.agents.loops import LoopContext, next_turn_ids
+from rollmesh.wire.protocol import Trajectory
+from rollmesh.core.trajectory import append_observation
 
 CHECK = [{"role": "user", "content": "Check your answer and give it again."}]
 

@@ -1,0 +1,1 @@
+"""The agent worker role (`role`), its agent loops (`loops`, `openai_agent`) and the tools they call (`tools`)."""

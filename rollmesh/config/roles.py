@@ -1,0 +1,65 @@
+"""The roles the launcher starts and how (`ROLE_TABLE`): each role's entry point, whether it is
+a single process, whether it is restarted by itself after a crash, its place in the start order
+and its named ports. The one source for rollmesh.config.cluster (the `[roles]` of a cluster
+file, the port plan) and rollmesh.launcher.launcher (start, supervise).
+
+Row order is the port plan's (rollmesh.config.ClusterConfig.processes) and the cluster file's
+`[roles]`. A process owns the block `[port, port + ports.per_process)`; a role's named ports are
+the first ports of its block, in the order they are named (`RoleDef.port`). This module
+imports nothing of the package: the config schema reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoleDef:
+    name: str
+    # "module:function" the Supervisor starts; None: the engine, an HTTP server the launcher
+    # starts itself (rollmesh.engine.launch.engine_launch), before every other role
+    entry: str | None
+    singleton: bool  # one process in any cluster
+    # Restarted by itself after a crash (up to launcher.MAX_RESTARTS, with back-off). The
+    # others: trainer ranks are restarted together from their latest checkpoint
+    # (trainer.max_restarts), engines within engine.max_restarts per window.
+    restartable: bool
+    start: int  # start order, ascending; the launcher waits for each role to be ready
+    ports: tuple[str, ...] = ()  # the ports it binds, at offsets 0, 1, ... of its block
+
+    def port(self, first: int, name: str) -> int:
+        """The port named `name` of a process whose block begins at `first`."""
+        return first + self.ports.index(name)
+
+
+# The MessageQueue comes back at the same address with its state (its log in the run
+# directory); its clients' requests are retried (RpcClient), and re-sent puts are deduplicated.
+# The rollouter comes back from its journal (cursor, counters, the groups it had in flight, which
+# it generates again); the synchronizer holds no state beyond the sync in progress, which the
+# trainer retries. A trainer rank that dies takes every rank down with it: they are restarted
+# together from the latest checkpoint, the synchronizer with them (a sync the dead trainer had
+# under way would keep rollout paused); beyond that the run ends and `rollmesh launch --resume
+# RUN` goes on.
+ROLE_TABLE = (
+    RoleDef("engine", None, singleton=False, restartable=False, start=0, ports=("http",)),
+    # bind: the agent and reward workers' channel; control: Pause/Resume/stats (RPC)
+    RoleDef("rollouter", "rollmesh.rollout.role:main", singleton=True, restartable=True,
+             start=4, ports=("bind", "control")),
+    RoleDef("agent_worker", "rollmesh.agents.role:main", singleton=False, restartable=True,
+             start=5),
+    RoleDef("reward_worker", "rollmesh.rewards.role:main", singleton=False, restartable=True,
+             start=6),
+    RoleDef("message_queue", "rollmesh.mq.role:main", singleton=True, restartable=True,
+             start=1, ports=("bind",)),
+    # rendezvous: rank 0's, the ranks' store (rollmesh.training.ranks)
+    RoleDef("trainer", "rollmesh.training.role:main", singleton=False, restartable=False, start=3,
+             ports=("bind", "rendezvous")),
+    RoleDef("synchronizer", "rollmesh.sync.role:main", singleton=True, restartable=True,
+             start=2, ports=("bind",)),
+)
+ROLE = {r.name: r for r in ROLE_TABLE}
+ROLES = tuple(ROLE)  # in port-plan order
+SINGLETON_ROLES = frozenset(r.name for r in ROLE_TABLE if r.singleton)
+# The roles the Supervisor starts, in start order (the engines are started and healthy first).
+START_ORDER = tuple(r.name for r in sorted(ROLE_TABLE, key=lambda r: r.start) if r.entry)

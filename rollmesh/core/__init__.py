@@ -1,0 +1,1 @@
+"""The data every role agrees on: the trajectory (and the staleness rule), the accounting identity, evaluation metrics."""

@@ -1,0 +1,81 @@
+"""Trajectories as token rows: how one is built from a prompt and grown, and the tokenizer.
+
+A `protocol.Trajectory` is one row of tokens (the prompt, then generated tokens with mask 1 and
+observation tokens with mask 0) with, per token, the behaviour log-prob and the weight version
+that produced it (-1: not generated). This module owns the helpers every role uses on that row,
+so that the rollouter, the reward worker and the agent loops share them without importing one
+another: `new_trajectory` (a prompt's row), `append_tokens` / `append_observation` (growing it)
+and `load_tokenizer` (the experiment's tokenizer, which made the row's tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rollmesh.config import ModelConfig
+from rollmesh.wire.protocol import Trajectory
+
+__all__ = ["append_observation", "append_tokens", "load_tokenizer", "new_trajectory",
+           "oldest_version"]
+
+
+def new_trajectory(sample_id: str, group_id: str, index: int, prompt_ids: list[int], *,
+                   agent_loop: str, label: Any = None, metadata: dict[str, Any] | None = None,
+                   loop_state: dict[str, Any] | None = None) -> Trajectory:
+    n = len(prompt_ids)
+    return Trajectory(
+        sample_id=sample_id, group_id=group_id, index=index,
+        token_ids=np.asarray(prompt_ids, dtype=np.int32), logprobs=np.zeros(n, np.float32),
+        versions=np.full(n, -1, np.int32), loss_mask=np.zeros(n, np.uint8), prompt_len=n,
+        agent_loop=agent_loop, label=label, metadata=metadata or {},
+        loop_state=loop_state or {},
+    )
+
+
+def append_tokens(traj: Trajectory, ids: list[int], logprobs: list[float] | None,
+                  version: int | Sequence[int]) -> None:
+    """Append tokens; `version` is one version for all of them or one per token."""
+    n = len(ids)
+    generated = logprobs is not None
+    traj.token_ids = np.concatenate([traj.token_ids, np.asarray(ids, np.int32)])
+    traj.logprobs = np.concatenate(
+        [traj.logprobs, np.asarray(logprobs if generated else np.zeros(n), np.float32)])
+    if not generated:
+        versions = np.full(n, -1, np.int32)
+    elif isinstance(version, (int, np.integer)):
+        versions = np.full(n, version, np.int32)
+    else:
+        versions = np.asarray(version, np.int32)
+        if versions.shape != (n,):
+            raise ValueError(f"{versions.size} weight versions for {n} tokens")
+    traj.versions = np.concatenate([traj.versions, versions])
+    traj.loss_mask = np.concatenate([traj.loss_mask, np.full(n, int(generated), np.uint8)])
+
+
+def oldest_version(traj: Trajectory) -> int | None:
+    """The oldest weight version among its generated tokens (None: nothing generated yet, or
+    versions that are not integers: the MessageQueue refuses those at the put)."""
+    v = traj.versions
+    if v.dtype.kind not in "iu" or not v.size:
+        return None
+    generated = v[v >= 0]
+    return int(generated.min()) if generated.size else None
+
+
+def append_observation(traj: Trajectory, ids: list[int]) -> None:
+    """Tool, environment or template tokens: in the context, not in the loss."""
+    append_tokens(traj, ids, None, -1)
+
+
+def load_tokenizer(model: ModelConfig | str) -> Any:
+    """The tokenizer of `[model]`: `model.tokenizer_path` when set, else tiny's built-in one or
+    the checkpoint's own; `model.trust_remote_code` lets a checkpoint's tokenizer code run. A
+    bare string is a model path with the defaults."""
+    from rollmesh.models.loading import load_tokenizer as load
+
+    if isinstance(model, str):
+        return load(model)
+    return load(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)

@@ -1,0 +1,1207 @@
+"""`rollmesh launch CLUSTER_TOML`: start every role on every host, supervise them, host the hub.
+
+    plan      every process of the cluster file: host, ports, CPUs (rollmesh.runtime.cpus), its role config
+    run dir   runs/<name>-<timestamp>: keys (CURVE, 0600), resolved configs, specs, logs,
+              metrics.jsonl (mirrored from the trainer's host where it runs on another;
+              its checkpoints and export stay there, under runs/<name>-<timestamp>)
+    hub       the status proxy (always CURVE) that roles publish to and monitors attach to
+    start     engines healthy -> message queue, synchronizer -> trainer -> rollouter -> workers
+    supervise restart crashed workers, the message queue (durable, same address), the
+              rollouter, the synchronizer and engines (bounded, with back-off), and the trainer
+              ranks together from their latest checkpoint (trainer.max_restarts); any other
+              role that dies ends the run with its first failure, exit code and log
+    watchdog  no trainer step for trainer.progress_timeout_s while samples are dropped or none
+              generated: the run stops with the cause named (rollmesh.launcher.watchdog)
+    finish    when the trainer finishes: drain the rollouter, write summary.json (the
+              accounting identity, rollmesh.core.accounting), stop all
+    stop      Ctrl-C / SIGTERM / `rollmesh stop RUN` (StopRun on the control socket, from any
+              machine holding the run's keys): every process on every host, one deadline
+    death     a launcher killed outright takes its processes with it: local ones get SIGTERM
+              from the kernel (PDEATHSIG, engines included), roles over SSH hear no heartbeat
+
+Hosts whose address is this machine run their roles as local processes; others over OpenSSH
+(rollmesh.launcher.hosts). `--dry-run` prints the plan (the command per host) and starts nothing.
+
+What the user sees is rollmesh.launcher.console's: a live progress bar and event lines on a terminal,
+plain lines otherwise; every role's log and the launcher's own go to RUN/logs/ (JSON lines),
+and to the terminal too, human-readable, with `--verbose`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollmesh.core.accounting import (
+    QueueStatus, RolloutStatus, TrainerStatus, dropped_by_reason, identity,
+)
+from rollmesh.launcher.console import Console, LogStream
+from rollmesh.runtime.cpus import (
+    available_cpus, format_cpulist, missing_problem, parse_cpulist, pin_self, pinned, thread_env,
+    threads_for,
+)
+from rollmesh.config import (
+    ClusterConfig, ConfigError, ExperimentConfig, Process, load_cluster, to_dict, to_toml,
+)
+from rollmesh.runtime.durable_log import write_atomic
+from rollmesh.engine.client import API_KEY_FILE, EngineClient
+from rollmesh.engine.launch import EngineLaunch, engine_launch
+from rollmesh.launcher.host_kinds import make_host
+from rollmesh.launcher.hosts import Host, SshHost
+from rollmesh.runtime.log import configure_logging, get_logger
+from rollmesh.config import (
+    ROLE, ROLE_TABLE, START_ORDER, AgentWorkerSettings, MessageQueueSettings, RewardWorkerSettings,
+    RolloutSettings, SynchronizerSettings, TrainerSettings,
+)
+from rollmesh.observe.plot import plot_metric, read_metrics
+from rollmesh.wire.protocol import (
+    EnginesChanged, Heartbeat, Metrics, Ok, Pause, StatsRequest, StopRun,
+)
+from rollmesh.launcher.supervisor import Child, RoleFailed, Supervisor
+from rollmesh.wire.transport import (
+    CurveKeys, PeerTimeout, Publisher, RemoteError, RpcClient, StatusProxy, Transport,
+    TransportError,
+)
+from rollmesh.launcher.watchdog import Snapshot, stalled
+
+log = get_logger("rollmesh.launcher.launcher")
+
+# The roles, their entry points, start order and restart policy: rollmesh.config.ROLE_TABLE.
+RESTARTABLE = {r.name for r in ROLE_TABLE if r.restartable}
+MAX_RESTARTS = 5
+# An engine is restarted `engine.max_restarts` times within any ENGINE_RESTART_WINDOW_S (a
+# crash loop ends the run; engines killed now and then over a long run do not).
+ENGINE_RESTART_WINDOW_S = 600.0
+WATCH_EVERY_S = 5.0  # the progress watchdog's snapshots
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Planned:
+    proc: Process
+    host: Host
+    config: dict[str, Any] = field(default_factory=dict)
+    engine: EngineLaunch | None = None
+    # The CPUs it is started on: its own (`cpus` in the cluster file), or, for a process on this
+    # machine without them while the launcher pins itself (launcher_cpus), the launcher's
+    # affinity from before (it would inherit the launcher's CPUs otherwise); empty: as it comes.
+    cpus: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.proc.name
+
+    def port(self, name: str) -> int:
+        """Its port named `name` (rollmesh.config.ROLE_TABLE)."""
+        return ROLE[self.proc.role].port(self.proc.port, name)
+
+    @property
+    def who(self) -> str:
+        """How the CPU prelude names it in an error."""
+        return f"{self.name} on host {self.proc.host}"
+
+    def env(self) -> dict[str, str]:
+        """A role's environment beyond its host's: its GPUs, its CPUs' thread counts."""
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.proc.gpus))} if self.proc.gpus else {}
+        if self.proc.cpus:
+            env.update(thread_env(self.proc.cpus, self.host.cfg.env))
+        return env
+
+
+def _bind(host: Host, port: int) -> str:
+    addr = host.address
+    literal = addr.replace(".", "").isdigit() or ":" in addr
+    return f"tcp://{addr if literal else '*'}:{port}"
+
+
+def _connect(host: Host, port: int) -> str:
+    return f"tcp://{host.address}:{port}"
+
+
+def _make_hosts(cluster: ClusterConfig) -> dict[str, Host]:
+    srun = cluster.slurm.srun_options if cluster.slurm is not None else None
+    return {name: make_host(name, cfg, srun) for name, cfg in cluster.hosts.items()}
+
+
+def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
+               engine_key: str | None = None,
+               launcher_before: tuple[int, ...] = ()) -> list[Planned]:
+    """Every process with the configuration it is handed: an engine's command line, each other
+    role's settings (rollmesh.config). Ports: each process owns the block
+    `[port, port + ports.per_process)` (see config.ClusterConfig.processes). CPUs: its own, or
+    `launcher_before` (the launcher's affinity before launcher_cpus) for a process on this
+    machine without any."""
+    plan = [Planned(p, hosts[p.host], cpus=p.cpus or (
+        launcher_before if cluster.launcher_cpus and hosts[p.host].same_machine else ()))
+        for p in cluster.processes()]
+    wiring = _Wiring(cluster, plan, run_dir)
+    for p in plan:
+        if p.proc.role == "engine":
+            _plan_engine(p, wiring.exp, run_dir, engine_key)
+        else:
+            p.config = to_dict(_SETTINGS[p.proc.role](wiring, p))
+    return plan
+
+
+class _Wiring:
+    """What a process's settings are made of: the experiment, where the run's outputs go on a
+    host, and the addresses of the other roles' first process (by their named ports)."""
+
+    def __init__(self, cluster: ClusterConfig, plan: list[Planned], run_dir: str):
+        assert cluster.experiment_config is not None
+        self.exp = cluster.experiment_config
+        self.settings = cluster.settings
+        self.run_dir = run_dir
+        self.first: dict[str, Planned] = {}
+        for p in plan:
+            self.first.setdefault(p.proc.role, p)
+        self.engines = [f"http://{p.host.address}:{p.port('http')}" for p in plan
+                        if p.proc.role == "engine"]
+
+    def connect(self, role: str, port: str) -> str:
+        """The address of `role`'s first process's port named `port`."""
+        p = self.first[role]
+        return _connect(p.host, p.port(port))
+
+    def tuning(self, role: str) -> dict[str, Any]:
+        """`role`'s [settings.<role>] table, as its settings' keyword arguments."""
+        table = getattr(self.settings, role)
+        return {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
+
+    def run_here(self, host: Host) -> str:
+        """The run's directory on `host` (on another host: under its remote run directory)."""
+        return self.run_dir if host.local else f"runs/{Path(self.run_dir).name}"
+
+
+def _bind_named(p: Planned, port: str) -> str:
+    return _bind(p.host, p.port(port))
+
+
+def _plan_engine(p: Planned, exp: ExperimentConfig, run_dir: str,
+                 engine_key: str | None) -> None:
+    bind_host = p.host.address if p.host.local else "0.0.0.0"
+    keys = f"{run_dir}/keys" if p.host.local else f"runs/{Path(run_dir).name}/keys"
+    p.engine = engine_launch(exp.engine, exp.model, bind_host, p.port("http"), gpus=p.proc.gpus,
+                             seed=exp.seed, weight_version="0", python=p.host.python(),
+                             api_key=engine_key,
+                             api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None)
+    if p.cpus:  # the prelude sets its affinity, then execs the server
+        p.engine.argv = pinned(p.engine.argv, p.cpus, p.who, python=p.host.python())
+    if p.proc.cpus:  # the built-in engine's --threads (engine.extra_args) still wins
+        p.engine.env.update(thread_env(p.proc.cpus, p.host.cfg.env))
+
+
+def _message_queue(w: _Wiring, p: Planned) -> MessageQueueSettings:
+    # durable: its groups, uncommitted hand-outs and counters outlive a restart
+    return MessageQueueSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
+                                state_dir=f"{w.run_here(p.host)}/message_queue",
+                                **w.tuning("message_queue"))
+
+
+def _rollouter(w: _Wiring, p: Planned) -> RolloutSettings:
+    return RolloutSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
+                           state_dir=f"{w.run_here(p.host)}/rollouter",
+                           control=_bind_named(p, "control"),
+                           message_queue=w.connect("message_queue", "bind"),
+                           engines=w.engines)
+
+
+def _agent_worker(w: _Wiring, p: Planned) -> AgentWorkerSettings:
+    return AgentWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
+                               engines=w.engines, **w.tuning("agent_worker"))
+
+
+def _reward_worker(w: _Wiring, p: Planned) -> RewardWorkerSettings:
+    return RewardWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
+                                **w.tuning("reward_worker"))
+
+
+def _synchronizer(w: _Wiring, p: Planned) -> SynchronizerSettings:
+    return SynchronizerSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
+                                rollouter=w.connect("rollouter", "control"),
+                                message_queue=w.connect("message_queue", "bind"),
+                                engines=w.engines)
+
+
+def _trainer(w: _Wiring, p: Planned) -> TrainerSettings:
+    # rank 0 hosts the ranks' rendezvous and joins the engines' weight-update group. A trainer
+    # on another host writes its outputs there, under the run's remote directory; the launcher
+    # mirrors its metrics into the run directory here.
+    run_here = w.run_here(p.host)
+    return TrainerSettings(
+        experiment=w.exp, bind=_bind_named(p, "bind"),
+        rendezvous=w.connect("trainer", "rendezvous"),
+        weight_sync_address=w.first["trainer"].host.address,
+        message_queue=w.connect("message_queue", "bind"),
+        synchronizer=w.connect("synchronizer", "bind"),
+        engines=w.engines,
+        # The weight-update group has 1 + sum(TP sizes) ranks: each engine's TP ranks join it
+        # (rank_offset = 1 + the TP sizes before it).
+        engine_tp_sizes=[w.exp.engine.tp_size] * len(w.engines),
+        metrics_path=(f"{w.run_dir}/metrics.jsonl" if p.host.local
+                      else f"{run_here}/trainer/metrics.jsonl"),
+        final_export_dir=f"{run_here}/policy", checkpoint_dir=f"{run_here}/checkpoints",
+        # torch.set_num_threads in the rank
+        threads=threads_for(p.proc.cpus, p.host.cfg.env) if p.proc.cpus else None)
+
+
+# Each role's settings, from the wiring and its process (the engine's: its command line).
+_SETTINGS: dict[str, Callable[[_Wiring, Planned], Any]] = {
+    "message_queue": _message_queue, "rollouter": _rollouter, "agent_worker": _agent_worker,
+    "reward_worker": _reward_worker, "synchronizer": _synchronizer, "trainer": _trainer,
+}
+
+
+def launcher_affinity(cluster: ClusterConfig) -> tuple[int, ...]:
+    """With launcher_cpus: the launcher's affinity now (before it pins itself), for the
+    processes here that have no CPUs of their own; else ()."""
+    return tuple(sorted(os.sched_getaffinity(0))) if cluster.launcher_cpus else ()
+
+
+def pin_launcher(cluster: ClusterConfig, source: str) -> None:
+    """launcher_cpus: every thread of the launcher on those CPUs (the ones it starts later
+    inherit them), checked first (a Slurm allocation's launcher is checked only here)."""
+    if not cluster.launcher_cpus:
+        return
+    cpus = parse_cpulist(cluster.launcher_cpus)
+    problem = missing_problem(cpus, available_cpus(), f"this machine ({os.uname().nodename})")
+    if problem:
+        raise ConfigError(source, "launcher_cpus", f"{problem}, got {cluster.launcher_cpus!r}")
+    pin_self(cpus)
+
+
+def _cpus_note(p: Planned) -> str:
+    """What the plan says of a process's CPUs."""
+    if p.proc.cpus:
+        threads = threads_for(p.proc.cpus, p.host.cfg.env)
+        if p.engine is not None and any(a == "--threads" or a.startswith("--threads=")
+                                        for a in p.engine.argv):
+            threads_note = "threads: --threads"
+        else:
+            threads_note = f"threads={threads}"
+        return f" cpus={format_cpulist(p.proc.cpus)} {threads_note}"
+    if p.cpus:
+        return f" cpus={format_cpulist(p.cpus)} (the launcher's own, before launcher_cpus)"
+    return ""
+
+
+def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> None:
+    print(f"run {cluster.name}: experiment {cluster.experiment}; run directory {run_dir}")
+    if cluster.launcher_cpus:
+        print(f"launcher: cpus={format_cpulist(parse_cpulist(cluster.launcher_cpus))}")
+    for host_name in dict.fromkeys(p.proc.host for p in plan):
+        host = next(p.host for p in plan if p.proc.host == host_name)
+        how = ("Slurm job steps (srun)" if not host.same_machine and host.local
+               else "local processes" if host.local else "over ssh")
+        print(f"\nhost {host_name} ({host.address}, {how}):")
+        if isinstance(host, SshHost):
+            print(f"  each command below runs through: {shlex.join(host.ssh())}")
+        specs = run_dir if host.local else f"runs/{Path(run_dir).name}"
+        for p in (p for p in plan if p.proc.host == host_name):
+            if p.engine is not None:
+                args, env = p.engine.argv, p.engine.env
+            else:
+                args = ["-m", "rollmesh", "role", "--spec", f"{specs}/specs/{p.name}.json"]
+                args, env = pinned(args, p.cpus, p.who) if p.cpus else args, p.env()
+            argv = host.argv(args, env)
+            if not host.same_machine and host.local:  # srun: the environment it hands on
+                from rollmesh.launcher.slurm import step_name
+
+                argv = host.argv(args, env, step_name(f"{host_name} {p.proc.role}/{p.proc.index}"))
+                argv = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv] if env else argv
+            gpus = f" gpus={list(p.proc.gpus)}" if p.proc.gpus else ""
+            if env and host.same_machine:  # (ssh and srun show theirs in the command)
+                argv = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
+            changed = cluster.settings.changed(p.proc.role)
+            tuned = "".join(f" {k}={v}" for k, v in changed.items())
+            print(f"  {p.name:18s}{gpus}{_cpus_note(p)}{tuned}\n"
+                  f"    {shlex.join(argv) if host.local else argv[-1]}")
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineProc:
+    planned: Planned
+    process: Any = None
+    restarts: int = 0
+    state: str = "starting"
+    log_path: Path | None = None
+    restart_times: list[float] = field(default_factory=list)  # monotonic, the recent ones
+
+
+class Launcher:
+    def __init__(self, cluster: ClusterConfig, run_dir: Path, echo: bool = True,
+                 resume: bool = False, console: Console | None = None):
+        self.cluster = cluster
+        self.resume = resume
+        self.exp: ExperimentConfig = cluster.experiment_config  # type: ignore[assignment]
+        self.run_dir = run_dir
+        # what the user sees (`echo=False`: as --quiet); every role's lines reach it
+        self.console = console or Console(self.exp.trainer.total_steps, quiet=not echo)
+        self.echo = self.console.role_line
+        self.failed_log: Path | None = None  # the log of the role whose failure ended the run
+        self.metrics_seen: tuple[int, int] | None = None  # metrics.jsonl's (size, mtime) shown
+        self.hosts = _make_hosts(cluster)
+        # The engines' HTTP API key (the CURVE keys guard the ZeroMQ sockets; this guards the
+        # engines' routes, weight updates included): one per run, kept in its keys directory.
+        key_file = run_dir / "keys" / API_KEY_FILE
+        self.engine_key = (key_file.read_text().strip() if resume and key_file.exists()
+                           else secrets.token_urlsafe(32))
+        # launcher_cpus: main() pins the launcher once the plan is made; the processes here
+        # without CPUs of their own get its affinity from before (not the launcher's CPUs)
+        self.launcher_before = launcher_affinity(cluster)
+        self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()), self.engine_key,
+                               launcher_before=self.launcher_before)
+        self.engines: list[EngineProc] = []
+        self.children: dict[str, Child] = {}
+        self.state = "starting"
+        self.started = time.monotonic()
+        self.stop_requested = asyncio.Event()
+        self.stop_reason = ""
+        self.failure: str | None = None
+        self.trainer_restarts = 0
+        # a trainer (re)started from a checkpoint trims metrics.jsonl to it: a remote one's
+        # file is then copied whole instead of appended to
+        self.mirror_whole = resume
+        self.snapshots: list[Snapshot] = []
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def launcher_address(self) -> str:
+        remote = [h for h in self.hosts.values() if not h.same_machine]  # SSH, Slurm steps
+        if not remote:
+            return "127.0.0.1"
+        return self.cluster.launcher_address or os.uname().nodename
+
+    def prepare_run_dir(self) -> CurveKeys:
+        if self.resume:  # the run's own keys, configs and state: the trainer's checkpoints,
+            # the queue's log and the rollouter's journal are picked up by the roles themselves
+            keys = CurveKeys.load(self.run_dir / "keys")
+            checkpoints = (sorted(p.name for p in (self.run_dir / "checkpoints").glob("step_*"))
+                           if (self.run_dir / "checkpoints").is_dir() else [])
+            log.info("resuming", run_dir=str(self.run_dir), checkpoints=checkpoints)
+            pointer = self.run_dir / "checkpoints" / "latest"  # rollmesh.training.checkpoint.LATEST
+            self.console.info("rollmesh: resuming " + (
+                f"from checkpoint {pointer.read_text().strip()}" if pointer.is_file()
+                else "from the start (no checkpoint yet)"))
+        else:
+            # (a run submitted with --sbatch holds its batch script in RUN/slurm already)
+            submitted = (self.run_dir / "slurm" / "job.sh").exists()
+            if self.run_dir.exists() and (not submitted or any(
+                    p.name != "slurm" for p in self.run_dir.iterdir())):
+                raise RuntimeError(f"run directory {self.run_dir} already exists: pick another "
+                                   "--run-dir, or go on with it: --resume "
+                                   f"{self.run_dir} (a run never writes over another's files)")
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            keys = CurveKeys.generate(self.run_dir / "keys")
+        key_file = self.run_dir / "keys" / API_KEY_FILE
+        if not key_file.exists():
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.engine_key + "\n")
+        # the resolved configs, the cluster file naming the experiment file beside it: what
+        # `--resume` loads (overrides given then are applied on top and saved again)
+        cluster = to_toml(self.cluster).replace(
+            f"experiment = {json.dumps(self.cluster.experiment)}",
+            'experiment = "experiment.toml"', 1)
+        (self.run_dir / "cluster.toml").write_text(cluster)
+        (self.run_dir / "experiment.toml").write_text(to_toml(self.exp))
+        for host in self.hosts.values():
+            if not host.local:
+                assert isinstance(host, SshHost)
+                host.check()
+                for f in sorted((self.run_dir / "keys").iterdir()):
+                    host.put_file(f"{self.remote_run_dir}/keys/{f.name}", f.read_bytes())
+        return keys
+
+    @property
+    def remote_run_dir(self) -> str:
+        return f"runs/{self.run_dir.name}"
+
+    def keys_dir_for(self, host: Host) -> str:
+        return str((self.run_dir / "keys").resolve()) if host.local else f"{self.remote_run_dir}/keys"
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def log_to_run_dir(self) -> None:
+        """The launcher's own lines: JSON in RUN/logs/launcher.log; on the terminal only with
+        --verbose (through the console, human-readable like the roles')."""
+        console = self.console
+        terminal = (LogStream(console, f"{os.uname().nodename} launcher") if console.verbose
+                    else False)
+        configure_logging("launcher", stream=terminal, json=True,
+                          file=self.run_dir / "logs" / "launcher.log")
+        log.info("config", cluster=to_dict(self.cluster), experiment=to_dict(self.exp),
+                 run_dir=str(self.run_dir))
+        if self.cluster.launcher_cpus:
+            log.info("launcher_cpus", cpus=format_cpulist(os.sched_getaffinity(0)),
+                     before=format_cpulist(self.launcher_before))
+
+    async def run(self) -> int:
+        if self.resume:  # its directory is there: "resuming" goes to its launcher.log too
+            self.log_to_run_dir()
+        keys = self.prepare_run_dir()
+        if not self.resume:
+            self.log_to_run_dir()
+        addr = self.launcher_address()
+        base = self.cluster.launcher_port
+        bind = "127.0.0.1" if addr == "127.0.0.1" else "*"
+        with Transport(keys) as t:
+            try:
+                hub = StatusProxy(t, f"tcp://{bind}:{base + 1}", f"tcp://{bind}:{base + 2}",
+                                  secure=True)
+            except TransportError as e:
+                raise TransportError(
+                    f"{e}: the launcher's ports {base}-{base + 2} are taken (another run on "
+                    "this machine?); stop it or pick another ports.base") from None
+            frontend, backend = f"tcp://{addr}:{base + 1}", f"tcp://{addr}:{base + 2}"
+            self.sup = Supervisor(t, control=f"tcp://{bind}:{base}", run_id=self.run_dir.name,
+                                  keys_dir=str((self.run_dir / "keys").resolve()),
+                                  log_dir=self.run_dir / "logs", status_hub=frontend,
+                                  status_feed=backend)
+            self.control = f"tcp://{addr}:{base}"
+            # `rollmesh stop RUN` from any machine holding the run's keys (CURVE authenticates)
+            self.sup.server.handlers[StopRun] = self.on_stop_run
+            self.publisher = Publisher(t, frontend, secure=True)
+            self.write_launcher_json(frontend, backend)
+            status = asyncio.create_task(self.publish_status())
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.stop_requested.set)
+            code = 1
+            watch: asyncio.Task | None = None
+            self.console.start()
+            try:
+                await self.start_all()
+                self.state = self.console.state = "running"
+                watch = asyncio.create_task(self.watch_progress())
+                code = await self.supervise()
+            except (RoleFailed, RuntimeError, OSError) as e:
+                self.failure = self.failure or str(e)
+                log.error("run_failed", error=self.failure)
+                if self.failed_log is None:  # a role that died while starting
+                    self.failed_log = next((c.log_path for c in self.children.values()
+                                            if c.process.poll() is not None), None)
+            finally:
+                if watch is not None:
+                    watch.cancel()
+                    await asyncio.gather(watch, return_exceptions=True)
+                self.state = self.console.state = "stopping"
+                await self.shutdown()
+                self.state = "finished" if code == 0 else "failed"
+                await self.publish_once()
+                status.cancel()
+                self.publisher.close()
+                hub.close()
+                self.mirror_metrics()  # the trainer's last rows, where it ran on another host
+                self.progress()
+                self.console.stop()  # the bar's last state stays on the screen
+            self.report(code)
+            return code
+
+    async def start_all(self) -> None:
+        for p in self.plan:
+            if p.engine is not None:
+                self.engines.append(self.start_engine(EngineProc(p)))
+        await self.wait_engines()
+        for role in START_ORDER:
+            started = [self.start_role(p) for p in self.plan if p.proc.role == role]
+            for child in started:
+                await self.sup.wait_ready(child, timeout_s=self.exp.engine.startup_timeout_s)
+            if started:
+                log.info("started", started=role, count=len(started))
+            if role == "trainer" and self.resume:
+                self.mirror_whole = True  # it trimmed its metrics to its checkpoint
+
+    def start_engine(self, e: EngineProc) -> EngineProc:
+        p = e.planned
+        assert p.engine is not None
+        e.log_path = self.run_dir / "logs" / f"engine-{p.proc.index}.log"
+        e.process = p.host.start(p.engine.argv, env=p.engine.env, log_path=e.log_path,
+                                 echo=self.echo, label=f"{p.proc.host} engine/{p.proc.index}")
+        e.state = "starting"
+        return e
+
+    async def wait_engines(self, engines: list[EngineProc] | None = None) -> None:
+        engines = engines if engines is not None else self.engines
+        urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in engines]
+        if not urls:
+            return
+        async with EngineClient(urls, api_key=self.engine_key) as client:
+            waiting = asyncio.create_task(client.wait_healthy(self.exp.engine.startup_timeout_s))
+            while not waiting.done():
+                dead = [e for e in engines if e.process.poll() is not None]
+                if dead:
+                    waiting.cancel()
+                    e = dead[0]
+                    raise RuntimeError(f"engine[{e.planned.proc.index}] exited with code "
+                                       f"{e.process.returncode} while starting (log: {e.log_path})")
+                await asyncio.sleep(0.2)
+            waiting.result()
+        for e in engines:
+            e.state = "ready"
+
+    def spec_path(self, p: Planned) -> str:
+        base = str(self.run_dir.resolve()) if p.host.local else self.remote_run_dir
+        return f"{base}/specs/{p.name}.json"
+
+    def start_role(self, p: Planned) -> Child:
+        child = self.sup.spawn(p.proc.role, ROLE[p.proc.role].entry, instance=p.proc.index,
+                               config=p.config, host=p.host, echo=self.echo,
+                               keys_dir=self.keys_dir_for(p.host), spec_path=self.spec_path(p),
+                               env=p.env(), cpus=p.cpus, cpus_for=p.who)
+        self.children[p.name] = child
+        return child
+
+    async def on_stop_run(self, msg: StopRun, peer: bytes) -> Ok:
+        log.warning("stop_requested", via="control socket", reason=msg.reason)
+        self.stop_reason = msg.reason
+        self.stop_requested.set()
+        return Ok(message="stopping")
+
+    async def supervise(self) -> int:
+        """Until the trainer finishes (0), a role fails for good or the progress watchdog gives
+        up (1), or a stop is asked (130)."""
+        while not self.stop_requested.is_set():
+            for name, child in list(self.children.items()):
+                code = child.process.poll()
+                if code is None:
+                    continue
+                role = child.spec.role
+                if role == "trainer" and code == 0:
+                    # done when every rank is (rank 0 may still be writing the final
+                    # checkpoint and export when another rank has exited)
+                    if all(c.process.poll() == 0 for c in self.children.values()
+                           if c.spec.role == "trainer"):
+                        log.info("trainer_finished", child=name)
+                        return 0
+                    continue
+                if role == "trainer" and self.trainer_restarts < self.exp.trainer.max_restarts:
+                    await self.restart_trainer(name, child, code)
+                    break  # the children were replaced: look at them afresh
+                if role in RESTARTABLE and child.restarts < MAX_RESTARTS:
+                    await self.restart(name, child, code)
+                    continue
+                self.failure = (child.failure() or f"{name} exited with code {code}")
+                self.failed_log = child.log_path
+                return 1
+            for e in self.engines:
+                if e.process.poll() is not None:
+                    await self.restart_engine(e)
+            try:
+                await asyncio.wait_for(self.stop_requested.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+        return 1 if self.failure else 130
+
+    async def restart_trainer(self, name: str, child: Child, code: int) -> None:
+        """Every trainer rank again, from the latest checkpoint, as `--resume` starts them: they
+        load it (trimming metrics.jsonl to it), publish its weights under its version, and the
+        MessageQueue hands them the batches it handed out since (kept until a checkpoint covers
+        them): the lost steps are trained again on the same groups. The rollout side runs on;
+        the synchronizer is started afresh (a sync the dead trainer had under way would keep
+        rollout paused until sync.timeout_s; it holds no other state)."""
+        self.trainer_restarts += 1
+        limit = self.exp.trainer.max_restarts
+        delay = min(2.0 ** (self.trainer_restarts - 1), 30.0)
+        ranks = sorted(n for n, c in self.children.items() if c.spec.role == "trainer")
+        log.error("trainer_died", child=name, exit_code=code,
+                  failure=child.failure(), log=str(child.log_path))
+        log.warning("trainer_restart", restart=self.trainer_restarts, of=limit, delay_s=delay,
+                    ranks=len(ranks))
+        self.console.event(f"{child.failure()}; restarting the trainer from its latest "
+                           f"checkpoint ({self.trainer_restarts} of {limit})")
+        self.console.show_tail(f"{child.failure()}", child.log_path)
+        began = time.monotonic()
+        sync_name = next((n for n, c in self.children.items()
+                          if c.spec.role == "synchronizer"), None)
+        doomed = [self.children[n] for n in ranks]
+        if sync_name is not None:
+            doomed.append(self.children[sync_name])
+        await self.sup.stop(doomed, grace_s=10)
+        await asyncio.sleep(delay)
+        if sync_name is not None:
+            self.children[sync_name] = self.sup.respawn(self.children[sync_name])
+            await self.sup.wait_ready(self.children[sync_name], 120)
+        for n in ranks:
+            self.children[n] = self.sup.respawn(self.children[n])
+        try:
+            for n in ranks:
+                await self.sup.wait_ready(self.children[n],
+                                          timeout_s=self.exp.engine.startup_timeout_s)
+        except RoleFailed as e:  # died again while starting: the supervise loop sees it exit
+            # and restarts it again, or ends the run past trainer.max_restarts
+            log.error("trainer_restart_failed", restart=self.trainer_restarts, error=str(e))
+            await self.sup.stop([self.children[n] for n in ranks], grace_s=5)
+            return
+        self.mirror_whole = True
+        self.snapshots.clear()  # the watchdog's window starts again
+        log.warning("trainer_restarted", restart=self.trainer_restarts,
+                    restart_s=round(time.monotonic() - began, 2))
+        self.console.event(f"trainer restarted from its latest checkpoint in "
+                           f"{time.monotonic() - began:.1f}s ({self.trainer_restarts} of {limit})")
+
+    async def restart(self, name: str, child: Child, code: int) -> None:
+        delay = min(2.0 ** child.restarts, 30.0)
+        log.warning("role_restart", child=name, exit_code=code, restarts=child.restarts + 1,
+                    delay_s=delay, log=str(child.log_path))
+        await asyncio.sleep(delay)  # also lets its pump write the last lines of its log
+        self.console.event(f"{name} exited with code {code}; restarting it "
+                           f"({child.restarts + 1} of {MAX_RESTARTS})")
+        self.console.show_tail(child.failure() or f"{name} exited with code {code}",
+                               child.log_path)
+        self.children[name] = self.sup.respawn(child)
+        await self.sup.wait_ready(self.children[name], 120)
+
+    async def restart_engine(self, e: EngineProc) -> None:
+        limit = self.exp.engine.max_restarts
+        while True:
+            now = time.monotonic()
+            e.restart_times = [t for t in e.restart_times if now - t < ENGINE_RESTART_WINDOW_S]
+            if len(e.restart_times) >= limit:
+                self.failed_log = e.log_path
+                raise RuntimeError(
+                    f"engine[{e.planned.proc.index}] keeps exiting ({len(e.restart_times)} "
+                    f"restarts within {ENGINE_RESTART_WINDOW_S:g}s, engine.max_restarts="
+                    f"{limit}; exit code {e.process.returncode}, log: {e.log_path})")
+            e.restarts += 1
+            e.restart_times.append(now)
+            log.warning("engine_restart", engine=e.planned.proc.index, restarts=e.restarts,
+                        recent=len(e.restart_times), limit=limit,
+                        window_s=ENGINE_RESTART_WINDOW_S)
+            self.console.event(f"engine[{e.planned.proc.index}] exited with code "
+                               f"{e.process.returncode}; restarting it ({len(e.restart_times)} "
+                               f"within {ENGINE_RESTART_WINDOW_S:g}s, of {limit})")
+            # It comes back with the initial weights, reported as version 0; the synchronizer
+            # (EnginesChanged) and the trainer's check send it the current ones.
+            self.start_engine(e)
+            try:
+                await self.wait_engines([e])
+                break
+            except RuntimeError as err:  # it died again while starting: counted, tried again
+                log.warning("engine_restart_failed", engine=e.planned.proc.index,
+                            error=str(err))
+                await asyncio.sleep(min(2.0 ** len(e.restart_times), 30.0))
+        sync = next(p for p in self.plan if p.proc.role == "synchronizer")
+        client = RpcClient(self.sup.transport, _connect(sync.host, sync.proc.port), timeout_s=30)
+        try:
+            await client.request(EnginesChanged(reason=f"engine[{e.planned.proc.index}] restarted"))
+        finally:
+            client.close()
+
+    async def watch_progress(self) -> None:
+        """The progress watchdog (rollmesh.launcher.watchdog): a snapshot every WATCH_EVERY_S; a run
+        that cannot make progress for trainer.progress_timeout_s is stopped with an error
+        naming the cause (exit 1, in summary.json and status.json as its failure)."""
+        timeout = self.exp.trainer.progress_timeout_s
+        if not timeout:
+            return
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            try:
+                snap = await self.snapshot()
+            except Exception as e:  # noqa: BLE001 - a missed snapshot is not a stall
+                log.warning("watchdog_snapshot_failed", error=f"{type(e).__name__}: {e}")
+                continue
+            self.snapshots.append(snap)
+            self.console.dropped(snap.dropped)
+            self.snapshots = [s for s in self.snapshots
+                              if snap.t - s.t <= timeout + 4 * WATCH_EVERY_S
+                              or s.trainer_step == snap.trainer_step]
+            error = stalled(self.snapshots, timeout)
+            if error:
+                log.error("run_stalled", error=error)
+                self.console.event(f"progress watchdog: {error}; stopping the run")
+                self.failure = f"progress watchdog: {error}"
+                self.stop_requested.set()
+                return
+
+    async def snapshot(self) -> Snapshot:
+        """Where the run stands: the trainer's step and version (its stats RPC), each engine's
+        weight version (/get_server_info), the samples dropped by reason and queued (the
+        rollouter's and the MessageQueue's StatsRequest, as collect_summary reads them)."""
+        t = self.sup.transport
+        roles = {p.proc.role: p for p in self.plan if p.proc.index == 0}
+
+        async def stats(p: Planned | None, port: int) -> dict[str, Any] | None:
+            if p is None:
+                return None
+            client = RpcClient(t, _connect(p.host, port), timeout_s=5, retries=0)
+            try:
+                return (await client.request(StatsRequest())).values
+            except (PeerTimeout, RemoteError, TransportError):
+                return None
+            finally:
+                client.close()
+
+        trainer, rollouter, mq = roles.get("trainer"), roles.get("rollouter"), roles.get("message_queue")
+        tr, r, q = await asyncio.gather(
+            stats(trainer, trainer.proc.port if trainer else 0),
+            stats(rollouter, rollouter.port("control") if rollouter else 0),
+            stats(mq, mq.proc.port if mq else 0))
+        urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
+        versions: list[int | None] = []
+        if urls:
+            async with EngineClient(urls, retries=0, api_key=self.engine_key) as client:
+                for info in await client.server_info_each(timeout_s=5):
+                    state = ((info or {}).get("internal_states") or [{}])[0]
+                    v = (info or {}).get("weight_version", state.get("weight_version"))
+                    try:
+                        versions.append(None if info is None else int(v))
+                    except (TypeError, ValueError):
+                        versions.append(None)
+        trainer_status = TrainerStatus.parse(tr) if tr else None
+        rollout = RolloutStatus.parse(r) if r else None
+        queue = QueueStatus.parse(q) if q else None
+        return Snapshot(
+            t=time.monotonic(),
+            trainer_step=trainer_status.step if trainer_status else None,
+            trainer_version=trainer_status.version if trainer_status else None,
+            engine_versions=versions,
+            dropped=dropped_by_reason(*(s.dropped for s in (rollout, queue) if s is not None)),
+            generated=rollout.queued_samples if rollout and rollout.queued_any else None,
+            queue_depth=queue.depth_samples if queue else None,
+            batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size,
+            outstanding=rollout.outstanding if rollout else None)
+
+    async def shutdown(self) -> None:
+        """Drain the rollouter for the summary, then stop roles (reverse order), then engines."""
+        self.summary = await self.collect_summary()
+        await self.sup.close(grace_s=10)
+        for e in self.engines:
+            if e.process is not None and e.process.poll() is None:
+                e.planned.host.signal(e.process, None, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while any(e.process is not None and e.process.poll() is None for e in self.engines):
+            if time.monotonic() > deadline:
+                for e in self.engines:
+                    if e.process.poll() is None:
+                        e.planned.host.signal(e.process, None, signal.SIGKILL)  # a step: scancel
+                        e.process.kill()
+                break
+            await asyncio.sleep(0.1)
+
+    async def collect_summary(self) -> dict[str, Any]:
+        rollouter = next((p for p in self.plan if p.proc.role == "rollouter"), None)
+        mq = next((p for p in self.plan if p.proc.role == "message_queue"), None)
+        summary: dict[str, Any] = {"max_staleness": self.exp.staleness.max_staleness}
+        if rollouter is None or mq is None or "rollouter[0]" not in self.children:
+            return summary
+        t = self.sup.transport
+        r_client = RpcClient(t, _connect(rollouter.host, rollouter.port("control")), timeout_s=30,
+                             retries=0)
+        q_client = RpcClient(t, _connect(mq.host, mq.proc.port), timeout_s=10, retries=0)
+        try:
+            await r_client.request(Pause(mode="abort"), timeout_s=60)
+            for _ in range(100):  # let scored groups reach the queue: nothing in transit
+                r = (await r_client.request(StatsRequest())).values
+                q = (await q_client.request(StatsRequest())).values
+                if RolloutStatus.parse(r).settled:
+                    break
+                await asyncio.sleep(0.1)
+            ident = identity(RolloutStatus.parse(r), QueueStatus.parse(q))
+            summary.update(**ident.summary(), rollouter=r, message_queue=q)
+        except Exception as e:  # the run is ending anyway: record why there is no accounting
+            summary["error"] = f"could not collect the accounting: {type(e).__name__}: {e}"
+        finally:
+            r_client.close()
+            q_client.close()
+        return summary
+
+    # -- status ----------------------------------------------------------------------------
+
+    def write_launcher_json(self, frontend: str, backend: str) -> None:
+        info = {"name": self.cluster.name, "run_dir": str(self.run_dir.resolve()),
+                "pid": os.getpid(), "hub_frontend": frontend, "hub_backend": backend,
+                "control": self.control, "started_at": time.time(),
+                "cluster_file": str(self.run_dir / "cluster.toml"),
+                "experiment_file": self.cluster.experiment,
+                "max_staleness": self.exp.staleness.max_staleness}
+        write_atomic(self.run_dir / "launcher.json", json.dumps(info, indent=2), fsync=False)
+
+    def status(self) -> dict[str, Any]:
+        procs = []
+        for e in self.engines:
+            p = e.planned
+            alive = e.process is not None and e.process.poll() is None
+            procs.append({"name": p.name, "role": "engine", "instance": p.proc.index,
+                          "host": p.proc.host, "cpus": format_cpulist(p.proc.cpus) or None,
+                          "pid": e.process.pid if e.process else None,
+                          "state": e.state if alive else "exited", "restarts": e.restarts,
+                          "exit_code": None if alive else e.process.returncode,
+                          "log": str(e.log_path)})
+        for name, c in self.children.items():
+            code = c.process.poll()
+            planned = next((p for p in self.plan if p.name == name), None)
+            procs.append({"name": name, "role": c.spec.role, "instance": c.spec.instance,
+                          "host": c.host.name if c.host else "local",
+                          "cpus": format_cpulist(planned.proc.cpus) or None if planned else None,
+                          "pid": c.pid,
+                          "state": c.state if code is None else "exited",
+                          "restarts": c.restarts, "exit_code": code, "log": str(c.log_path)})
+        return {"run": self.cluster.name, "state": self.state, "processes": procs,
+                "engines": getattr(self, "engine_load", []),
+                "elapsed_s": round(time.monotonic() - self.started, 1),
+                "failure": self.failure}
+
+    async def poll_engines(self) -> None:
+        urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
+        load = []
+        async with EngineClient(urls, retries=0, api_key=self.engine_key) as client:
+            for url, info in zip(urls, await client.server_info_each(timeout_s=2)):
+                state = ((info or {}).get("internal_states") or [{}])[0]
+                load.append({"url": url, "healthy": info is not None,
+                             "running_requests": state.get("running_requests"),
+                             "waiting_requests": state.get("waiting_requests"),
+                             "weight_version": state.get("weight_version")})
+        self.engine_load = load
+
+    async def publish_once(self) -> None:
+        status = self.status()
+        # read by `rollmesh status`, the monitor and scripts while rewritten every second
+        write_atomic(self.run_dir / "status.json", json.dumps(status, indent=2), fsync=False)
+        await self.publisher.publish("launcher", Metrics(role="launcher", host=os.uname().nodename,
+                                                         values=status))
+
+    async def publish_status(self) -> None:
+        tick = 0
+        while True:
+            try:
+                if self.state == "running":
+                    await self.poll_engines()
+                await self.publish_once()
+                tick += 1
+                if tick % 5 == 0:
+                    await asyncio.to_thread(self.mirror_metrics)
+                self.progress()
+                self.console.tick()
+            except Exception as e:
+                log.warning("status_failed", error=f"{type(e).__name__}: {e}")
+            await asyncio.sleep(1.0)
+
+    def mirror_metrics(self) -> None:
+        """A trainer on another host writes metrics.jsonl there: append what is new of it to
+        the run directory's (whole lines only), so that progress, plots and `--resume` read the
+        same file wherever the trainer ran."""
+        trainer0 = next(p for p in self.plan if p.proc.role == "trainer")
+        if trainer0.host.local:
+            return
+        local = self.run_dir / "metrics.jsonl"
+        # after a trainer (re)start from a checkpoint its file was trimmed: copy it whole
+        replace = self.mirror_whole
+        offset = local.stat().st_size if local.exists() and not replace else 0
+        try:
+            new = trainer0.host.read_from(trainer0.config["metrics_path"], offset)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            log.warning("metrics_mirror_failed", host=trainer0.host.name, error=str(e))
+            return
+        whole = new[: new.rfind(b"\n") + 1]
+        if replace:
+            write_atomic(local, whole.decode(), fsync=False)
+            self.mirror_whole = False
+        elif whole:
+            with open(local, "ab") as f:
+                f.write(whole)
+
+    def progress(self) -> None:
+        """Hand the console where training stands (metrics.jsonl, when it changed)."""
+        metrics = self.run_dir / "metrics.jsonl"
+        try:
+            st = metrics.stat()
+        except FileNotFoundError:
+            return
+        if (st.st_size, st.st_mtime_ns) == self.metrics_seen:
+            return
+        self.metrics_seen = (st.st_size, st.st_mtime_ns)
+        # one row per step (a step trained again: its last)
+        self.console.rows(read_metrics(metrics))
+
+    def report(self, code: int) -> None:
+        summary = {k: v for k, v in getattr(self, "summary", {}).items()
+                   if k not in ("rollouter", "message_queue")}
+        if code != 0 and self.failure:
+            summary["failure"] = self.failure  # why it ended (a role, the progress watchdog)
+        if self.trainer_restarts:
+            summary["trainer_restarts"] = self.trainer_restarts
+        write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2), fsync=False)
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            plot_metric(metrics, "reward_mean", self.run_dir / "reward.png")
+        if code == 0:
+            self.console.info(f"rollmesh: run finished; results in {self.run_dir}")
+        elif code == 130:
+            self.console.info(f"rollmesh: run stopped; results in {self.run_dir}")
+        else:
+            if self.failed_log is not None:
+                self.console.show_tail("the run failed", self.failed_log)
+            sys.stdout.flush()
+            print(f"rollmesh: run failed: {self.failure}\n  run directory: {self.run_dir}",
+                  file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollmesh launch",
+        description="Start a run. On a terminal: a live progress bar (step/total, ETA, reward, "
+                    "staleness, samples/s, last sync, elapsed) under one line per notable "
+                    "event (restarts, failures with their log's last lines, failed syncs, "
+                    "dropped samples, eval results, the watchdog). Not a terminal: plain lines "
+                    "`rollmesh: step S/T ...` every few seconds and the event lines. Logs: "
+                    "RUN/logs/*.log, JSON lines.")
+    p.add_argument("cluster", nargs="?", help="cluster file (launch/*.toml)")
+    p.add_argument("--resume", metavar="RUN",
+                   help="go on with the run in this directory after it stopped (a trainer "
+                        "that died, Ctrl-C, a lost machine): its configs and keys, the "
+                        "trainer's latest checkpoint, the queue's log, the rollouter's journal")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a cluster or experiment key, e.g. staleness.max_staleness=0")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    p.add_argument("--run-dir", help="the run directory (default <run_dir>/<name>-<timestamp>)")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--verbose", action="store_true",
+                       help="also stream every role's log (and the launcher's) to the terminal, "
+                            "human-readable: `HH:MM:SS [host role/i] level event key=value`; "
+                            "they always go to RUN/logs/ as JSON lines")
+    shown.add_argument("--quiet", action="store_true",
+                       help="no progress bar or event lines while it runs: only the run "
+                            "directory, a failed role's log tail, and the final progress line "
+                            "and summary")
+    s = p.add_argument_group("Slurm (a cluster file with [slurm]; see rollmesh.launcher.slurm)")
+    s.add_argument("--sbatch", action="store_true",
+                   help="submit a batch job that runs this launch inside its allocation")
+    s.add_argument("--nodes", type=int, help="with --sbatch: nodes (slurm.nodes)")
+    s.add_argument("--gpus-per-node", type=int, help="with --sbatch: GPUs per node")
+    s.add_argument("--time", help="with --sbatch: the time limit (slurm.time)")
+    s.add_argument("--partition", help="with --sbatch: the partition (slurm.partition)")
+    args = p.parse_args(argv)
+    from rollmesh.launcher import slurm
+
+    for flag, key in (("nodes", "nodes"), ("gpus_per_node", "gpus_per_node"),
+                      ("time", "time"), ("partition", "partition")):
+        value = getattr(args, flag)
+        if value is not None:
+            if not args.sbatch:
+                p.error(f"--{flag.replace('_', '-')} goes with --sbatch")
+            args.overrides.append(f"slurm.{key}={json.dumps(value)}")
+    configure_logging("launcher", stream=sys.stderr)
+    if (args.cluster is None) == (args.resume is None):
+        p.error("give a cluster file, or --resume RUN (not both)")
+    if args.resume and args.run_dir:
+        p.error("--resume RUN is the run directory: --run-dir does not go with it")
+    try:
+        if args.resume:
+            run_dir = _run_dir(args.resume)
+            pid = json.loads((run_dir / "launcher.json").read_text()).get("pid")
+            if pid and pid != os.getpid() and _pid_alive(pid):
+                print(f"rollmesh launch: {run_dir} is still running (launcher pid {pid}): "
+                      f"stop it first (rollmesh stop {run_dir})", file=sys.stderr)
+                return 2
+            cluster = load_cluster(run_dir / "cluster.toml", overrides=args.overrides)
+        else:
+            cluster = load_cluster(args.cluster, overrides=args.overrides)
+    except ConfigError as e:
+        print(f"rollmesh launch: {e}", file=sys.stderr)
+        return 2
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if not args.resume:
+        run_dir = Path(args.run_dir or Path(cluster.run_dir) / f"{cluster.name}-{stamp}")
+    if args.sbatch:
+        return slurm.sbatch_main(args, cluster, run_dir)
+    if cluster.slurm is not None and not args.dry_run and not slurm.in_allocation():
+        print("rollmesh launch: the cluster file has [slurm] but this is not inside a Slurm "
+              "allocation (no SLURM_JOB_ID): submit it with --sbatch, or run it under salloc",
+              file=sys.stderr)
+        return 2
+    if args.dry_run:
+        hosts = _make_hosts(cluster)
+        print_plan(cluster, build_plan(cluster, hosts, str(run_dir),
+                                       engine_key="<the run's engine key>",
+                                       launcher_before=launcher_affinity(cluster)), str(run_dir))
+        if cluster.slurm is not None:
+            print(slurm.plan_note(slurm.in_allocation()))
+        return 0
+    console = Console(cluster.experiment_config.trainer.total_steps,  # type: ignore[union-attr]
+                      verbose=args.verbose, quiet=args.quiet)
+    console.info(f"rollmesh: run directory {run_dir}")
+    launcher = Launcher(cluster, run_dir, resume=bool(args.resume), console=console)
+    try:
+        pin_launcher(cluster, args.cluster or str(run_dir / "cluster.toml"))
+        return asyncio.run(launcher.run())
+    except ConfigError as e:
+        console.stop()
+        print(f"rollmesh launch: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:  # before any role: run directory, ports, SSH reach
+        console.stop()
+        print(f"rollmesh launch: {e}", file=sys.stderr)
+        return 1
+
+
+def _run_dir(arg: str) -> Path:
+    path = Path(arg)
+    if (path / "launcher.json").exists():
+        return path
+    raise SystemExit(f"rollmesh: {arg}: not a run directory (no launcher.json)")
+
+
+def status_main(argv: list[str]) -> int:
+    """`rollmesh status RUN`: is the launcher alive, and what it last said of its processes."""
+    p = argparse.ArgumentParser(prog="rollmesh status")
+    p.add_argument("run")
+    args = p.parse_args(argv)
+    from rollmesh.launcher.slurm import status_of_job
+
+    queued = status_of_job(Path(args.run))  # submitted with --sbatch, not started yet
+    if queued is not None:
+        return queued
+    run = _run_dir(args.run)
+    info = json.loads((run / "launcher.json").read_text())
+    alive = _pid_alive(info["pid"])
+    print(f"run {info['name']} ({run}): launcher pid {info['pid']} "
+          f"{'running' if alive else 'not running'}")
+    status_file = run / "status.json"
+    if status_file.exists():
+        status = json.loads(status_file.read_text())
+        print(f"state: {status['state']}, elapsed {status['elapsed_s']}s")
+        for proc in status["processes"]:
+            print(f"  {proc['name']:18s} {proc['host']:10s} {proc['state']:9s} "
+                  f"restarts={proc['restarts']} pid={proc['pid']}")
+    return 0 if alive else 1
+
+
+def stop_main(argv: list[str]) -> int:
+    """`rollmesh stop RUN`: ask the launcher to shut the run down, and wait for it.
+
+    From any machine that reaches the launcher's control socket (launcher.json's "control")
+    and holds the run's keys (RUN/keys: CURVE authenticates the request): StopRun, then wait
+    until the launcher no longer answers. `--pid`: signal the launcher's process instead
+    (this machine only); without either, the socket is tried first and the pid is the
+    fallback where the launcher runs here."""
+    p = argparse.ArgumentParser(prog="rollmesh stop")
+    p.add_argument("run")
+    p.add_argument("--timeout", type=float, default=60)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--socket", action="store_true",
+                     help="only through the control socket (no fallback to the pid)")
+    how.add_argument("--pid", action="store_true",
+                     help="only by signalling the launcher's pid (on its machine)")
+    args = p.parse_args(argv)
+    configure_logging("stop", stream=sys.stderr)
+    from rollmesh.launcher import slurm
+
+    job = slurm.job_of(Path(args.run))  # submitted with --sbatch
+    if job is not None and not (Path(args.run) / "launcher.json").exists():
+        ok = slurm.cancel(job)  # still queued (or its launcher not started): no run to drain
+        print(f"rollmesh: cancelled Slurm job {job}" if ok else
+              f"rollmesh: scancel {job} failed", file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
+    run = _run_dir(args.run)
+    info = json.loads((run / "launcher.json").read_text())
+    if not args.pid:
+        try:
+            answered = asyncio.run(_stop_over_socket(run, info, args.timeout))
+        except (OSError, ValueError, TransportError) as e:
+            answered = f"cannot use the control socket: {type(e).__name__}: {e}"
+        if answered is True:
+            print(f"rollmesh: stopped {info['name']} (through {info['control']})")
+            if job is not None:
+                slurm.wait_job_gone(job, args.timeout)
+            return 0
+        if job is not None and not args.socket and slurm.job_state(job):
+            # its launcher does not answer: the job's end takes every step with it
+            print(f"rollmesh: {answered}; cancelling Slurm job {job}", file=sys.stderr)
+            return 0 if slurm.cancel(job) and slurm.wait_job_gone(job, args.timeout) else 1
+        if args.socket or not _local_launcher(info):
+            print(f"rollmesh: could not stop {args.run} through {info.get('control')}: "
+                  f"{answered}", file=sys.stderr)
+            return 1
+        print(f"rollmesh: {answered}; signalling the launcher's pid instead", file=sys.stderr)
+    pid = info["pid"]
+    if not _pid_alive(pid):
+        print(f"rollmesh: the launcher of {args.run} (pid {pid}) is not running")
+        return 1
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _pid_alive(pid):
+        print(f"rollmesh: launcher {pid} still running after {args.timeout:g}s", file=sys.stderr)
+        return 1
+    print(f"rollmesh: stopped {info['name']}")
+    return 0
+
+
+def _local_launcher(info: dict[str, Any]) -> bool:
+    """The launcher of this launcher.json runs on this machine (its pid means something here)."""
+    control = str(info.get("control", ""))
+    host = control.removeprefix("tcp://").rsplit(":", 1)[0]
+    from rollmesh.config import is_local_address
+
+    return is_local_address(host) or host == os.uname().nodename
+
+
+async def _stop_over_socket(run: Path, info: dict[str, Any], timeout_s: float) -> bool | str:
+    """StopRun to the launcher's control socket, then wait until it stops answering (its
+    socket closes when it exits). True: stopped; else why not."""
+    keys = CurveKeys.load(run / "keys")
+    with Transport(keys) as t:
+        client = RpcClient(t, info["control"], timeout_s=3, retries=1, name="launcher")
+        try:
+            try:
+                await client.request(StopRun(reason=f"rollmesh stop from {os.uname().nodename}"))
+            except PeerTimeout:
+                return "the launcher did not answer (not running, or not reachable from here)"
+            except RemoteError as e:
+                return f"the launcher refused: {e}"
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                try:  # a Heartbeat is answered by the control socket while the launcher lives
+                    await client.request(Heartbeat(sender="rollmesh-stop", seq=0), timeout_s=2,
+                                         retries=0)
+                except PeerTimeout:
+                    return True
+                except RemoteError:
+                    continue
+            return f"the launcher still answers after {timeout_s:g}s"
+        finally:
+            client.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return True

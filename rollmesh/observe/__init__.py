@@ -1,0 +1,1 @@
+"""Watching a run: `rollmesh monitor` (`monitor`) and `rollmesh plot` (`plot`)."""

@@ -1,0 +1,833 @@
+"""`rollmesh monitor CLUSTER_TOML_OR_RUN_DIR`: watch a running run, read-only.
+
+Owns: finding the run (a run directory, or the newest run of a cluster file), the one SUB
+socket on the launcher's status hub (CURVE with the run's keys; a refused handshake ends the
+monitor with a clear error instead of a silent wait), the latest status of every role with the
+time it was heard, the trainer's reward and loss history, `snapshot()` (plain data: everything
+the dashboard shows; the accounting identity comes from `rollmesh.core.accounting`) and the
+dashboard drawn from it with rich.
+
+The monitor never sends to the run: it subscribes, and detaches by closing its socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import zmq
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from zmq.utils.monitor import parse_monitor_message
+
+from rollmesh.core.accounting import QueueStatus, RolloutStatus, StatusError, identity
+from rollmesh.wire.protocol import Metrics
+from rollmesh.wire.transport import CurveKeys, Subscriber, Transport, TransportError
+
+SILENT_AFTER_S = 3.0  # a role not heard from for this long is shown silent (3 status intervals)
+SETTLE_S = 1.2  # --once: after the launcher's status, listen one more status interval
+REFRESH_S = 0.5
+HISTORY = 120  # trainer steps kept for the sparkline
+TOPICS = ("launcher", "metrics.")
+NO_STATUS_ROLES = {"engine"}  # HTTP servers: their liveness is the launcher's word
+TRAINER_KEYS = ("step", "version", "loss", "pg_loss", "reward_mean", "tokens_per_s",
+                "samples_consumed", "batch_staleness_max", "clip_frac", "approx_kl", "entropy",
+                "grad_norm", "lr", "eval_reward_mean", "eval_version")
+SYNC_KEYS = ("version", "pause_s", "broadcast_s", "resume_s", "total_s", "trainer_idle_s")
+_HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
+                     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused"}
+
+
+class MonitorError(RuntimeError):
+    """The monitor cannot show this run; the message says why and what to check."""
+
+
+# -- finding the run -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    run_dir: Path
+    hub: str  # the hub's XPUB, where subscribers connect
+    keys_dir: Path
+    launcher_pid: int | None
+
+
+def find_run_dir(target: str | os.PathLike[str]) -> Path:
+    """A run directory as given, or the newest `<run_dir>/<name>-*` of a cluster file that has
+    a launcher.json."""
+    path = Path(target)
+    if path.is_dir():
+        return path
+    if not path.is_file():
+        raise MonitorError(f"{path}: no such run directory or cluster file")
+    from rollmesh.config import ConfigError, load_cluster
+
+    try:
+        cluster = load_cluster(path)
+    except ConfigError as e:
+        raise MonitorError(str(e)) from None
+    root = Path(cluster.run_dir)
+    runs = [d for d in root.glob(f"{cluster.name}-*") if (d / "launcher.json").is_file()]
+    if not runs:
+        raise MonitorError(f"no run of {cluster.name!r} in {root.resolve()} (no "
+                           f"{cluster.name}-*/launcher.json): has `rollmesh launch {path}` "
+                           "started?")
+    return max(runs, key=lambda d: ((d / "launcher.json").stat().st_mtime, d.name))
+
+
+def _connectable(address: str) -> str:
+    """A wildcard bind address names no host to connect to: the monitor runs beside the hub."""
+    for wildcard, local in (("tcp://*:", "tcp://127.0.0.1:"), ("tcp://[::]:", "tcp://[::1]:"),
+                            ("tcp://0.0.0.0:", "tcp://127.0.0.1:")):
+        if address.startswith(wildcard):
+            return local + address[len(wildcard):]
+    return address
+
+
+def load_run(run_dir: Path, *, keys: str | None = None, hub: str | None = None) -> Run:
+    path = run_dir / "launcher.json"
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MonitorError(f"{run_dir}: no launcher.json (not a run directory, or the launcher "
+                           "has not started yet)") from None
+    except (OSError, ValueError) as e:
+        raise MonitorError(f"{path}: unreadable: {e}") from None
+    if not isinstance(info, dict) or not isinstance(hub or info.get("hub_backend"), str):
+        raise MonitorError(f"{path}: hub_backend: expected the hub's address, e.g. "
+                           "\"tcp://127.0.0.1:28001\"")
+    pid = info.get("pid")
+    return Run(name=str(info.get("name") or run_dir.name), run_dir=run_dir,
+               hub=_connectable(hub or info["hub_backend"]),
+               keys_dir=Path(keys) if keys else run_dir / "keys",
+               launcher_pid=pid if type(pid) is int else None)
+
+
+# -- the board: latest status per role, history, snapshot ----------------------------------------
+
+
+def _num(v: Any) -> float | int | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _counts(v: Any) -> dict[str, int]:
+    return {str(k): n for k, n in _dict(v).items() if _num(n) is not None}
+
+
+def _merge(*counts: dict[str, int]) -> dict[str, int]:
+    out: collections.Counter[str] = collections.Counter()
+    for c in counts:
+        out.update(c)
+    return dict(sorted(out.items()))
+
+
+def _staleness_order(item: tuple[str, int]) -> tuple[int, int, str]:
+    k = _instance(item[0])
+    return (0, k, "") if isinstance(k, int) else (1, 0, item[0])  # "10" after "9"
+
+
+def _instance(text: Any) -> int | str:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return str(text)
+
+
+class StatusBoard:
+    """What the hub told us, with when (monotonic time of receipt, so no clock skew between
+    hosts): the launcher's latest status, each role instance's latest Metrics, trainer history."""
+
+    def __init__(self, run: Run | None = None, silent_after_s: float = SILENT_AFTER_S,
+                 history: int = HISTORY):
+        self.run = run
+        self.silent_after_s = silent_after_s
+        self.launcher: tuple[dict[str, Any], float] | None = None
+        self.launcher_first_seen: float | None = None
+        self.roles: dict[tuple[str, int | str], tuple[Metrics, float]] = {}
+        self.history: collections.deque[tuple[Any, Any, Any]] = collections.deque(maxlen=history)
+        self.received = 0
+
+    def update(self, topic: str, rec: Metrics, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.received += 1
+        values = _dict(rec.values)
+        if topic == "launcher" or rec.role == "launcher":
+            self.launcher = (values, now)
+            if self.launcher_first_seen is None:
+                self.launcher_first_seen = now
+            return
+        parts = topic.split(".")
+        role = parts[1] if len(parts) > 2 else rec.role
+        key = (role, _instance(parts[2] if len(parts) > 2 else values.get("instance", 0)))
+        self.roles[key] = (rec, now)
+        if role == "trainer" and key[1] == 0 and values.get("step") is not None:
+            # Roles republish every second: one point per trainer step, not per publication.
+            if not self.history or self.history[-1][0] != values["step"]:
+                self.history.append((values["step"], _num(values.get("reward_mean")),
+                                     _num(values.get("loss"))))
+
+    # -- snapshot -------------------------------------------------------------------------------
+
+    def _values(self, role: str) -> dict[str, Any] | None:
+        """The latest status of a role's lowest instance (the trainer's rank 0, the singletons)."""
+        found = sorted((k for k in self.roles if k[0] == role), key=lambda k: str(k[1]))
+        return _dict(self.roles[found[0]][0].values) if found else None
+
+    def _all(self, role: str) -> list[dict[str, Any]]:
+        return [_dict(rec.values) for (r, _), (rec, _) in self.roles.items() if r == role]
+
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        launcher, launcher_seen = self.launcher or ({}, None)
+        launcher_age = None if launcher_seen is None else now - launcher_seen
+        rollouter, queue = self._values("rollouter"), self._values("message_queue")
+        return {
+            "run": launcher.get("run") or (self.run.name if self.run else None),
+            "run_dir": str(self.run.run_dir) if self.run else None,
+            "hub": self.run.hub if self.run else None,
+            "state": launcher.get("state"),
+            "failure": launcher.get("failure"),
+            "elapsed_s": _num(launcher.get("elapsed_s")),
+            "launcher": {"alive": launcher_age is not None and launcher_age <= self.silent_after_s,
+                         "last_seen_s": launcher_age},
+            "roles": self._roles(launcher, launcher_age, now),
+            "trainer": self._trainer(),
+            "rollouter": self._rollouter(rollouter),
+            "queue": self._queue(queue, rollouter),
+            "workers": self._workers(),
+            "engines": [self._engine(e) for e in launcher.get("engines") or []
+                        if isinstance(e, dict)],
+            "last_sync": self._last_sync(),
+            "accounting": self._accounting(rollouter, queue),
+            "eval": self._eval(rollouter),
+        }
+
+    def _roles(self, launcher: dict[str, Any], launcher_age: float | None,
+               now: float) -> list[dict[str, Any]]:
+        rows: dict[tuple[str, int | str], dict[str, Any]] = {}
+        for p in launcher.get("processes") or []:
+            if not isinstance(p, dict):
+                continue
+            key = (str(p.get("role")), _instance(p.get("instance", 0)))
+            rows[key] = {"name": p.get("name") or f"{key[0]}[{key[1]}]", "role": key[0],
+                         "instance": key[1], "host": p.get("host"), "pid": p.get("pid"),
+                         "state": p.get("state"), "restarts": p.get("restarts", 0),
+                         "exit_code": p.get("exit_code"), "log": p.get("log")}
+        for key in sorted(self.roles.keys() - rows.keys(), key=lambda k: (k[0], str(k[1]))):
+            rows[key] = {"name": f"{key[0]}[{key[1]}]", "role": key[0], "instance": key[1],
+                         "host": None, "pid": None, "state": None, "restarts": 0,
+                         "exit_code": None, "log": None}
+        launcher_alive = launcher_age is not None and launcher_age <= self.silent_after_s
+        out = []
+        for key, row in rows.items():
+            heard = self.roles.get(key)
+            if heard is not None:
+                rec, seen = heard
+                values = _dict(rec.values)
+                row["host"] = row["host"] or rec.host
+                row["pid"] = values.get("pid", row["pid"])  # its own pid: the launcher's may be ssh
+                row["ready"] = values.get("ready")
+                row["protocol_errors"] = values.get("protocol_errors")
+                row["last_seen_s"] = now - seen
+                alive = now - seen <= self.silent_after_s
+            else:
+                row["ready"], row["last_seen_s"] = None, None
+                row["protocol_errors"] = None
+                alive = (key[0] in NO_STATUS_ROLES and launcher_alive
+                         and row["state"] in ("running", "ready"))
+            row["alive"] = alive
+            row["liveness"] = "alive" if alive else "silent"
+            out.append(row)
+        return out
+
+    def _trainer(self) -> dict[str, Any]:
+        values = self._values("trainer") or {}
+        out: dict[str, Any] = {k: values.get(k) for k in TRAINER_KEYS}
+        out["ranks"] = len(self._all("trainer"))
+        out["history_steps"] = [s for s, _, _ in self.history]
+        out["reward_history"] = [r for _, r, _ in self.history]
+        out["loss_history"] = [l for _, _, l in self.history]
+        return out
+
+    @staticmethod
+    def _rollouter(r: dict[str, Any] | None) -> dict[str, Any] | None:
+        if r is None:
+            return None
+        workers = [w for w in _dict(r.get("workers")).values() if isinstance(w, dict)]
+        return {
+            "admitted": r.get("admitted_samples", 0),
+            "admitted_groups": r.get("admitted_groups", 0),
+            "accepted_groups": r.get("accepted_groups", 0),
+            "queued_samples": r.get("queued_samples", 0), "in_flight": r.get("in_flight"),
+            "cancel_queue": r.get("cancel_queue"), "running_groups": r.get("running_groups"),
+            "pending": r.get("pending"), "to_score": r.get("to_score"),
+            "ready_groups": r.get("ready_groups"), "paused": r.get("paused"),
+            "version": r.get("version"), "capacity": r.get("capacity"),
+            "interrupted": r.get("interrupted", 0), "workers_lost": r.get("workers_lost", 0),
+            "agent_workers": sum(w.get("kind") == "agent" for w in workers),
+            "reward_workers": sum(w.get("kind") == "reward" for w in workers),
+            "dropped": _counts(r.get("dropped")),
+            "engines_healthy": r.get("engines_healthy"), "engines": r.get("engines"),
+            "admission": r.get("admission"),
+            "admission_stopped_s": r.get("admission_stopped_s"),
+            "journal_error": r.get("journal_error"),
+            "queue_unreachable_s": r.get("queue_unreachable_s"),
+        }
+
+    @staticmethod
+    def _queue(q: dict[str, Any] | None, r: dict[str, Any] | None) -> dict[str, Any] | None:
+        if q is None and r is None:
+            return None
+        q = q or {}
+        hist = dict(sorted(_counts(q.get("staleness_hist")).items(), key=_staleness_order))
+        mq_dropped, r_dropped = _counts(q.get("dropped")), _counts((r or {}).get("dropped"))
+        return {
+            "depth": q.get("depth_samples"), "depth_groups": q.get("depth_groups"),
+            "log_error": q.get("log_error"),
+            "capacity_groups": q.get("capacity_groups"), "version": q.get("version"),
+            "put": q.get("put_samples"), "consumed": q.get("consumed_samples"),
+            "consumed_per_s": q.get("consumed_per_s"), "rejected_puts": q.get("rejected_puts"),
+            "max_staleness": q.get("max_staleness"), "staleness_hist": hist,
+            "dropped": _merge(mq_dropped, r_dropped),
+            "dropped_by": {"message_queue": mq_dropped, "rollouter": r_dropped},
+        }
+
+    def _workers(self) -> dict[str, dict[str, int]]:
+        def total(role: str, keys: tuple[str, ...]) -> dict[str, int]:
+            return {k: sum(_num(v.get(k)) or 0 for v in self._all(role)) for k in keys}
+
+        agent = total("agent_worker", ("running", "finished", "interrupted", "failed",
+                                       "generated_tokens"))
+        reward = total("reward_worker", ("ok", "error", "timeout"))
+        return {"agent": {"count": len(self._all("agent_worker")), **agent},
+                "reward": {"count": len(self._all("reward_worker")), **reward}}
+
+    @staticmethod
+    def _engine(e: dict[str, Any]) -> dict[str, Any]:
+        running, waiting = _num(e.get("running_requests")), _num(e.get("waiting_requests"))
+        return {"url": e.get("url"), "healthy": e.get("healthy"), "running_requests": running,
+                "waiting_requests": waiting, "load": (running or 0) + (waiting or 0),
+                "weight_version": e.get("weight_version")}
+
+    def _eval(self, r: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The newest finished evaluation round: the rollouter's summary (pass@k, per
+        data_source), else what the trainer reported of it (reward mean and version only)."""
+        ev = _dict((r or {}).get("eval"))
+        if ev:
+            sources = {str(s): {k: f.get(k) for k in ("prompts", "n", "failed", "reward_mean")}
+                       | {"pass_at": _dict(f.get("pass_at"))}
+                       for s, f in _dict(ev.get("by_source")).items() if isinstance(f, dict)}
+            return {"version": ev.get("version"), "prompts": ev.get("prompts"),
+                    "n": ev.get("n"), "failed": ev.get("failed"),
+                    "reward_mean": ev.get("reward_mean"), "pass_at": _dict(ev.get("pass_at")),
+                    "by_source": sources, "pending": (r or {}).get("eval_pending")}
+        tr = self._values("trainer") or {}
+        if tr.get("eval_version") is None:
+            return None  # no round finished yet (or no eval configured)
+        return {"version": tr.get("eval_version"), "prompts": None, "n": None, "failed": None,
+                "reward_mean": tr.get("eval_reward_mean"), "pass_at": {}, "by_source": {},
+                "pending": None}
+
+    def _last_sync(self) -> dict[str, Any] | None:
+        s = self._values("synchronizer")
+        last = _dict((s or {}).get("last_sync") or (s or {}).get("last"))  # "last": its own name
+        if s is None or not last:
+            return None  # no sync yet
+        out = {**{k: last.get(k) for k in SYNC_KEYS}, "ok": last.get("ok"),
+               "syncs": s.get("syncs"), "failures": s.get("failures")}
+        parts = [_num(last.get(k)) for k in ("pause_s", "broadcast_s", "resume_s")]
+        if out["total_s"] is None and None not in parts:
+            out["total_s"] = sum(parts)  # type: ignore[arg-type]
+        return out
+
+    @staticmethod
+    def _accounting(r: dict[str, Any] | None, q: dict[str, Any] | None) -> dict[str, Any]:
+        """admitted = consumed + dropped + in flight (`accounting.identity`), from the
+        rollouter's and the queue's latest status. The two are heard at different moments, so
+        samples moving between them can put it off while nothing is lost; each side's own
+        balance (`RolloutStatus.off`, `QueueStatus.off`) tells a leak from that: difference =
+        rollouter off + queue off + between. Unknown (None) until both have reported it."""
+        try:
+            rollouter, queue = RolloutStatus.parse(r), QueueStatus.parse(q)
+        except StatusError:  # not heard yet, or a status without its accounting (yet)
+            return dict.fromkeys(("admitted", "consumed", "dropped_total", "in_flight",
+                                  "difference", "holds", "rollouter_balances",
+                                  "queue_balances", "between"))
+        ident = identity(rollouter, queue)
+        return {"admitted": ident.admitted, "consumed": ident.consumed,
+                "dropped_total": ident.dropped_total, "in_flight": ident.in_flight,
+                "difference": ident.difference, "holds": ident.holds,
+                "rollouter_balances": rollouter.off == 0, "queue_balances": queue.off == 0,
+                "between": rollouter.queued_samples - queue.put_samples}
+
+
+# -- the dashboard ---------------------------------------------------------------------------------
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[Any], width: int = 48) -> str:
+    vals = [v for v in values if _num(v) is not None and math.isfinite(v)][-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    if hi == lo:
+        return BLOCKS[3] * len(vals)
+    return "".join(BLOCKS[round((v - lo) / (hi - lo) * (len(BLOCKS) - 1))] for v in vals)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if math.isfinite(v) and abs(v) >= 1000 else f"{v:.4g}"
+    return str(v)
+
+
+def _clock(seconds: Any) -> str:
+    if _num(seconds) is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _fields(pairs: list[tuple[str, Any]]) -> Table:
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    for label, value in pairs:
+        t.add_row(label, value if isinstance(value, Text) else _fmt(value))
+    return t
+
+
+def _header(snap: dict[str, Any], live: bool) -> Text:
+    state = snap.get("state") or "waiting for status"
+    style = {"running": "green", "finished": "blue", "failed": "red"}.get(state, "yellow")
+    header = Text.assemble(("rollmesh monitor  ", "bold"), f"run {snap.get('run') or '-'}  ",
+                           ("state ", "bold"), (state, style),
+                           f"  elapsed {_clock(snap.get('elapsed_s'))}  "
+                           f"hub {snap.get('hub') or '-'}")
+    launcher = snap.get("launcher") or {}
+    if launcher.get("last_seen_s") is not None and not launcher.get("alive"):
+        header.append(f"  launcher silent {launcher['last_seen_s']:.0f}s", "red")
+    admission = str((snap.get("rollouter") or {}).get("admission") or "")
+    if admission.startswith("stopped"):  # an engine outage: say it where it is seen first
+        header.append(f"  admission {admission}", "bold red")
+    unreachable = (snap.get("rollouter") or {}).get("queue_unreachable_s")
+    if unreachable is not None:  # a partition between the rollouter and the MessageQueue
+        header.append(f"  MessageQueue unreachable from the rollouter for {unreachable:g}s",
+                      "bold red")
+    # a durable log that cannot be written (a full disk): the path and the error
+    for who, error in (("queue log", (snap.get("queue") or {}).get("log_error")),
+                       ("rollouter journal", (snap.get("rollouter") or {}).get("journal_error"))):
+        if error:
+            header.append(f"  {who}: {error}", "bold red")
+    if live:
+        header.append("   (q or Ctrl-C detaches)", "dim")
+    if snap.get("failure"):
+        header.append(f"\n{snap['failure']}", "red")
+    return header
+
+
+def _roles_panel(snap: dict[str, Any]) -> Panel:
+    table = Table(expand=True, box=None)
+    for col in ("process", "host", "pid", "state", "liveness", "restarts", "bad"):
+        table.add_column(col, style="bold" if col == "process" else None,
+                         no_wrap=col == "process", min_width=16 if col == "process" else None)
+    for r in snap.get("roles") or []:
+        seen = r.get("last_seen_s")
+        liveness = Text(r["liveness"] + ("" if seen is None else f" {seen:.0f}s"),
+                        "green" if r["alive"] else "red")
+        restarts = r.get("restarts") or 0
+        bad = r.get("protocol_errors")
+        table.add_row(r["name"], _fmt(r.get("host")), _fmt(r.get("pid")), _fmt(r.get("state")),
+                      liveness, Text(str(restarts), "yellow" if restarts else ""),
+                      Text(_fmt(bad), "red" if bad else ""))
+    return Panel(table, title="Roles")
+
+
+def _engines_panel(snap: dict[str, Any]) -> Panel:
+    table = Table(expand=True, box=None)
+    table.add_column("engine", no_wrap=True)
+    for col in ("healthy", "running", "waiting", "load", "version"):
+        table.add_column(col)
+    for e in snap.get("engines") or []:
+        table.add_row(str(e["url"] or "-").removeprefix("http://"),
+                      Text(_fmt(e["healthy"]), "green" if e["healthy"] else "red"),
+                      _fmt(e["running_requests"]), _fmt(e["waiting_requests"]),
+                      "█" * min(int(e["load"]), 10) + f" {e['load']}", _fmt(e["weight_version"]))
+    return Panel(table, title="Engines")
+
+
+def _workers_panel(snap: dict[str, Any]) -> Panel:
+    w = snap.get("workers") or {}
+    a, r = w.get("agent") or {}, w.get("reward") or {}
+    return Panel(_fields([
+        ("agent workers", f"{a.get('count', 0)}, running {a.get('running', 0)} trajectories"),
+        ("trajectories", f"finished {a.get('finished', 0)}  interrupted "
+                         f"{a.get('interrupted', 0)}  failed {a.get('failed', 0)}"),
+        ("generated tokens", a.get("generated_tokens", 0)),
+        ("reward workers", r.get("count", 0)),
+        ("rewards", f"ok {r.get('ok', 0)}  error {r.get('error', 0)}  "
+                    f"timeout {r.get('timeout', 0)}"),
+    ]), title="Workers")
+
+
+def _sync_panel(snap: dict[str, Any]) -> Panel:
+    s = snap.get("last_sync")
+    if not s:
+        return Panel(Text("no sync yet", "dim"), title="Last sync")
+    failures = Text(_fmt(s.get("failures")), "red" if s.get("failures") else "")
+    return Panel(_fields(
+        [("version", s.get("version")), ("syncs", s.get("syncs")), ("failures", failures)]
+        + [(k[:-2].replace("_", " ") + " s", s.get(k))
+           for k in ("pause_s", "broadcast_s", "resume_s", "total_s", "trainer_idle_s")]),
+        title="Last sync")
+
+
+def _trainer_panel(snap: dict[str, Any]) -> Panel:
+    tr = snap.get("trainer") or {}
+    spark = Text(sparkline(tr.get("reward_history") or []), "cyan")
+    optional = ("pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
+                "samples_consumed")  # the eval: its own panel
+    return Panel(_fields(
+        [("step", tr.get("step")), ("weight version", tr.get("version")),
+         ("loss", tr.get("loss")), ("reward mean", tr.get("reward_mean")),
+         ("reward history", spark), ("tokens/s", tr.get("tokens_per_s")),
+         ("batch staleness max", tr.get("batch_staleness_max"))]
+        + [(k.replace("_", " "), tr[k]) for k in optional if tr.get(k) is not None]),
+        title="Trainer")
+
+
+MAX_EVAL_SOURCES = 8  # data sources listed in the eval panel; the rest summed up in one line
+
+
+def _share(v: Any) -> str:
+    return f"{v:.3f}" if _num(v) is not None else "-"
+
+
+def _eval_panel(snap: dict[str, Any]) -> Panel | None:
+    ev = snap.get("eval")
+    if not ev:
+        return None
+    pass_at = ev.get("pass_at") or {}
+    size = (f"{_fmt(ev.get('n'))} answers, {_fmt(ev.get('prompts'))} prompts"
+            if ev.get("n") is not None else "-")
+    failed = ev.get("failed")
+    rows: list[tuple[str, Any]] = [
+        ("version", ev.get("version")), ("reward mean", _share(ev.get("reward_mean"))),
+        ("pass@k", "  ".join(f"pass@{k} {_share(v)}" for k, v in pass_at.items()) or "-"),
+        ("answers", Text(size + (f", {failed} failed" if failed else ""),
+                         "yellow" if failed else ""))]
+    sources = ev.get("by_source") or {}
+    if not sources:
+        return Panel(_fields(rows), title="Last eval")
+    table = Table(box=None, padding=(0, 1))
+    table.add_column("data source")
+    for col in ("n", "reward", *(f"pass@{k}" for k in pass_at)):
+        table.add_column(col, no_wrap=True, justify="right")
+    for name, f in list(sources.items())[:MAX_EVAL_SOURCES]:
+        table.add_row(name, _fmt(f.get("n")), _share(f.get("reward_mean")),
+                      *(_share((f.get("pass_at") or {}).get(k)) for k in pass_at))
+    if len(sources) > MAX_EVAL_SOURCES:
+        table.add_row(Text(f"... {len(sources) - MAX_EVAL_SOURCES} more", "dim"))
+    return Panel(Group(_fields(rows), table), title="Last eval")
+
+
+def _rollouter_panel(snap: dict[str, Any]) -> Panel:
+    ro = snap.get("rollouter") or {}
+    return Panel(_fields([
+        ("admitted", f"{_fmt(ro.get('admitted'))} samples "
+                     f"({_fmt(ro.get('admitted_groups'))} groups)"),
+        ("in flight", ro.get("in_flight")), ("cancel queue", ro.get("cancel_queue")),
+        ("running groups", ro.get("running_groups")), ("capacity", ro.get("capacity")),
+        ("version", ro.get("version")),
+        ("paused", Text(_fmt(ro.get("paused")), "yellow" if ro.get("paused") else "")),
+        ("admission", _admission(ro)),
+    ]), title="Rollouter")
+
+
+def _admission(ro: dict[str, Any]) -> Text:
+    """Whether new prompts are admitted; red while no engine is healthy (an outage: nothing
+    new is admitted, generations in flight wait for an engine up to rollout.engine_wait_s)."""
+    state = ro.get("admission")
+    healthy, total = ro.get("engines_healthy"), ro.get("engines")
+    engines = f" ({healthy}/{total} engines healthy)" if total else ""
+    if state is None:
+        return Text("-", "dim")
+    if state.startswith("stopped"):
+        since = ro.get("admission_stopped_s")
+        return Text(f"{state}{engines}" + (f" for {since:g}s" if since is not None else ""),
+                    "bold red")
+    return Text(f"{state}{engines}", "yellow" if state != "open" else "green")
+
+
+def _queue_panel(snap: dict[str, Any]) -> Panel:
+    q = snap.get("queue") or {}
+    hist = q.get("staleness_hist") or {}
+    most = max(hist.values(), default=0)
+    bars = Table.grid(padding=(0, 1))
+    for k, n in hist.items():
+        bars.add_row(f"  {k}", Text("█" * max(1, round(24 * n / most)) if n else "", "magenta"),
+                     str(n))
+    reasons = {reason: n for reason, n in (q.get("dropped") or {}).items() if n}
+    dropped = Table.grid(padding=(0, 1))
+    for reason, n in reasons.items():
+        dropped.add_row(f"  {reason}", str(n))
+    return Panel(Group(_fields([
+        ("depth", f"{_fmt(q.get('depth'))} samples ({_fmt(q.get('depth_groups'))} / "
+                  f"{_fmt(q.get('capacity_groups'))} groups)"),
+        ("consumed", f"{_fmt(q.get('consumed'))} ({_fmt(q.get('consumed_per_s'))}/s)"),
+        ("max staleness", q.get("max_staleness")), ("staleness", ""),
+    ]), bars, _fields([("dropped", "" if reasons else "none")]), dropped), title="MessageQueue")
+
+
+def _accounting_panel(snap: dict[str, Any]) -> Panel:
+    acc = snap.get("accounting") or {}
+    if acc.get("holds") is None:
+        return Panel(Text("waiting for the rollouter and the MessageQueue", "dim"),
+                     title="Accounting")
+    text = Text(f"admitted {acc['admitted']} = consumed {acc['consumed']} + dropped "
+                f"{acc['dropped_total']} + in flight {acc['in_flight']}  ",
+                "green" if acc["holds"] else "yellow")
+    if acc["holds"]:
+        text.append("✓ holds")
+    elif acc["rollouter_balances"] and acc["queue_balances"]:
+        text.append(f"≈ off by {acc['difference']}: {acc['between']:+} samples between the "
+                    "rollouter and the queue (each balances; their status was heard at "
+                    "different moments)")
+    else:
+        sides = [name for name, ok in (("rollouter", acc["rollouter_balances"]),
+                                       ("MessageQueue", acc["queue_balances"])) if not ok]
+        text.append(f"✗ off by {acc['difference']}: the {' and the '.join(sides)} "
+                    "does not balance")
+    return Panel(text, title="Accounting")
+
+
+def render(snap: dict[str, Any], *, width: int = 140, live: bool = False) -> Group:
+    """The dashboard for one snapshot (drawn by Live, or printed once): two columns of panels
+    from 120 columns of terminal up, one below."""
+    left = Group(_roles_panel(snap), _engines_panel(snap), _workers_panel(snap),
+                 _sync_panel(snap))
+    right = Group(*(p for p in (_trainer_panel(snap), _eval_panel(snap), _rollouter_panel(snap),
+                                _queue_panel(snap)) if p is not None))
+    if width < 120:
+        return Group(_header(snap, live), right, left, _accounting_panel(snap))
+    body = Table.grid(expand=True, padding=(0, 1))
+    body.add_column(ratio=1)
+    body.add_column(ratio=1)
+    body.add_row(left, right)
+    return Group(_header(snap, live), body, _accounting_panel(snap))
+
+
+# -- attaching to the hub --------------------------------------------------------------------------
+
+
+class HubLink:
+    """The monitor's one connection to the run: a SUB socket on the hub, plus an inproc monitor
+    of its CURVE handshakes, so wrong keys are reported rather than waited on."""
+
+    def __init__(self, run: Run, keys: CurveKeys, board: StatusBoard):
+        self.run, self.board = run, board
+        self.refused: str | None = None
+        self.transport = Transport(keys)
+        self.sub = Subscriber(self.transport, run.hub, topics=TOPICS, secure=True)
+        self.events = self.sub.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def _receive(self) -> None:
+        while True:
+            topic, rec = await self.sub.recv()
+            if isinstance(rec, Metrics):
+                self.board.update(topic, rec)
+
+    async def _watch(self) -> None:
+        while True:
+            event = parse_monitor_message(await self.events.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = None
+            elif event["event"] in _HANDSHAKE_FAILED:
+                self.refused = _HANDSHAKE_FAILED[event["event"]]
+
+    def problem(self, started: float, wait_s: float) -> str | None:
+        """Why nothing will come, once that is known; None while status arrives or may yet."""
+        if self.board.received:
+            return None
+        run = self.run
+        if self.refused is not None:
+            return (f"the status hub {run.hub} refused the CURVE handshake ({self.refused}): the "
+                    f"keys in {run.keys_dir} are not this run's keys (the launcher keeps them in "
+                    f"{run.run_dir / 'keys'})")
+        if time.monotonic() - started < wait_s:
+            return None
+        hint = ""
+        if run.launcher_pid is not None:
+            try:
+                os.kill(run.launcher_pid, 0)
+            except ProcessLookupError:
+                hint = f" (launcher pid {run.launcher_pid} is not running on this host)"
+            except OSError:
+                pass
+        return (f"no status from {run.hub} after {wait_s:g}s: is the run alive{hint}, and are "
+                f"{run.keys_dir} the run's keys?")
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(zmq.ZMQError):
+            self.sub.sock.disable_monitor()
+        self.events.close(0)
+        self.sub.close()
+        self.transport.close()
+
+
+async def _collect(link: HubLink, board: StatusBoard, wait_s: float) -> None:
+    """--once: until the launcher's status and one status interval more (every role publishes
+    about once a second), or `wait_s` if the launcher stays quiet."""
+    started = time.monotonic()
+    while True:
+        problem = link.problem(started, wait_s)
+        if problem:
+            raise MonitorError(problem)
+        now = time.monotonic()
+        if board.launcher_first_seen is not None and now >= board.launcher_first_seen + SETTLE_S:
+            return
+        if board.launcher_first_seen is None and now - started >= wait_s:
+            print(f"rollmesh monitor: no launcher status from {link.run.hub} after {wait_s:g}s; "
+                  "showing the roles heard", file=sys.stderr)
+            return
+        await asyncio.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _quit_on_q(stop: asyncio.Event) -> Iterator[None]:
+    """`q` on a terminal detaches (cbreak mode: keys arrive unbuffered, Ctrl-C still signals)."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    loop = asyncio.get_running_loop()
+
+    def on_key() -> None:
+        if b"q" in os.read(fd, 64).lower():
+            stop.set()
+
+    tty.setcbreak(fd)
+    loop.add_reader(fd, on_key)
+    try:
+        yield
+    finally:
+        loop.remove_reader(fd)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+async def _watch_live(link: HubLink, board: StatusBoard, args: argparse.Namespace) -> None:
+    """Until q, Ctrl-C or SIGTERM: the dashboard (or, with --json, one snapshot per second)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+
+    async def tick(interval: float) -> None:
+        problem = link.problem(started, args.wait)
+        if problem:
+            raise MonitorError(problem)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+
+    if args.json:
+        while not stop.is_set():
+            await tick(1.0)
+            if board.received:
+                print(json.dumps(board.snapshot(), default=str), flush=True)
+        return
+    console = Console()
+    with _quit_on_q(stop), Live(console=console, auto_refresh=False,
+                                redirect_stderr=False) as live:
+        while not stop.is_set():
+            live.update(render(board.snapshot(), width=console.width, live=True), refresh=True)
+            await tick(REFRESH_S)
+
+
+async def _monitor(run: Run, keys: CurveKeys, args: argparse.Namespace) -> int:
+    board = StatusBoard(run)
+    link = HubLink(run, keys, board)
+    try:
+        if not args.once:
+            await _watch_live(link, board, args)
+            return 0
+        await _collect(link, board, args.wait)
+        if args.json:
+            print(json.dumps(board.snapshot(), default=str), flush=True)
+        else:
+            console = Console()
+            console.print(render(board.snapshot(), width=console.width))
+        return 0
+    finally:
+        await link.close()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollmesh monitor",
+        description="Attach to a run's status hub (read-only) and show it live. Detach with q "
+                    "or Ctrl-C; the run is not touched.")
+    p.add_argument("target", metavar="CLUSTER_TOML_OR_RUN_DIR",
+                   help="a run directory, or a cluster file (its newest run)")
+    p.add_argument("--json", action="store_true",
+                   help="snapshots as JSON (one line each) instead of the dashboard")
+    p.add_argument("--once", action="store_true", help="show one snapshot and exit")
+    p.add_argument("--wait", type=float, default=5.0, metavar="S",
+                   help="seconds to wait for the first status before giving up (default 5)")
+    p.add_argument("--keys", metavar="DIR", help="CURVE keys (default: RUN_DIR/keys)")
+    p.add_argument("--hub", metavar="ADDRESS",
+                   help="the hub's subscriber address (default: hub_backend in launcher.json)")
+    args = p.parse_args(argv)
+    from rollmesh.runtime.log import configure_logging
+
+    # Warnings (a malformed status) on stderr, never inside the JSON or the live dashboard.
+    configure_logging("monitor", stream=sys.stderr, level="warning" if args.once else "error")
+    try:
+        run = load_run(find_run_dir(args.target), keys=args.keys, hub=args.hub)
+        try:
+            keys = CurveKeys.load(run.keys_dir)
+        except TransportError as e:
+            raise MonitorError(f"{e}: the hub only admits the run's keys "
+                               f"({run.run_dir / 'keys'}, or --keys DIR)") from None
+        return asyncio.run(_monitor(run, keys, args))
+    except MonitorError as e:
+        print(f"rollmesh monitor: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,359 @@
+"""The rollouter role (a singleton): owns every sample from admission until the MessageQueue.
+
+Its rules (capacity, admission, dispatch, returned and scored trajectories, group completion,
+pause bookkeeping), its journal, group filters and evaluation rounds live in `rollmesh.rollout`
+(`core.RolloutCore`), without sockets. This module is the role around them: it receives the
+workers' messages and hands them to the core, sends what the core's actions say, exchanges
+heartbeats with the workers (a worker silent for `liveness` heartbeats, or unreachable, is lost:
+its trajectories are re-queued as they were when dispatched), answers the synchronizer's Pause,
+Resume and StatsRequest, and runs the put loop: the groups the core accepted go to the
+MessageQueue, what is ready in one PutGroups (held and retried while the queue is full:
+back-pressure). Each finished evaluation round is published to the status hub
+(`announce_evals`) for the trainer's metrics rows.
+
+Engine outages: the rollouter probes the engines' /health (`engines` in its spec); while none
+is healthy it admits no new prompt (the dataset cursor stands still; generations already
+admitted wait in the workers, up to rollout.engine_wait_s) and says so in its stats
+(`engines_healthy`, `admission`); it admits again as soon as one answers.
+
+Pause (from the synchronizer): stop dispatching, send Cancel to every agent worker, answer
+Paused once no trajectory is out with a worker, but for those a worker holds (`Held`: loops
+whose own code cannot move, e.g. openai_agent; their generations are stopped, they stay counted
+as out with that worker and come back after the Resume); with `sync.pause_mode = "in_place"`
+send no Cancel and answer Paused at once (the engines keep the requests through the sync).
+Resume(version): tell the agent workers (held trajectories go on), dispatch the cancel queue
+first, then new prompts. A rollouter restarted between a Pause and its Resume comes back paused
+(the journal records both) and waits for the Resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.rollout.data import PromptSource
+from rollmesh.engine.client import EngineClient, run_api_key
+from rollmesh.mq.role import put_ready
+from rollmesh.config import RolloutSettings
+from rollmesh.wire.protocol import (
+    Group, Heartbeat, Held, Metrics, Ok, Pause, Paused, Resume, Returned, Scored, StatsRequest,
+    Trajectory, WorkerHello,
+)
+from rollmesh.rollout.core import RolloutCore, Send
+from rollmesh.rollout.eval_round import EvalRounds
+from rollmesh.rollout.journal import Journal
+from rollmesh.rollout.workers import Worker, WorkerPool
+from rollmesh.runtime.process import RoleContext
+from rollmesh.core.trajectory import load_tokenizer
+from rollmesh.wire.transport import Channel, Liveness, PeerTimeout, RemoteError, RpcClient, RpcServer
+
+
+class Rollouter:
+    """The role: the core (`self.core`), its channel to the workers and its client of the
+    MessageQueue. `changed` wakes the dispatch loop, `drained` a pause, `ready_added` the put
+    loop."""
+
+    def __init__(self, ctx: RoleContext, exp: ExperimentConfig, source: PromptSource,
+                 tokenizer: Any, channel: Channel, mq: RpcClient, journal: Journal | None = None):
+        self.ctx, self.log, self.exp = ctx, ctx.log, exp
+        self.core = RolloutCore(exp, source, tokenizer, journal, ctx.log)
+        self.channel, self.mq = channel, mq
+        self.liveness = Liveness(ctx.spec.heartbeat_s, ctx.spec.liveness)
+        self.changed = asyncio.Event()
+        self.drained = asyncio.Event()
+        self.ready_added = asyncio.Event()
+        self.queue_unreachable_since: float | None = None  # the queue stopped answering
+
+    # -- the core's state, read through ----------------------------------------------------
+
+    @property
+    def workers(self) -> WorkerPool:
+        return self.core.workers
+
+    @property
+    def loops(self) -> dict[str, type | None]:
+        return self.core.loops
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        return self.core.counters
+
+    @property
+    def dropped(self) -> collections.Counter[str]:
+        return self.core.dropped
+
+    @property
+    def cancel_queue(self) -> collections.deque[Trajectory]:
+        return self.core.cancel_queue
+
+    @property
+    def to_score(self) -> collections.deque[Trajectory]:
+        return self.core.to_score
+
+    @property
+    def paused(self) -> bool:
+        return self.core.paused
+
+    def in_flight(self) -> int:
+        return self.core.in_flight()
+
+    def stats(self) -> dict[str, Any]:
+        unreachable = self.queue_unreachable_since
+        return self.core.stats(
+            protocol_errors=self.channel.protocol_errors, now=time.monotonic(),
+            queue_unreachable_s=(None if unreachable is None else
+                                 round(time.monotonic() - unreachable, 1)))
+
+    # -- the core's actions, carried out ---------------------------------------------------
+
+    async def send(self, action: Send) -> None:
+        if not await self.channel.send(action.worker.peer, action.msg):
+            await self.worker_lost(action.worker, "unreachable")
+
+    async def dispatch(self) -> None:
+        for action in self.core.dispatch():
+            await self.send(action)
+
+    async def worker_lost(self, worker: Worker, why: str) -> None:
+        """Re-queue everything the worker held, as it was when dispatched."""
+        if self.core.worker_lost(worker, why):
+            self.liveness.forget(worker.peer.hex())
+            self._check_drained()
+
+    def returned(self, worker: Worker, traj: Trajectory) -> None:
+        if self.core.returned(worker, traj):
+            self._check_drained()
+
+    def held(self, worker: Worker, sample_ids: list[str]) -> None:
+        if self.core.held(worker, sample_ids):
+            self._check_drained()
+
+    def scored(self, worker: Worker, traj: Trajectory) -> None:
+        if self.core.scored(worker, traj) is not None:
+            self.ready_added.set()
+
+    def _check_drained(self) -> None:
+        if self.core.drained:
+            self.drained.set()
+        self.changed.set()
+
+    async def pause(self, mode: str) -> Paused:
+        cancels = self.core.pause(mode)
+        self.drained.clear()
+        if mode == "in_place":
+            # The engines keep the requests (and their KV) through the sync and continue them
+            # under the new weights: no Cancel, nothing to drain. Dispatching stops; what is
+            # out with workers stays there and comes back as it finishes.
+            self.log.info("paused", mode=mode, in_flight=self.core.agent_out(),
+                          cancel_queue=len(self.cancel_queue))
+            return Paused(in_flight=self.core.agent_out(), cancel_queue=len(self.cancel_queue))
+        started = time.monotonic()
+        for action in cancels:
+            await self.send(action)
+        self._check_drained()
+        await self.drained.wait()
+        self.log.info("paused", mode=mode, cancel_queue=len(self.cancel_queue),
+                      held=self.core.agent_out(), drain_s=round(time.monotonic() - started, 3))
+        return Paused(in_flight=self.core.agent_out(), cancel_queue=len(self.cancel_queue))
+
+    def resume(self, version: int) -> None:
+        self.core.resume(version)
+        self.changed.set()
+
+    async def resume_if_forgotten(self, after_s: float) -> None:
+        """A restart came back paused (the journal's last word was a Pause). The synchronizer
+        re-sends its Resume until a rollouter answers or the sync's time limit runs out, and
+        then resumes rollout whatever happened; if this process heard neither Pause nor Resume
+        by then, it does the same rather than stall the run."""
+        await asyncio.sleep(after_s)
+        if self.core.paused and not self.core.synchronizer_spoke:
+            self.log.error("resume_never_came", waited_s=after_s, version=self.core.version)
+            self.resume(self.core.version)
+
+    # -- what the queue and the engines say --------------------------------------------------
+
+    async def watch_queue(self, interval_s: float = 1.0) -> None:
+        """Ask the MessageQueue for its stats every `interval_s`, on a short leash: its stale
+        drops (samples; groups are data.group_size each) give places in the bound back
+        (`RolloutCore.queue_stale`), and a queue that does not answer is reported (stats
+        `queue_unreachable_s`, the monitor's header) while it is cut off."""
+        size = self.exp.data.group_size
+        while True:
+            try:
+                reply = await self.mq.request(StatsRequest(), timeout_s=3, retries=0)
+                groups = int(reply.values.get("dropped", {}).get("stale", 0)) // size
+            except PeerTimeout:
+                if self.queue_unreachable_since is None:
+                    self.queue_unreachable_since = time.monotonic()
+                    self.log.error("queue_unreachable", queue=self.mq.address)
+            except (RemoteError, TypeError, ValueError, AttributeError) as e:
+                self.log.warning("queue_stats_failed", error=str(e))
+            else:
+                if self.queue_unreachable_since is not None:
+                    self.log.warning("queue_reachable", unreachable_s=round(
+                        time.monotonic() - self.queue_unreachable_since, 1))
+                    self.queue_unreachable_since = None
+                if self.core.queue_stale(groups):
+                    self.changed.set()
+            await asyncio.sleep(interval_s)
+
+    async def watch_engines(self, urls: list[str], api_key: str | None,
+                            interval_s: float = 1.0) -> None:
+        """Probe every engine's /health; while none answers, admit nothing
+        (`RolloutCore.engines_seen`)."""
+        self.core.engines = list(urls)
+        async with EngineClient(urls, api_key=api_key, connect_timeout_s=2.0) as client:
+            while True:
+                answers = await asyncio.gather(*(client.health(u) for u in urls))
+                if self.core.engines_seen(sum(answers), urls, time.monotonic()):
+                    self.changed.set()
+                await asyncio.sleep(interval_s)
+
+    # -- loops -------------------------------------------------------------------------------
+
+    async def receive(self) -> None:
+        while True:
+            peer, msg = await self.channel.recv()
+            self.liveness.beat(peer.hex())
+            worker = self.workers.get(peer)
+            if isinstance(msg, WorkerHello):
+                if worker is not None:
+                    await self.worker_lost(worker, "re-registered")
+                resume = self.core.worker_joined(peer, msg)
+                if resume is not None:
+                    await self.channel.send(peer, resume)
+            elif worker is None:
+                self.core.events["messages_from_unknown_peers"] += 1
+                continue
+            else:
+                await self.handle(worker, msg)
+            self.changed.set()
+
+    async def handle(self, worker: Worker, msg: Any) -> None:
+        """One message from a registered worker."""
+        traj = getattr(msg, "trajectory", None)
+        dispatched = worker.out.get(traj.sample_id) if traj is not None else None
+        try:
+            if isinstance(msg, Returned):
+                self.returned(worker, msg.trajectory)
+            elif isinstance(msg, Held):
+                self.held(worker, msg.sample_ids)
+            elif isinstance(msg, Scored):
+                self.scored(worker, msg.trajectory)
+            elif not isinstance(msg, (Heartbeat, Metrics)):
+                self.core.events["unexpected_messages"] += 1
+        except Exception as e:  # well-formed on the wire, nonsense inside: one
+            # worker's bad record must not stop the rollouter; its trajectory is
+            # re-queued as dispatched when the worker is dropped
+            self.core.events["bad_records"] += 1
+            if dispatched is not None:  # back as it was sent, to be re-queued
+                self.workers.give(worker, dispatched)
+            self.log.error("bad_record", worker=worker.name, type=type(msg).__name__,
+                           error=f"{type(e).__name__}: {e}")
+            await self.worker_lost(worker, f"sent a bad record: {e}")
+
+    async def schedule(self) -> None:
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            await self.dispatch()
+
+    async def heartbeats(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.liveness.interval_s)
+            seq += 1
+            for w in list(self.workers.values()):
+                if not self.liveness.is_alive(w.peer.hex()):
+                    await self.worker_lost(w, "silent")
+                elif not await self.channel.send(w.peer, Heartbeat(sender="rollouter", seq=seq)):
+                    await self.worker_lost(w, "unreachable")
+            self.changed.set()
+
+    async def put_ready(self) -> None:
+        """Move accepted groups into the MessageQueue, what is ready in one put; wait while it
+        is full (`message_queue.put_ready`)."""
+        def queued(group: Group) -> None:
+            self.core.queued(group)
+            self.changed.set()
+
+        def full() -> None:
+            self.core.events["queue_full_waits"] += 1
+
+        await put_ready(self.mq, self.core.ready, self.ready_added, queued, log=self.log,
+                        full=full)
+
+
+async def announce_evals(ctx: RoleContext, evals: EvalRounds) -> None:
+    """Publish each finished evaluation round to the status hub as it ends (topic
+    `eval.rollouter.<instance>`), and the newest again every status interval: pub/sub drops
+    a message sent before a subscriber is connected or past a full buffer, and the trainer
+    keeps the newest by version, so a repeat costs nothing and a loss lasts one interval."""
+    ended = asyncio.Event()
+    evals.on_result = lambda result: ended.set()
+    while True:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ended.wait(), ctx.spec.status_interval_s)
+        ended.clear()
+        if evals.last is not None:
+            await ctx.announce("eval", evals.last)
+
+
+async def main(ctx: RoleContext) -> None:
+    """Role entry. settings: rollmesh.config.RolloutSettings."""
+    settings = parse_config(RolloutSettings, ctx.config, "rollouter spec")
+    exp = settings.experiment
+    source = PromptSource.from_config(exp.data)
+    tokenizer = load_tokenizer(exp.model)
+    channel = Channel(ctx.transport, settings.bind, name="rollouter")
+    mq = RpcClient(ctx.transport, settings.message_queue, timeout_s=30, name="message queue")
+    state_dir = settings.state_dir
+    journal = Journal(Path(state_dir) / "rollouter.log", ctx.log) if state_dir else None
+    r = Rollouter(ctx, exp, source, tokenizer, channel, mq, journal)
+    r.core.restore(restarted=ctx.spec.restart > 0)
+
+    async def pause(msg: Pause, peer: bytes) -> Paused:
+        return await r.pause(msg.mode)
+
+    async def resume(msg: Resume, peer: bytes) -> Ok:
+        r.resume(msg.version)
+        return Ok()
+
+    async def stats(msg: StatsRequest, peer: bytes) -> Metrics:
+        return Metrics(role="rollouter", host=ctx.spec.host,
+                       values={**r.stats(), "protocol_errors": control.stats.protocol_errors})
+
+    control = RpcServer(ctx.transport, settings.control,
+                        {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
+    coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), r.watch_queue(),
+             control.serve()]
+    if r.core.eval.rows and ctx.publisher is not None:
+        coros.append(announce_evals(ctx, r.core.eval))
+    if settings.engines:  # no new prompt while no engine can generate it
+        coros.append(r.watch_engines(settings.engines, run_api_key(ctx.spec.keys_dir)))
+    tasks = [asyncio.create_task(c) for c in coros]
+    backstop = (asyncio.create_task(r.resume_if_forgotten(exp.sync.timeout_s + 10))
+                if r.paused else None)
+    r.core.start_eval()  # version 0: the policy before any training
+    r.changed.set()
+    ctx.set_status(lambda: {k: v for k, v in r.stats().items() if k != "cursor"})
+    await ctx.ready(channel=channel.address, rpc=control.address)
+    await asyncio.wait([asyncio.create_task(ctx.stopping.wait()), *tasks],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if backstop is not None:
+        backstop.cancel()
+    for t in tasks:
+        if t.done() and t.exception():
+            raise t.exception()
+        t.cancel()
+    ctx.log.info("stats", **{k: v for k, v in r.stats().items() if k != "workers"})
+    if journal is not None:
+        journal.close()
+    channel.close()
+    control.close()
+    mq.close()

@@ -1,0 +1,1 @@
+"""What every role process runs on: the role process itself (`process`: its spec, `run_role`), logging, the durable log, isolation of child processes, the worker loop, CPU pinning, the ranks' rendezvous."""

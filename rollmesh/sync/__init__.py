@@ -1,0 +1,1 @@
+"""The synchronizer role (`role`): one weight sync at a time."""

@@ -1,0 +1,979 @@
+"""Sockets: one factory and the few patterns every role uses, over ZeroMQ with asyncio.
+
+- `Transport` owns a process's ZeroMQ context, its CURVE keys and authenticator, and makes
+  every socket with bounded high-water marks, a maximum message size and a linger. CURVE is on
+  by default for any non-loopback address; a non-loopback socket without keys is refused.
+- `RpcServer` (ROUTER) / `RpcClient` (DEALER): request-reply with correlation ids, timeouts
+  and retries (the "lazy pirate": on a timeout the socket is rebuilt and pending requests are
+  sent again), a dispatcher from record type to handler, protocol errors answered and counted.
+- `StatusProxy` (XSUB/XPUB in a thread), `Publisher`, `Subscriber`: status and metrics.
+- `Liveness`, `Heartbeater`: heartbeats both ways; a peer silent for `liveness` intervals is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ipaddress
+import itertools
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable
+
+import structlog
+import zmq
+import zmq.asyncio
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from rollmesh.wire import protocol
+from rollmesh.wire.protocol import ErrorReply, Heartbeat, ProtocolError
+
+log = structlog.get_logger("rollmesh.wire.transport")  # rollmesh.runtime.log configures it; wire sits below runtime
+
+# Malformed messages this process received, by socket (server name or receiver kind): every
+# role publishes them with its status, so the monitor shows who is sent garbage.
+PROTOCOL_ERRORS: collections.Counter[str] = collections.Counter()
+
+DEFAULT_HWM = 1000
+ZAP_STOP_TIMEOUT_S = 5.0  # the longest close() waits for the CURVE authenticator's thread
+# What a stuck authenticator thread still uses (its authenticator, its context), kept from the
+# garbage collector, whose clean-up would close or wait on them under that thread.
+_ABANDONED: list[Any] = []
+DEFAULT_MAX_MSG_BYTES = 256 << 20
+DEFAULT_LINGER_MS = 1000
+# ZMTP heartbeats on every connection: a connection that stays silent (a partition that drops
+# packets without a reset, a NAT or firewall that forgot the flow) is closed after the timeout
+# and re-established, instead of swallowing messages until TCP gives up (~15 minutes).
+DEFAULT_ZMTP_HEARTBEAT_MS = 2000
+DEFAULT_ZMTP_TIMEOUT_MS = 10000
+
+
+class TransportError(RuntimeError):
+    """A socket could not be set up as asked (e.g. a non-loopback address without keys)."""
+
+
+class PeerTimeout(TimeoutError):
+    """A peer did not answer in time, after all retries."""
+
+
+class RemoteError(RuntimeError):
+    """The peer answered with an ErrorReply."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# --------------------------------------------------------------------------------------------
+# Addresses and keys
+# --------------------------------------------------------------------------------------------
+
+
+def is_loopback(address: str) -> bool:
+    """ipc://, inproc:// and tcp:// on 127.0.0.0/8, ::1 or localhost are loopback."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    if not address.startswith("tcp://"):
+        raise TransportError(f"unsupported address {address!r} (expected tcp://, ipc:// or inproc://)")
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or interface: treat as reachable from outside
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A run's keys: one server key pair (every bound socket) and one client key pair.
+
+    Every process of a run gets both, so any role can bind and connect; a process without
+    them cannot connect to a CURVE socket of the run. Files are written mode 0600.
+    """
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+    directory: Path
+
+    @classmethod
+    def generate(cls, directory: str | Path) -> CurveKeys:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+        for name in ("server", "client"):
+            zmq.auth.create_certificates(str(directory), name)
+        for path in directory.iterdir():
+            os.chmod(path, 0o600)
+        return cls.load(directory)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> CurveKeys:
+        directory = Path(directory)
+        try:
+            spub, ssec = zmq.auth.load_certificate(str(directory / "server.key_secret"))
+            cpub, csec = zmq.auth.load_certificate(str(directory / "client.key_secret"))
+        except (OSError, ValueError) as e:
+            raise TransportError(f"cannot load CURVE keys from {directory}: {e}") from None
+        if ssec is None or csec is None:
+            raise TransportError(f"{directory}: secret keys missing")
+        return cls(spub, ssec, cpub, csec, directory)
+
+
+# --------------------------------------------------------------------------------------------
+# The socket factory
+# --------------------------------------------------------------------------------------------
+
+
+class Transport:
+    """A process's sockets. One per process; `close()` (or the context manager) at exit."""
+
+    def __init__(
+        self,
+        keys: CurveKeys | None = None,
+        *,
+        hwm: int = DEFAULT_HWM,
+        max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
+        linger_ms: int = DEFAULT_LINGER_MS,
+        heartbeat_ms: int = DEFAULT_ZMTP_HEARTBEAT_MS,
+        heartbeat_timeout_ms: int = DEFAULT_ZMTP_TIMEOUT_MS,
+    ):
+        self.keys = keys
+        self.heartbeat_ms, self.heartbeat_timeout_ms = heartbeat_ms, heartbeat_timeout_ms
+        self.hwm = hwm
+        self.max_msg_bytes = max_msg_bytes
+        self.linger_ms = linger_ms
+        self.sync_ctx = zmq.Context()
+        # Async sockets share the sync context, so one ZAP authenticator serves both.
+        self.ctx = zmq.asyncio.Context.shadow(self.sync_ctx.underlying)
+        # Sockets of the shadow context are invisible to sync_ctx.destroy(): track them all, so
+        # close() never blocks in term() on a socket somebody forgot.
+        self._sockets: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()
+        self._auth: ThreadAuthenticator | None = None
+        if keys is not None:
+            self._auth = ThreadAuthenticator(self.sync_ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(keys.directory))
+            self._auth.allow_any = False
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._auth is not None:
+            auth, self._auth = self._auth, None
+            if not self._stop_auth(auth):
+                # its thread still uses a socket of this context: destroying the context
+                # under it is unsafe, and term() would wait for it. Leave both (a daemon
+                # thread: it does not hold up the process's exit).
+                for sock in list(self._sockets):
+                    if not sock.closed:
+                        sock.close(linger=0)
+                _ABANDONED.append(self.sync_ctx)
+                return
+        for sock in list(self._sockets):
+            if not sock.closed:
+                sock.close(linger=0)
+        self.sync_ctx.destroy(linger=0)
+
+    @staticmethod
+    def _stop_auth(auth: ThreadAuthenticator, timeout_s: float | None = None) -> bool:
+        """pyzmq's `ThreadAuthenticator.stop`, but waiting at most `timeout_s` for its thread
+        (pyzmq's joins it for good): False, logged, if the thread did not stop."""
+        timeout_s = ZAP_STOP_TIMEOUT_S if timeout_s is None else timeout_s
+        thread = auth.thread
+        if auth.pipe is not None:
+            try:
+                auth.pipe.send(b"TERMINATE", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.error("zap_thread_stuck", waited_s=timeout_s)
+                if auth.pipe is not None:  # ours; without it pyzmq's __del__ sends no stop
+                    auth.pipe.close(linger=0)  # (a send nobody reads would block for good)
+                    auth.pipe = None  # type: ignore[assignment]
+                _ABANDONED.append(auth)  # never collected: its socket stays the thread's
+                return False
+        auth.thread = None  # type: ignore[assignment]
+        if auth.pipe is not None:
+            auth.pipe.close()
+            auth.pipe = None  # type: ignore[assignment]
+        zmq.auth.Authenticator.stop(auth)
+        return True
+
+    def socket(
+        self,
+        kind: int,
+        *,
+        bind: str | None = None,
+        connect: str | None = None,
+        secure: bool | None = None,
+        hwm: int | None = None,
+        sync: bool = False,
+        linger_ms: int | None = None,
+        identity: bytes | None = None,
+    ) -> zmq.Socket:
+        """Make a socket and bind or connect it. `secure=None`: CURVE iff not loopback."""
+        address = bind or connect
+        if address is None or (bind and connect):
+            raise TransportError("give exactly one of bind= or connect=")
+        if secure is None:
+            secure = not is_loopback(address)
+        if secure and self.keys is None:
+            raise TransportError(
+                f"{address}: CURVE keys are required for a non-loopback address "
+                "(pass the run's keys, or bind to 127.0.0.1 for a single-host run)"
+            )
+        sock = (self.sync_ctx if sync else self.ctx).socket(kind)
+        self._sockets.add(sock)
+        hwm = self.hwm if hwm is None else hwm
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
+        sock.setsockopt(zmq.LINGER, self.linger_ms if linger_ms is None else linger_ms)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if self.heartbeat_ms > 0:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_timeout_ms)  # the peer's side too
+            # a connection whose handshake stalls (made into a partition) is retried as soon
+            sock.setsockopt(zmq.HANDSHAKE_IVL, self.heartbeat_timeout_ms)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone peer errors, not vanishes
+        if secure:
+            assert self.keys is not None
+            if bind:
+                sock.curve_server = True
+                sock.curve_secretkey = self.keys.server_secret
+                sock.curve_publickey = self.keys.server_public
+            else:
+                sock.curve_serverkey = self.keys.server_public
+                sock.curve_publickey = self.keys.client_public
+                sock.curve_secretkey = self.keys.client_secret
+        try:
+            if bind:
+                sock.bind(bind)
+            else:
+                sock.connect(connect)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise TransportError(f"cannot {'bind' if bind else 'connect'} {address}: {e}") from None
+        return sock
+
+
+# --------------------------------------------------------------------------------------------
+# Request-reply
+# --------------------------------------------------------------------------------------------
+
+Handler = Callable[[Any, bytes], Awaitable[Any]]
+
+# -- the hot path: fewer Python layers per message -------------------------------------------
+#
+# pyzmq's asyncio socket sends and receives through its blocking-API "sugar" layer, which pays
+# for flag enums and type checks on every frame, and through a Future per call. A message of
+# the data plane has 6 frames and more (a GetBatch reply has 4 per sample), so the two helpers
+# below do what pyzmq's own fast paths do, frame by frame with plain int flags:
+# - `_send_now`: pyzmq's "short-circuit" send, attempted when no send waits on the socket;
+# - `_drain`: non-blocking reads of what is already queued, for the reader loops.
+# They use the asyncio socket's bookkeeping (`_shadow_sock`, `_send_futures`, `_recv_futures`,
+# `_schedule_remaining_events`: private, long-standing, checked here with pyzmq 27); a socket
+# without it takes pyzmq's public path for every send and receive (same behaviour, slower).
+
+_DRAIN = 64  # messages read from a socket per wake-up before the event loop has its turn
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = _NOBLOCK | _SNDMORE
+
+
+def _fast(sock: Any) -> bool:
+    return (getattr(sock, "_shadow_sock", None) is not None
+            and getattr(sock, "_send_futures", None) is not None
+            and getattr(sock, "_recv_futures", None) is not None
+            and hasattr(sock, "_schedule_remaining_events"))
+
+
+def _send_now(sock: Any, frames: list[Any]) -> bool:
+    """Send `frames` at once if the socket can take them (True); False: nothing was sent, the
+    caller awaits `sock.send_multipart` (a full high-water mark, a send already waiting).
+
+    Arrays go zero-copy above pyzmq's copy threshold. A multipart message is atomic in ZeroMQ:
+    once its first frame is accepted the others are too, so EAGAIN can only come first.
+    """
+    if not _fast(sock) or sock.closed or sock._send_futures:
+        return False
+    send = sock._shadow_sock.send
+    try:
+        send(frames[0], _NOBLOCK_MORE if len(frames) > 1 else _NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    last = len(frames) - 1
+    for i in range(1, last):
+        send(frames[i], _NOBLOCK_MORE, copy=False)
+    if last:
+        send(frames[last], _NOBLOCK, copy=False)
+    if sock._recv_futures:
+        # The send may have consumed the socket's edge-triggered wake-up for a message that
+        # arrived meanwhile: have pyzmq look again, as its own short-circuit send does.
+        sock._schedule_remaining_events()
+    return True
+
+
+async def _send(sock: Any, frames: list[Any]) -> None:
+    if not _send_now(sock, frames):
+        await sock.send_multipart(frames, copy=False)
+
+
+async def _recv(sock: Any) -> list[Any]:
+    """`sock.recv_multipart(copy=False)`, awaiting only the first frame: the rest of a
+    multipart message is there once its first frame is (ZeroMQ delivers it whole), read with
+    plain int flags. pyzmq's own asks the socket RCVMORE through its enum-typed option layer
+    for every frame, which a batch of 32 groups (about 200 frames) pays 200 times. For one
+    reader per socket (every reader loop here); with another receive waiting, pyzmq's own."""
+    if not _fast(sock) or sock._recv_futures:
+        return await sock.recv_multipart(copy=False)
+    frame = await sock.recv(copy=False)
+    parts = [frame]
+    if frame.more:
+        recv = sock._shadow_sock.recv
+        while frame.more:
+            frame = recv(_NOBLOCK, copy=False)
+            parts.append(frame)
+    return parts
+
+
+def _drain(sock: Any, limit: int = _DRAIN) -> list[list[Any]]:
+    """The messages already queued on `sock` (at most `limit`), read without a Future, a
+    callback and a loop iteration each.
+
+    Only for a loop that reads continuously and awaits `sock.recv_multipart` again whenever
+    this returns fewer than `limit`: that await re-checks the socket's (edge-triggered) events,
+    so a send waiting on the same socket is not left asleep by these reads.
+    """
+    out: list[list[Any]] = []
+    if not _fast(sock) or sock.closed:
+        return out
+    recv = sock._shadow_sock.recv
+    try:
+        while len(out) < limit:
+            frame = recv(_NOBLOCK, copy=False)
+            parts = [frame]
+            while frame.more:  # the rest of a multipart message is there already
+                frame = recv(_NOBLOCK, copy=False)
+                parts.append(frame)
+            out.append(parts)
+    except zmq.Again:
+        pass
+    return out
+
+
+@dataclass
+class ServerStats:
+    requests: int = 0
+    replies: int = 0
+    protocol_errors: int = 0
+    handler_errors: int = 0
+    last_error: str = ""
+
+
+class RpcServer:
+    """ROUTER: [peer, corr id, type, body, *buffers] -> handler(record, peer) -> reply record.
+
+    A malformed message is answered with ErrorReply(code="protocol") when its envelope is
+    readable, and counted either way; the server keeps serving. Handlers run as tasks, so a
+    slow one (a long poll) does not hold up the others.
+
+    A handler may return an async iterator instead of a record: a stream, each record it yields
+    sent under the request's correlation id (`RpcClient.stream` receives them) until it ends,
+    or until a send fails (the peer is gone), which closes it.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        address: str,
+        handlers: dict[type, Handler],
+        *,
+        secure: bool | None = None,
+        name: str = "rpc",
+        max_concurrent: int = 1024,
+    ):
+        self.sock = transport.socket(zmq.ROUTER, bind=address, secure=secure)
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.handlers = dict(handlers)
+        self.name = name
+        self.stats = ServerStats()
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                batch = [await _recv(self.sock)]
+                batch += _drain(self.sock, _DRAIN - 1)
+                for frames in batch:
+                    await self._slots.acquire()
+                    task = asyncio.create_task(self._handle(frames))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._done)
+                if len(batch) == _DRAIN:
+                    await asyncio.sleep(0)  # a flood: let the handlers run before reading on
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+
+    async def _handle(self, frames: list[Any]) -> None:
+        self.stats.requests += 1
+        if len(frames) < 2:
+            self._protocol_error(f"no envelope ({len(frames)} frames)")
+            return
+        peer, corr = frames[0].bytes, frames[1].bytes
+        if len(corr) > 16:
+            self._protocol_error(f"correlation id of {len(corr)} bytes")
+            return
+        try:
+            request = protocol.decode(frames[2:])
+            handler = self.handlers.get(type(request))
+            if handler is None:
+                raise ProtocolError(f"{self.name} does not handle {type(request).__name__}")
+        except ProtocolError as e:
+            self._protocol_error(str(e))
+            await self._reply(peer, corr, ErrorReply(code="protocol", message=str(e)))
+            return
+        try:
+            reply = await handler(request, peer)
+            if hasattr(reply, "__anext__"):
+                await self._stream(peer, corr, reply)
+                return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.stats.handler_errors += 1
+            log.exception("handler_failed", server=self.name, request=type(request).__name__)
+            reply = ErrorReply(code="handler", message=f"{type(e).__name__}: {e}")
+        if reply is not None:
+            await self._reply(peer, corr, reply)
+
+    async def _stream(self, peer: bytes, corr: bytes, items: Any) -> None:
+        try:
+            async for item in items:
+                if not await self._reply(peer, corr, item):
+                    break  # the peer is gone: nobody reads the rest
+        finally:
+            close = getattr(items, "aclose", None)
+            if close is not None:
+                await close()
+
+    def _protocol_error(self, reason: str) -> None:
+        self.stats.protocol_errors += 1
+        self.stats.last_error = reason
+        PROTOCOL_ERRORS[self.name] += 1
+        # One line per bad message would let a hostile peer flood the log: log the 1st, 10th...
+        n = self.stats.protocol_errors
+        if n & (n - 1) == 0 or n % 1000 == 0:
+            log.warning("protocol_error", server=self.name, reason=reason, count=n)
+
+    async def _reply(self, peer: bytes, corr: bytes, reply: Any) -> bool:
+        try:
+            await _send(self.sock, [peer, corr, *protocol.encode(reply)])
+            self.stats.replies += 1
+            return True
+        except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or HWM: the client will retry
+            log.warning("reply_dropped", server=self.name, error=str(e))
+            return False
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class RpcClient:
+    """DEALER with correlation ids: many requests in flight, each with its own timeout.
+
+    On a timeout the socket is rebuilt (dropping whatever ZeroMQ still queued for a dead peer)
+    and every pending request is sent again, up to `retries` times; then `PeerTimeout`.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        address: str,
+        *,
+        timeout_s: float = 5.0,
+        retries: int = 2,
+        secure: bool | None = None,
+        name: str = "rpc",
+    ):
+        self.transport = transport
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.secure = secure
+        self.name = name
+        self._ids = itertools.count(1)
+        self._pending: dict[bytes, tuple[asyncio.Future, list[Any]]] = {}
+        self._streams: dict[bytes, RpcStream] = {}
+        self._sock: zmq.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None  # resends pending requests on a disconnect
+        # The last request got no reply at all: the next one starts on a fresh socket (a
+        # caller with retries=0, such as a Heartbeater, would otherwise never rebuild one).
+        self._stale = False
+
+    def _connect(self) -> None:
+        self._sock = self.transport.socket(
+            zmq.DEALER, connect=self.address, secure=self.secure, linger_ms=0
+        )
+        self._reader = asyncio.create_task(self._read(self._sock))
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # the transport closes it with its other sockets: an open monitor socket left by a
+        # client nobody closed would block the context's term() forever
+        self.transport._sockets.add(self._monitor)
+        self._watcher = asyncio.create_task(self._resend_on_disconnect(self._sock, self._monitor))
+
+    async def _resend_on_disconnect(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        """A connection dropped (a ZMTP heartbeat timeout after a partition, a reset): what was
+        written to it may be lost, so every pending request is sent again at once, to go out on
+        the next connection, instead of waiting out its timeout (the same resend as a retry)."""
+        while True:
+            await monitor.recv_multipart()
+            for stream in list(self._streams.values()):
+                stream._break("the connection dropped")  # what it was sent may be lost
+            for corr, (future, frames) in list(self._pending.items()):
+                if not future.done():
+                    try:
+                        sent = sock.send_multipart([corr, *frames], copy=False, flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        continue
+                    if isinstance(sent, asyncio.Future):  # an asyncio socket: Again lands here
+                        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def _disconnect(self) -> None:
+        for stream in list(self._streams.values()):
+            stream._break("the socket was rebuilt")  # the server streams to the old one
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._reader = self._watcher = None
+        if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self._sock.close(0)
+            self._sock = None
+
+    async def _read(self, sock: zmq.Socket) -> None:
+        while True:
+            batch = [await _recv(sock)]
+            batch += _drain(sock, _DRAIN - 1)
+            for frames in batch:
+                self._deliver(frames)
+            if len(batch) == _DRAIN:
+                await asyncio.sleep(0)
+
+    def _deliver(self, frames: list[Any]) -> None:
+        if not frames:
+            return
+        corr = frames[0].bytes
+        entry = self._pending.get(corr)
+        if entry is None and self._streams:
+            stream = self._streams.get(corr)
+            if stream is not None:
+                try:
+                    stream._items.put_nowait(protocol.decode(frames[1:]))
+                except ProtocolError as e:
+                    stream._items.put_nowait(e)
+                return
+        if entry is None or entry[0].done():
+            return  # a late reply to a request already answered or abandoned
+        try:
+            entry[0].set_result(protocol.decode(frames[1:]))
+        except ProtocolError as e:
+            entry[0].set_exception(e)
+
+    async def request(self, rec: Any, *, timeout_s: float | None = None,
+                      retries: int | None = None) -> Any:
+        """Send a record, return the reply record. ErrorReply -> RemoteError."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        retries = self.retries if retries is None else retries
+        if self._sock is None:
+            self._connect()
+        elif self._stale:
+            self._rebuild()
+        self._stale = False
+        corr = next(self._ids).to_bytes(8, "big")
+        frames = protocol.encode(rec)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[corr] = (future, frames)
+        try:
+            for attempt in range(retries + 1):
+                if attempt:
+                    log.info("rpc_retry", peer=self.address, request=type(rec).__name__,
+                             attempt=attempt)
+                    self._rebuild()
+                else:
+                    await self._send(corr, frames)
+                # asyncio.wait leaves the future pending on a timeout (no shield, no extra task)
+                await asyncio.wait((future,), timeout=timeout_s)
+                if future.done():
+                    reply = future.result()
+                    break
+            else:
+                self._stale = True
+                raise PeerTimeout(
+                    f"no reply from {self.address} to {type(rec).__name__} after "
+                    f"{retries + 1} attempt(s) of {timeout_s:g}s: is the {self.name} peer alive?"
+                )
+        finally:
+            self._pending.pop(corr, None)
+            if not future.done():
+                future.cancel()
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(reply.code, reply.message)
+        return reply
+
+    async def stream(self, rec: Any) -> RpcStream:
+        """Send a request the server answers with a stream of records (see RpcServer); read
+        them with the returned stream's `next`. Not sent again on a timeout or a reconnect:
+        the stream then says it is broken, and the caller asks anew from where it stands."""
+        if self._sock is None:
+            self._connect()
+        elif self._stale:
+            self._rebuild()
+        corr = next(self._ids).to_bytes(8, "big")
+        stream = RpcStream(self, corr, type(rec).__name__)
+        self._streams[corr] = stream
+        await self._send(corr, protocol.encode(rec))
+        return stream
+
+    async def _send(self, corr: bytes, frames: list[Any]) -> None:
+        assert self._sock is not None
+        await _send(self._sock, [corr, *frames])
+
+    def _rebuild(self) -> None:
+        self._disconnect()
+        self._connect()
+        assert self._sock is not None
+        for corr, (future, frames) in self._pending.items():
+            if not future.done():
+                # The fresh socket has no peer yet: queue without blocking (HWM bounds it).
+                try:
+                    self._sock.send_multipart([corr, *frames], copy=False, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+
+    def close(self) -> None:
+        self._disconnect()
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.cancel()
+        self._pending.clear()
+        self._streams.clear()
+
+
+class StreamBroken(ConnectionError):
+    """A stream's connection dropped or was rebuilt: what it carried since may be lost."""
+
+
+class RpcStream:
+    """The records a server streams in answer to one request (`RpcClient.stream`)."""
+
+    def __init__(self, client: RpcClient, corr: bytes, request: str):
+        self.client, self.corr, self.request = client, corr, request
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self.broken: str | None = None
+
+    def _break(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            self._items.put_nowait(StreamBroken(f"{self.request} stream from "
+                                                f"{self.client.address}: {why}"))
+
+    async def next(self, timeout_s: float | None = None) -> Any:
+        """The next record; PeerTimeout if none came within `timeout_s`, StreamBroken if the
+        connection dropped (nothing more will come), RemoteError for an ErrorReply."""
+        try:
+            item = await asyncio.wait_for(self._items.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise PeerTimeout(f"nothing from {self.client.address} on the {self.request} stream "
+                              f"for {timeout_s:g}s") from None
+        if isinstance(item, BaseException):
+            if isinstance(item, StreamBroken):
+                self._items.put_nowait(item)  # and again for every later call
+            raise item
+        if isinstance(item, ErrorReply):
+            raise RemoteError(item.code, item.message)
+        return item
+
+    def close(self) -> None:
+        """Stop listening: whatever the server still sends on it is dropped."""
+        self.client._streams.pop(self.corr, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Channels: ROUTER <-> many DEALERs, messages either way at any time
+# --------------------------------------------------------------------------------------------
+
+
+class _Receiver:
+    """Records from `self.sock`; a malformed message is counted, logged sparsely, and skipped
+    (a peer flooding garbage must not flood the log either)."""
+
+    sock: zmq.Socket
+    where = "stream"
+    protocol_errors = 0
+
+    def _protocol_error(self, reason: str) -> None:
+        self.protocol_errors += 1
+        PROTOCOL_ERRORS[self.where] += 1
+        n = self.protocol_errors
+        if n & (n - 1) == 0 or n % 1000 == 0:
+            log.warning("protocol_error", where=self.where, reason=reason, count=n)
+
+    async def recv(self) -> Any:
+        while True:
+            frames = await _recv(self.sock)
+            try:
+                return protocol.decode(frames)
+            except ProtocolError as e:
+                self._protocol_error(str(e))
+
+
+class Channel(_Receiver):
+    """The bound end of a work channel (ROUTER): receive from any peer, send to one peer.
+
+    Used where the binder pushes work as well as receiving it (the rollouter dispatching
+    trajectories to the workers that hold credit). Malformed messages are counted and skipped.
+    """
+
+    def __init__(self, transport: Transport, bind: str, *, secure: bool | None = None,
+                 name: str = "channel", hwm: int | None = None):
+        self.sock = transport.socket(zmq.ROUTER, bind=bind, secure=secure, hwm=hwm)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its id back
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.name = self.where = name
+
+    async def recv(self) -> tuple[bytes, Any]:  # type: ignore[override]
+        while True:
+            frames = await _recv(self.sock)
+            try:
+                return frames[0].bytes, protocol.decode(frames[1:])
+            except ProtocolError as e:
+                self._protocol_error(str(e))
+
+    async def send(self, peer: bytes, rec: Any) -> bool:
+        """False if the peer is gone (its work must be re-queued by the caller)."""
+        try:
+            await _send(self.sock, [peer, *protocol.encode(rec)])
+            return True
+        except zmq.ZMQError as e:
+            log.warning("send_failed", channel=self.name, peer=peer.hex(), error=str(e))
+            return False
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class ChannelClient(_Receiver):
+    """The connecting end of a work channel (DEALER)."""
+
+    where = "channel client"
+
+    def __init__(self, transport: Transport, connect: str, *, identity: bytes | None = None,
+                 secure: bool | None = None, hwm: int | None = None):
+        self.sock = transport.socket(zmq.DEALER, connect=connect, secure=secure, hwm=hwm,
+                                     identity=identity)
+
+    async def send(self, rec: Any) -> None:
+        await _send(self.sock, protocol.encode(rec))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Status: XSUB/XPUB proxy, publishers, subscribers
+# --------------------------------------------------------------------------------------------
+
+
+class StatusProxy:
+    """The status hub: publishers connect to `frontend` (XSUB), subscribers to `backend` (XPUB).
+
+    Runs zmq's proxy in a thread; `close()` stops it through the steerable proxy's control
+    socket, so no thread or socket is left behind.
+    """
+
+    def __init__(self, transport: Transport, frontend: str, backend: str,
+                 secure: bool | None = None):
+        self._xsub = transport.socket(zmq.XSUB, bind=frontend, secure=secure, sync=True)
+        self._xpub = transport.socket(zmq.XPUB, bind=backend, secure=secure, sync=True)
+        self.frontend = self._xsub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.backend = self._xpub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        control = f"inproc://status-proxy-{id(self)}"
+        self._control_server = transport.sync_ctx.socket(zmq.PAIR)
+        self._control_server.bind(control)
+        self._control = transport.sync_ctx.socket(zmq.PAIR)
+        self._control.connect(control)
+        self._thread = threading.Thread(target=self._run, name="status-proxy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            zmq.proxy_steerable(self._xsub, self._xpub, None, self._control_server)
+        except zmq.ZMQError:
+            pass
+        finally:
+            for s in (self._xsub, self._xpub, self._control_server):
+                s.close(0)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._control.send(b"TERMINATE")
+            self._thread.join(5)
+        self._control.close(0)
+
+
+class Publisher:
+    """Publishes records under a topic to the status hub."""
+
+    def __init__(self, transport: Transport, hub: str, secure: bool | None = None):
+        # A small HWM: status is droppable, a slow hub must never stall a role.
+        self.sock = transport.socket(zmq.PUB, connect=hub, secure=secure, hwm=100)
+
+    async def publish(self, topic: str, rec: Any) -> None:
+        await _send(self.sock, [topic.encode(), *protocol.encode(rec)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class Subscriber(_Receiver):
+    """Receives (topic, record) from the status hub for the given topic prefixes."""
+
+    where = "sub"
+
+    def __init__(self, transport: Transport, hub: str, topics: Iterable[str] = ("",),
+                 secure: bool | None = None):
+        self.sock = transport.socket(zmq.SUB, connect=hub, secure=secure)
+        for topic in topics:
+            self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+
+    async def recv(self) -> tuple[str, Any]:  # type: ignore[override]
+        while True:
+            frames = await _recv(self.sock)
+            try:
+                topic = frames[0].bytes.decode("utf-8", "replace")
+                return topic, protocol.decode(frames[1:])
+            except (ProtocolError, IndexError) as e:
+                self._protocol_error(str(e))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Heartbeats
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Liveness:
+    """Last-seen times of peers; a peer silent for `liveness` intervals is dead."""
+
+    interval_s: float = 1.0
+    liveness: int = 3
+    last_seen: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def deadline_s(self) -> float:
+        return self.interval_s * self.liveness
+
+    def beat(self, peer: str, now: float | None = None) -> None:
+        self.last_seen[peer] = time.monotonic() if now is None else now
+
+    def forget(self, peer: str) -> None:
+        self.last_seen.pop(peer, None)
+
+    def is_alive(self, peer: str, now: float | None = None) -> bool:
+        seen = self.last_seen.get(peer)
+        now = time.monotonic() if now is None else now
+        return seen is not None and now - seen <= self.deadline_s
+
+    def dead(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [p for p, seen in self.last_seen.items() if now - seen > self.deadline_s]
+
+    async def watch(self, on_dead: Callable[[str], Awaitable[None] | None]) -> None:
+        """Call `on_dead(peer)` once for each peer that falls silent; runs until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval_s / 4)
+            for peer in self.dead():
+                self.forget(peer)
+                result = on_dead(peer)
+                if asyncio.iscoroutine(result):
+                    await result
+
+
+class Heartbeater:
+    """Sends a Heartbeat to a peer every interval and counts the peer's answers.
+
+    The peer answers each heartbeat with one of its own, so each side knows the other is
+    alive. After `liveness` consecutive unanswered heartbeats, `on_dead` is called once.
+    Misses are counted rather than clock time measured, so a process that was itself stalled
+    (swapped out, stopped) does not mistake its own silence for its peer's.
+    """
+
+    def __init__(self, client: RpcClient, sender: str, liveness: Liveness,
+                 on_dead: Callable[[], Awaitable[None] | None]):
+        self.client = client
+        self.sender = sender
+        self.liveness = liveness
+        self.on_dead = on_dead
+
+    async def run(self) -> None:
+        seq = misses = 0
+        interval = self.liveness.interval_s
+        while misses < self.liveness.liveness:
+            seq += 1
+            started = time.monotonic()
+            try:
+                await self.client.request(Heartbeat(sender=self.sender, seq=seq),
+                                          timeout_s=interval, retries=0)
+                misses = 0
+                self.liveness.beat(self.client.address)
+            except PeerTimeout:
+                misses += 1
+            except RemoteError as e:
+                log.warning("heartbeat_refused", peer=self.client.address, error=str(e))
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        log.error("peer_dead", peer=self.client.address, missed=misses,
+                  silent_s=round(self.liveness.deadline_s, 2))
+        result = self.on_dead()
+        if asyncio.iscoroutine(result):
+            await result
