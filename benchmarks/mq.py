@@ -74,7 +74,8 @@ import structlog  # noqa: E402
 
 from rollmesh.config import load_experiment, to_dict  # noqa: E402
 from rollmesh.mq.role import STREAM_AHEAD, BatchFeed, put_ready  # noqa: E402
-from rollmesh.wire.protocol import Group, PutGroups, Trajectory, encode  # noqa: E402
+from rollmesh.wire.protocol import encode  # noqa: E402
+from rollmesh.wire.messages import Group, PutGroups, Trajectory
 from rollmesh.launcher.supervisor import Supervisor  # noqa: E402
 from rollmesh.wire.transport import RpcClient, Transport, free_port  # noqa: E402
 

@@ -120,7 +120,7 @@ def batch(seqs: int, tokens: int, vocab_used: int = 2000) -> Any:
     import numpy as np
 
     from rollmesh.training.batching import from_groups
-    from rollmesh.wire.protocol import Group, Trajectory
+    from rollmesh.wire.messages import Group, Trajectory
 
     rng = np.random.default_rng(0)
     prompt_len = tokens // 8

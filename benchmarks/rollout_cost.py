@@ -72,9 +72,18 @@ from rollmesh.rollout.data import PromptRow, render_prompt  # noqa: E402
 from rollmesh.engine.client import EngineClient  # noqa: E402
 from rollmesh.models.loading import tiny_tokenizer  # noqa: E402
 from rollmesh.core.trajectory import new_trajectory  # noqa: E402
-from rollmesh.wire.protocol import (  # noqa: E402
-    Batch, GetBatch, Group, Pause, PutGroup, Resume, Returned, StatsRequest, Trajectory,
-    WeightVersion, decode, encode,
+from rollmesh.wire.protocol import decode, encode
+from rollmesh.wire.messages import (
+    Batch,
+    GetBatch,
+    Group,
+    Pause,
+    PutGroup,
+    Resume,
+    Returned,
+    StatsRequest,
+    Trajectory,
+    WeightVersion,
 )
 from rollmesh.rollout.workers import Worker, WorkerPool  # noqa: E402
 from rollmesh.launcher.supervisor import Supervisor  # noqa: E402

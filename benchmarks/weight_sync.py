@@ -249,7 +249,7 @@ def sender(args: argparse.Namespace) -> list[dict]:
 
 async def pause_window(trials: int) -> list[dict]:
     from rollmesh.engine.client import EngineClient
-    from rollmesh.wire.protocol import Pause, Resume, WeightVersion
+    from rollmesh.wire.messages import Pause, Resume, WeightVersion
     from rollmesh.wire.transport import Transport
     from tests.helpers.rollout_stack import experiment, start_stack, stop_stack, write_dataset
 

@@ -25,7 +25,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from rollmesh.wire.protocol import Trajectory, decode, encode
+from rollmesh.wire.protocol import decode, encode
+from rollmesh.wire.messages import Trajectory
 from rollmesh.wire.transport import RpcClient, RpcServer, Transport, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

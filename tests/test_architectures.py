@@ -138,7 +138,7 @@ def test_trainer_logprobs_match_the_engines(served):
     recomputes) against the engine's behaviour log-probs."""
     import numpy as np
 
-    from rollmesh.wire.protocol import Group, Trajectory
+    from rollmesh.wire.messages import Group, Trajectory
     from rollmesh.training.batching import from_groups
     from rollmesh.training.state import build_state
     from rollmesh.training.step import batch_logprobs

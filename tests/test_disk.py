@@ -18,7 +18,7 @@ import pytest
 from rollmesh.rollout.data import PromptGroup, PromptRow
 from rollmesh.runtime.durable_log import DurableLog
 from rollmesh.mq.role import LOG_NAME
-from rollmesh.wire.protocol import PutGroup
+from rollmesh.wire.messages import PutGroup
 from rollmesh.rollout.journal import Journal, JournalDiskError
 from rollmesh.wire.transport import RemoteError, RpcClient
 from tests.test_message_queue import balance, group, kill_and_respawn, spawn_queue, stats

@@ -29,7 +29,7 @@ from rollmesh.engine.launch import builtin_argv
 from rich.console import Console
 
 from rollmesh.observe.monitor import StatusBoard, render
-from rollmesh.wire.protocol import Metrics, Pause
+from rollmesh.wire.messages import Metrics, Pause
 from rollmesh.core.trajectory import append_tokens, new_trajectory
 from rollmesh.wire.transport import Transport
 from tests.engine.engine_harness import REPO, Engine, repo_env

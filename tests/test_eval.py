@@ -23,11 +23,13 @@ from rich.console import Console
 from rollmesh.core.evaluation import eval_metrics, eval_summary, pass_at_k, pass_ks
 from rollmesh.runtime.log import get_logger
 from rollmesh.observe.monitor import StatusBoard, render
-from rollmesh.wire.protocol import EvalResult, Metrics, ProtocolError, decode, encode
+from rollmesh.wire.protocol import ProtocolError, decode, encode
+from rollmesh.wire.messages import EvalResult, Metrics
 from rollmesh.rollout.role import announce_evals
 from rollmesh.runtime.process import RoleContext, RoleSpec
 from rollmesh.training.role import Evaluations
-from rollmesh.wire.transport import Publisher, StatusProxy, Transport
+from rollmesh.wire.transport import Transport
+from rollmesh.wire.channels import Publisher, StatusProxy
 
 ROOT = Path(__file__).resolve().parents[1]
 

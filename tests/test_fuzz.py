@@ -35,13 +35,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollmesh.config import to_dict
-from rollmesh.wire.protocol import (
-    RECORDS, Cancel, GetBatch, Heartbeat, Metrics, Ok, Pause, Paused, ProtocolError, Resume,
-    Score, Scored, StatsRequest, SyncDone, SyncRequest, Trajectory, WeightVersion, WorkerHello,
-    decode, encode,
+from rollmesh.wire.protocol import RECORDS, ProtocolError, decode, encode
+from rollmesh.wire.messages import (
+    Cancel,
+    GetBatch,
+    Heartbeat,
+    Metrics,
+    Ok,
+    Pause,
+    Paused,
+    Resume,
+    Score,
+    Scored,
+    StatsRequest,
+    SyncDone,
+    SyncRequest,
+    Trajectory,
+    WeightVersion,
+    WorkerHello,
 )
 from rollmesh.launcher.supervisor import Supervisor
-from rollmesh.wire.transport import StatusProxy, Subscriber, Transport, free_port
+from rollmesh.wire.transport import Transport, free_port
+from rollmesh.wire.channels import StatusProxy, Subscriber
 from tests.engine.engine_harness import Engine
 from tests.helpers.rollout_stack import ENV, experiment, write_dataset
 from tests.helpers.wire import Puller, Pusher
@@ -424,7 +439,7 @@ def test_rollouter_channel(run):
     traj = Trajectory(sample_id="nope", group_id="nope", token_ids=np.zeros(2, np.int32),
                       logprobs=np.zeros(2, np.float32), versions=np.zeros(2, np.int32),
                       loss_mask=np.zeros(2, np.uint8), prompt_len=1)
-    from rollmesh.wire.protocol import Returned
+    from rollmesh.wire.messages import Returned
     for rec in (Returned(trajectory=traj), Scored(trajectory=traj), Cancel(), Paused(in_flight=1,
                                                                                     cancel_queue=2)):
         sock.send_multipart(encode(rec))

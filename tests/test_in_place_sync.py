@@ -30,7 +30,7 @@ from rollmesh.config import RolloutConfig
 from rollmesh.engine.client import EngineClient, GenerateOutput
 from rollmesh.models.loading import build_tiny
 from rollmesh.mq.role import MessageQueue
-from rollmesh.wire.protocol import Group
+from rollmesh.wire.messages import Group
 from rollmesh.training import batching
 from rollmesh.core.trajectory import new_trajectory
 from tests.engine.engine_harness import REPO, Engine, chat_prompt, free_port, repo_env

@@ -20,8 +20,14 @@ from rollmesh.core.accounting import QueueStatus
 from rollmesh.config import load_experiment, to_dict
 from rollmesh.runtime.durable_log import HEADER, DurableLog
 from rollmesh.mq.role import LOG_NAME, MessageQueue, decode_entry, encode_entry
-from rollmesh.wire.protocol import (
-    Batch, GetBatch, Group, PutGroup, StatsRequest, Trajectory, WeightVersion,
+from rollmesh.wire.messages import (
+    Batch,
+    GetBatch,
+    Group,
+    PutGroup,
+    StatsRequest,
+    Trajectory,
+    WeightVersion,
 )
 from rollmesh.launcher.supervisor import Supervisor
 from rollmesh.wire.transport import RpcClient, free_port

@@ -16,8 +16,9 @@ from rich.console import Console
 from rollmesh.observe.monitor import (
     MonitorError, StatusBoard, find_run_dir, load_run, render, sparkline,
 )
-from rollmesh.wire.protocol import Metrics
-from rollmesh.wire.transport import CurveKeys, Publisher, StatusProxy, Transport
+from rollmesh.wire.messages import Metrics
+from rollmesh.wire.transport import CurveKeys, Transport
+from rollmesh.wire.channels import Publisher, StatusProxy
 
 ROOT = Path(__file__).resolve().parents[1]
 

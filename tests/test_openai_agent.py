@@ -437,7 +437,8 @@ def _rollouter(tmp_path: Path, agent: str):
     from rollmesh.core.trajectory import load_tokenizer
     from rollmesh.rollout.data import PromptSource
     from rollmesh.rollout.role import Rollouter
-    from rollmesh.wire.transport import Channel, RpcClient, Transport
+    from rollmesh.wire.transport import RpcClient, Transport
+    from rollmesh.wire.channels import Channel
     from tests.helpers.rollout_stack import experiment, write_dataset
 
     rows = [{"prompt": "Tell me a story.", "label": "x", "agent_loop": "openai_agent",
@@ -456,7 +457,7 @@ def _rollouter(tmp_path: Path, agent: str):
 async def _stack(engine_url: str, tmp_path: Path, agent: str):
     """An in-process rollouter and agent worker over a real ZeroMQ channel."""
     from rollmesh.agents.role import AgentWorker
-    from rollmesh.wire.transport import ChannelClient
+    from rollmesh.wire.channels import ChannelClient
 
     t, r, exp = _rollouter(tmp_path, agent)
     client = await EngineClient([engine_url]).__aenter__()
@@ -553,9 +554,9 @@ def test_held_trajectories_are_counted_once_whatever_happens_to_them(tmp_path):
     """The rollouter's side of Held: a pause does not wait for held trajectories, they stay
     in flight; one that comes back, or whose worker dies, leaves the held count; the accounting
     identity holds at every step; the row's chat messages reach openai_agent trajectories."""
-    from rollmesh.wire.protocol import WorkerHello
+    from rollmesh.wire.messages import WorkerHello
     from rollmesh.rollout.workers import Worker
-    from rollmesh.wire.transport import ChannelClient
+    from rollmesh.wire.channels import ChannelClient
 
     async def body():
         t, r, _ = _rollouter(tmp_path, "long_agent")

@@ -19,10 +19,9 @@ import time
 
 import pytest
 
-from rollmesh.wire.protocol import Heartbeat, Ok
-from rollmesh.wire.transport import (
-    Channel, ChannelClient, Heartbeater, Liveness, PeerTimeout, RpcClient, RpcServer, Transport,
-)
+from rollmesh.wire.messages import Heartbeat, Ok
+from rollmesh.wire.transport import PeerTimeout, RpcClient, RpcServer, Transport
+from rollmesh.wire.channels import Channel, ChannelClient, Heartbeater, Liveness
 from tests.helpers.relay import Relay
 
 INTERVAL_S, LIVENESS = 0.2, 3  # the heartbeat limit: 0.6 s
@@ -203,7 +202,7 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
     200 ms instead: the same steps finish, nothing dropped, the identity holds."""
     from rollmesh.config import to_dict
     from rollmesh.observe.monitor import StatusBoard
-    from rollmesh.wire.protocol import Pause
+    from rollmesh.wire.messages import Pause
     from rollmesh.launcher.supervisor import Supervisor
     from rollmesh.wire.transport import free_port
     from tests.engine.engine_harness import Engine

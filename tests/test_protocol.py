@@ -13,9 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollmesh.wire import protocol
-from rollmesh.wire.protocol import (
-    RECORDS, WIRE_DTYPES, Group, Metrics, Ok, ProtocolError, Trajectory, decode, encode, to_torch,
-)
+from rollmesh.wire.protocol import RECORDS, WIRE_DTYPES, ProtocolError, decode, encode, to_torch
+from rollmesh.wire.messages import Group, Metrics, Ok, Trajectory
 from tests.helpers.wire_strategies import any_record, assert_same, record_strategy
 
 
@@ -334,7 +333,8 @@ def test_malformed_nested_records_are_protocol_errors(frames, reason):
 def test_a_nested_group_keeps_its_frames_and_a_new_record_is_encoded_anew():
     import dataclasses
 
-    from rollmesh.wire.protocol import Batch, PutGroups, frames_of
+    from rollmesh.wire.protocol import frames_of
+    from rollmesh.wire.messages import Batch, PutGroups
 
     groups = [Group(group_id=f"g{i}", trajectories=[trajectory(8, f"s{i}")]) for i in range(3)]
     frames = [bytes(memoryview(f).cast("B")) for f in encode(PutGroups(groups=groups))]

@@ -22,9 +22,16 @@ from rollmesh.runtime.durable_log import DurableLog
 from rollmesh.mq.role import (
     LOG_NAME, BatchFeed, MessageQueue, decode_entry, next_put, put_ready,
 )
-from rollmesh.wire.protocol import (
-    Batch, BatchCredit, Group, OpenBatchStream, PutGroups, PutGroupsReply, StatsRequest,
-    StreamState, WeightVersion,
+from rollmesh.wire.messages import (
+    Batch,
+    BatchCredit,
+    Group,
+    OpenBatchStream,
+    PutGroups,
+    PutGroupsReply,
+    StatsRequest,
+    StreamState,
+    WeightVersion,
 )
 from rollmesh.wire.transport import PeerTimeout, RpcClient
 from tests.test_message_queue import (

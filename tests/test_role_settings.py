@@ -15,7 +15,7 @@ from rollmesh.launcher.launcher import _make_hosts, build_plan, print_plan
 from rollmesh.config.settings import (
     COMPACT_FLOOR_BYTES, AgentWorkerSettings, MessageQueueSettings, RewardWorkerSettings,
 )
-from rollmesh.wire.protocol import Metrics, StatsRequest
+from rollmesh.wire.messages import Metrics, StatsRequest
 from rollmesh.launcher.supervisor import Supervisor
 from rollmesh.wire.transport import RpcClient, Transport, free_port
 

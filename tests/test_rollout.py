@@ -13,7 +13,7 @@ import structlog
 
 from rollmesh.engine.client import EngineClient
 from rollmesh.mq.role import oldest_version
-from rollmesh.wire.protocol import Pause, Resume, WeightVersion
+from rollmesh.wire.messages import Pause, Resume, WeightVersion
 from rollmesh.rollout.journal import Journal
 from rollmesh.wire.transport import Transport
 from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset

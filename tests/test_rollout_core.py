@@ -10,7 +10,7 @@ import pytest
 import structlog
 
 from rollmesh.rollout.data import PromptSource
-from rollmesh.wire.protocol import Assign, Group, Score
+from rollmesh.wire.messages import Assign, Group, Score
 from rollmesh.rollout.core import RolloutCore
 from rollmesh.rollout.filters import dapo_filter, get_group_filter, keep_all
 from rollmesh.rollout.workers import Worker

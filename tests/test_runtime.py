@@ -17,7 +17,8 @@ import pytest
 import torch
 import zmq
 
-from rollmesh.wire.protocol import PROTOCOL_VERSION, Group, Hello, Metrics, Ok, Trajectory, to_torch
+from rollmesh.wire.protocol import PROTOCOL_VERSION, to_torch
+from rollmesh.wire.messages import Group, Hello, Metrics, Ok, Trajectory
 from rollmesh.runtime.process import EXIT_FATAL
 from rollmesh.launcher.supervisor import RoleFailed, Supervisor
 from rollmesh.wire.transport import RemoteError, RpcClient, Transport

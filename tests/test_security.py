@@ -26,12 +26,18 @@ from zmq.utils.monitor import parse_monitor_message
 from rollmesh import config as C
 from rollmesh.config import ConfigError, HostConfig, load_cluster, parse_config
 from rollmesh.launcher.hosts import SshHost
-from rollmesh.wire.protocol import Metrics, StatsRequest, encode
+from rollmesh.wire.protocol import encode
+from rollmesh.wire.messages import Metrics, StatsRequest
 from rollmesh.launcher.supervisor import Supervisor
 from rollmesh.wire.transport import (
-    CurveKeys, Publisher, RpcClient, StatusProxy, Transport,
-    TransportError, free_port, is_loopback,
+    CurveKeys,
+    RpcClient,
+    Transport,
+    TransportError,
+    free_port,
+    is_loopback,
 )
+from rollmesh.wire.channels import Publisher, StatusProxy
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -303,7 +309,7 @@ def test_the_monitor_only_subscribes_in_its_source():
                  if isinstance(n, ast.Attribute) and _dotted(n.value) == "zmq"}
     assert not zmq_types & SENDING, zmq_types & SENDING
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    from rollmesh.wire import transport
+    from rollmesh.wire import channels as transport
     senders = {"Publisher", "Pusher", "RpcClient", "RpcServer", "Channel", "ChannelClient",
                "StatusProxy", "Puller"}
     assert hasattr(transport, "Subscriber") and not names & senders, names & senders

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollmesh.models.loading import build_tiny
-from rollmesh.wire.protocol import Ok, Pause, Paused, StatsRequest, SyncDone, SyncRequest
+from rollmesh.wire.messages import Ok, Pause, Paused, StatsRequest, SyncDone, SyncRequest
 from rollmesh.wire.transport import RemoteError, RpcClient, Transport, free_port
 from rollmesh.weight_sync.buckets import BucketSender, WeightSpec, announce, plan_buckets
 from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group

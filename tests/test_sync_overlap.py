@@ -20,7 +20,7 @@ import torch
 from rollmesh.engine.client import EngineError
 from rollmesh.runtime.log import get_logger
 from rollmesh.training.batching import from_groups
-from rollmesh.wire.protocol import Ok, Pause, Paused, SyncDone, SyncRequest, WeightVersion
+from rollmesh.wire.messages import Ok, Pause, Paused, SyncDone, SyncRequest, WeightVersion
 from rollmesh.training.weight_sender import WeightSender, finish_sync, sync_weights
 from rollmesh.training.ranks import full_tensor
 from rollmesh.sync.role import Synchronizer

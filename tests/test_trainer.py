@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from rollmesh.algorithms import aggregate, gae_advantages, grpo_advantages, kl_estimate
 from rollmesh.config import ConfigError, ExperimentConfig, apply_overrides, parse_config, to_dict
 from rollmesh.models.loading import build_tiny
-from rollmesh.wire.protocol import Group, PutGroup, StatsRequest, Trajectory
+from rollmesh.wire.messages import Group, PutGroup, StatsRequest, Trajectory
 from rollmesh.launcher.supervisor import Child, Supervisor
 from rollmesh.training import batching
 from rollmesh.training.batching import BatchData, from_groups

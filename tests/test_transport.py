@@ -9,12 +9,19 @@ import numpy as np
 import pytest
 import zmq
 
-from rollmesh.wire.protocol import Group, Heartbeat, Metrics, Ok, Trajectory
+from rollmesh.wire.messages import Group, Heartbeat, Metrics, Ok, Trajectory
 from rollmesh.wire.transport import (
-    CurveKeys, Heartbeater, Liveness, PeerTimeout, Publisher, RemoteError,
-    RpcClient, RpcServer, StatusProxy, Subscriber, Transport, TransportError, free_port,
+    CurveKeys,
+    PeerTimeout,
+    RemoteError,
+    RpcClient,
+    RpcServer,
+    Transport,
+    TransportError,
+    free_port,
     is_loopback,
 )
+from rollmesh.wire.channels import Heartbeater, Liveness, Publisher, StatusProxy, Subscriber
 from tests.helpers.wire import Puller, Pusher, Shutdown
 
 

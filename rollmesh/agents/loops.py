@@ -42,7 +42,7 @@ import msgpack
 
 from rollmesh.config import RolloutConfig
 from rollmesh.engine.client import EngineClient, GenerateOutput, GenerationCancelled
-from rollmesh.wire.protocol import Trajectory
+from rollmesh.wire.messages import Trajectory
 from rollmesh.core.trajectory import append_observation, append_tokens
 
 

@@ -76,7 +76,7 @@ from rollmesh.engine.builtin.openai_api import (
     parse_tool_calls, tool_call_entries,
 )
 from rollmesh.runtime.log import get_logger
-from rollmesh.wire.protocol import Trajectory
+from rollmesh.wire.messages import Trajectory
 from rollmesh.core.trajectory import append_observation
 
 log = get_logger("rollmesh.agents.openai_agent")

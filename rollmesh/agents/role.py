@@ -31,10 +31,10 @@ from rollmesh.agents.loops import Interrupted, LoopContext, get_agent_loop, load
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.config import AgentWorkerSettings
-from rollmesh.wire.protocol import Assign, Cancel, Held, Resume, Returned, Trajectory
+from rollmesh.wire.messages import Assign, Cancel, Held, Resume, Returned, Trajectory
 from rollmesh.runtime.process import RoleContext
 from rollmesh.core.trajectory import load_tokenizer
-from rollmesh.wire.transport import ChannelClient
+from rollmesh.wire.channels import ChannelClient
 from rollmesh.runtime.worker_loop import serve_worker
 
 

@@ -1,6 +1,6 @@
 """Trajectories as token rows: how one is built from a prompt and grown, and the tokenizer.
 
-A `protocol.Trajectory` is one row of tokens (the prompt, then generated tokens with mask 1 and
+A `messages.Trajectory` is one row of tokens (the prompt, then generated tokens with mask 1 and
 observation tokens with mask 0) with, per token, the behaviour log-prob and the weight version
 that produced it (-1: not generated). This module owns the helpers every role uses on that row,
 so that the rollouter, the reward worker and the agent loops share them without importing one
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from rollmesh.config import ModelConfig
-from rollmesh.wire.protocol import Trajectory
+from rollmesh.wire.messages import Trajectory
 
 __all__ = ["append_observation", "append_tokens", "load_tokenizer", "new_trajectory",
            "oldest_version"]

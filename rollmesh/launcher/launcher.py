@@ -67,14 +67,25 @@ from rollmesh.config import (
     RolloutSettings, SynchronizerSettings, TrainerSettings,
 )
 from rollmesh.observe.plot import plot_metric, read_metrics
-from rollmesh.wire.protocol import (
-    EnginesChanged, Heartbeat, Metrics, Ok, Pause, StatsRequest, StopRun,
+from rollmesh.wire.messages import (
+    EnginesChanged,
+    Heartbeat,
+    Metrics,
+    Ok,
+    Pause,
+    StatsRequest,
+    StopRun,
 )
 from rollmesh.launcher.supervisor import Child, RoleFailed, Supervisor
 from rollmesh.wire.transport import (
-    CurveKeys, PeerTimeout, Publisher, RemoteError, RpcClient, StatusProxy, Transport,
+    CurveKeys,
+    PeerTimeout,
+    RemoteError,
+    RpcClient,
+    Transport,
     TransportError,
 )
+from rollmesh.wire.channels import Publisher, StatusProxy
 from rollmesh.launcher.watchdog import Snapshot, stalled
 
 log = get_logger("rollmesh.launcher.launcher")

@@ -18,8 +18,10 @@ from typing import Any, Awaitable, Callable
 from rollmesh.runtime.cpus import pinned
 from rollmesh.runtime.log import get_logger
 from rollmesh.runtime.process import RoleSpec
-from rollmesh.wire.protocol import PROTOCOL_VERSION, Fatal, Heartbeat, Hello, Ok, Ready
-from rollmesh.wire.transport import Liveness, RpcServer, Transport
+from rollmesh.wire.protocol import PROTOCOL_VERSION
+from rollmesh.wire.messages import Fatal, Heartbeat, Hello, Ok, Ready
+from rollmesh.wire.transport import RpcServer, Transport
+from rollmesh.wire.channels import Liveness
 
 log = get_logger("rollmesh.launcher.supervisor")
 

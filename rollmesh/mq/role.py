@@ -76,9 +76,22 @@ from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.runtime.durable_log import HEADER, DurableLog, record_size
 from rollmesh.runtime.log import get_logger
 from rollmesh.config.settings import COMPACT_FLOOR_BYTES, MAX_PENDING_BATCHES, MessageQueueSettings
-from rollmesh.wire.protocol import (
-    Batch, BatchCredit, GetBatch, Group, Metrics, Ok, OpenBatchStream, ProtocolError, PutGroup,
-    PutGroups, PutGroupsReply, PutReply, StatsRequest, StreamState, WeightVersion,
+from rollmesh.wire.protocol import ProtocolError
+from rollmesh.wire.messages import (
+    Batch,
+    BatchCredit,
+    GetBatch,
+    Group,
+    Metrics,
+    Ok,
+    OpenBatchStream,
+    PutGroup,
+    PutGroups,
+    PutGroupsReply,
+    PutReply,
+    StatsRequest,
+    StreamState,
+    WeightVersion,
 )
 from rollmesh.runtime.process import RoleContext
 from rollmesh.wire.transport import (

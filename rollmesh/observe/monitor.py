@@ -35,8 +35,9 @@ from rich.text import Text
 from zmq.utils.monitor import parse_monitor_message
 
 from rollmesh.core.accounting import QueueStatus, RolloutStatus, StatusError, identity
-from rollmesh.wire.protocol import Metrics
-from rollmesh.wire.transport import CurveKeys, Subscriber, Transport, TransportError
+from rollmesh.wire.messages import Metrics
+from rollmesh.wire.transport import CurveKeys, Transport, TransportError
+from rollmesh.wire.channels import Subscriber
 
 SILENT_AFTER_S = 3.0  # a role not heard from for this long is shown silent (3 status intervals)
 SETTLE_S = 1.2  # --once: after the launcher's status, listen one more status interval

@@ -19,12 +19,12 @@ from typing import Any
 
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.config import RewardWorkerSettings
-from rollmesh.wire.protocol import Score, Scored, Trajectory
+from rollmesh.wire.messages import Score, Scored, Trajectory
 from rollmesh.rewards.sandbox import RewardSandbox
 from rollmesh.rewards.trajectory import trajectory_view
 from rollmesh.runtime.process import RoleContext
 from rollmesh.core.trajectory import load_tokenizer
-from rollmesh.wire.transport import ChannelClient
+from rollmesh.wire.channels import ChannelClient
 from rollmesh.runtime.worker_loop import serve_worker
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rollmesh.wire.protocol import Trajectory
+from rollmesh.wire.messages import Trajectory
 
 __all__ = ["trajectory_view"]
 

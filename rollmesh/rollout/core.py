@@ -43,7 +43,7 @@ from typing import Any
 
 from rollmesh.config import ExperimentConfig
 from rollmesh.rollout.data import PromptGroup, PromptRow, PromptSource, chat_messages, render_prompt
-from rollmesh.wire.protocol import Assign, Cancel, Group, Resume, Score, Trajectory, WorkerHello
+from rollmesh.wire.messages import Assign, Cancel, Group, Resume, Score, Trajectory, WorkerHello
 from rollmesh.rollout.eval_round import EvalRounds, is_eval
 from rollmesh.rollout.filters import get_group_filter, keep_all
 from rollmesh.rollout.journal import Journal

@@ -6,7 +6,7 @@ One round per `rollout.eval_every` versions (version 0 included: the policy befo
 dispatches them after its cancel queue and before new prompts. An answer a sync interrupts is
 resumed like a training trajectory (its partial tokens kept), still labelled by the version its
 round started at, so an answer longer than a sync interval still finishes. When the last answer
-of a round is scored, the round ends in one `protocol.EvalResult` (`last`: the stats' `eval`,
+of a round is scored, the round ends in one `messages.EvalResult` (`last`: the stats' `eval`,
 the `eval` log line, and `on_result`, through which the rollouter publishes it to the status
 hub for the trainer): mean reward, pass@k and the same per data_source (`rollmesh.core.evaluation`).
 """
@@ -19,7 +19,7 @@ from typing import Any, Callable
 from rollmesh.config import ExperimentConfig
 from rollmesh.rollout.data import Dataset, PromptRow, render_prompt
 from rollmesh.core.evaluation import eval_summary
-from rollmesh.wire.protocol import EvalResult, Trajectory
+from rollmesh.wire.messages import EvalResult, Trajectory
 from rollmesh.core.trajectory import new_trajectory
 
 __all__ = ["EvalRounds", "is_eval"]

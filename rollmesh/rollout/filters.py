@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Callable
 
-from rollmesh.wire.protocol import Group
+from rollmesh.wire.messages import Group
 
 __all__ = ["dapo_filter", "get_group_filter", "keep_all"]
 

@@ -40,9 +40,20 @@ from rollmesh.rollout.data import PromptSource
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.mq.role import put_ready
 from rollmesh.config import RolloutSettings
-from rollmesh.wire.protocol import (
-    Group, Heartbeat, Held, Metrics, Ok, Pause, Paused, Resume, Returned, Scored, StatsRequest,
-    Trajectory, WorkerHello,
+from rollmesh.wire.messages import (
+    Group,
+    Heartbeat,
+    Held,
+    Metrics,
+    Ok,
+    Pause,
+    Paused,
+    Resume,
+    Returned,
+    Scored,
+    StatsRequest,
+    Trajectory,
+    WorkerHello,
 )
 from rollmesh.rollout.core import RolloutCore, Send
 from rollmesh.rollout.eval_round import EvalRounds
@@ -50,7 +61,8 @@ from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
 from rollmesh.runtime.process import RoleContext
 from rollmesh.core.trajectory import load_tokenizer
-from rollmesh.wire.transport import Channel, Liveness, PeerTimeout, RemoteError, RpcClient, RpcServer
+from rollmesh.wire.transport import PeerTimeout, RemoteError, RpcClient, RpcServer
+from rollmesh.wire.channels import Channel, Liveness
 
 
 class Rollouter:

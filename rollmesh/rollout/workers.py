@@ -12,7 +12,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from rollmesh.wire.protocol import Trajectory
+from rollmesh.wire.messages import Trajectory
 
 __all__ = ["Worker", "WorkerPool"]
 

@@ -31,12 +31,16 @@ from typing import Any, Awaitable, Callable
 
 from rollmesh.runtime.cpus import ENV as CPUS_ENV, format_cpulist
 from rollmesh.runtime.log import configure_logging, get_logger
-from rollmesh.wire.protocol import Fatal, Hello, Metrics, Ready
+from rollmesh.wire.messages import Fatal, Hello, Metrics, Ready
 from rollmesh.wire.transport import (
     PROTOCOL_ERRORS,
-    CurveKeys, Heartbeater, Liveness, PeerTimeout, Publisher, RemoteError, RpcClient,
-    Subscriber, Transport,
+    CurveKeys,
+    PeerTimeout,
+    RemoteError,
+    RpcClient,
+    Transport,
 )
+from rollmesh.wire.channels import Heartbeater, Liveness, Publisher, Subscriber
 
 EXIT_FATAL = 1
 EXIT_PARENT_LOST = 3

@@ -13,9 +13,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from rollmesh.wire.protocol import Heartbeat, Metrics, StatsRequest, WorkerHello
+from rollmesh.wire.messages import Heartbeat, Metrics, StatsRequest, WorkerHello
 from rollmesh.runtime.process import RoleContext, rejoin_when_silent
-from rollmesh.wire.transport import ChannelClient
+from rollmesh.wire.channels import ChannelClient
 
 
 async def serve_worker(ctx: RoleContext, channel: ChannelClient, *, name: str,

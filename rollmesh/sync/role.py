@@ -52,8 +52,17 @@ from typing import Any
 
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.config import SynchronizerSettings
-from rollmesh.wire.protocol import (
-    EnginesChanged, Metrics, Ok, Pause, Paused, Resume, StatsRequest, SyncDone, SyncGo, SyncRequest,
+from rollmesh.wire.messages import (
+    EnginesChanged,
+    Metrics,
+    Ok,
+    Pause,
+    Paused,
+    Resume,
+    StatsRequest,
+    SyncDone,
+    SyncGo,
+    SyncRequest,
     WeightVersion,
 )
 from rollmesh.engine.client import EngineClient, engine_version, run_api_key

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollmesh.wire.protocol import Group, Trajectory
+from rollmesh.wire.messages import Group, Trajectory
 
 
 @dataclass

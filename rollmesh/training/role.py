@@ -55,13 +55,14 @@ from rollmesh.mq.role import STREAM_AHEAD, BatchFeed
 from rollmesh.training.metrics_sink import MetricsSinks, require_extras
 from rollmesh.training.metrics_sink import tensorboard_writer as _tensorboard  # noqa: F401 - tests
 from rollmesh.config import TrainerSettings
-from rollmesh.wire.protocol import Batch, EvalResult, Metrics, StatsRequest
+from rollmesh.wire.messages import Batch, EvalResult, Metrics, StatsRequest
 from rollmesh.training.ranks import close_ranks, init_ranks
 from rollmesh.runtime.process import RoleContext
 from rollmesh.training.batching import from_groups
 from rollmesh.training.state import TrainState, build_state
 from rollmesh.training.step import prepare, step_metrics, update_policy
-from rollmesh.wire.transport import RpcClient, RpcServer, Subscriber
+from rollmesh.wire.transport import RpcClient, RpcServer
+from rollmesh.wire.channels import Subscriber
 from rollmesh.training.weight_sender import WeightSender, finish_sync, sync_weights
 
 run = asyncio.to_thread  # torch work leaves the event loop free for heartbeats and stats

@@ -71,7 +71,7 @@ import torch
 
 from rollmesh.engine.client import EngineClient, EngineError, engine_version
 from rollmesh.runtime.log import get_logger
-from rollmesh.wire.protocol import SyncDone, SyncGo, SyncRequest
+from rollmesh.wire.messages import SyncDone, SyncGo, SyncRequest
 from rollmesh.training.ranks import full_tensor
 from rollmesh.wire.transport import RpcClient, Transport, free_port
 from rollmesh.weight_sync.buckets import (

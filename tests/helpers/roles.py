@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from rollmesh.wire.protocol import Group, Metrics, Ok, Trajectory
+from rollmesh.wire.messages import Group, Metrics, Ok, Trajectory
 from rollmesh.runtime.process import RoleContext
 from rollmesh.wire.transport import RpcServer
 from tests.helpers.wire import Shutdown

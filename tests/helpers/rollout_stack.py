@@ -13,7 +13,16 @@ from typing import Any
 from rollmesh.core.accounting import QueueStatus, RolloutStatus, identity
 from rollmesh.config import ExperimentConfig, load_experiment, to_dict
 from rollmesh.engine.client import EngineClient
-from rollmesh.wire.protocol import Batch, GetBatch, Group, Pause, Paused, Resume, StatsRequest, WeightVersion
+from rollmesh.wire.messages import (
+    Batch,
+    GetBatch,
+    Group,
+    Pause,
+    Paused,
+    Resume,
+    StatsRequest,
+    WeightVersion,
+)
 from rollmesh.launcher.supervisor import Child, Supervisor
 from rollmesh.wire.transport import RpcClient, Transport, free_port
 from tests.engine.engine_harness import Engine

@@ -11,7 +11,8 @@ import zmq
 
 from rollmesh.wire import protocol
 from rollmesh.wire.protocol import record
-from rollmesh.wire.transport import Transport, _Receiver, _send_now
+from rollmesh.wire.transport import Transport, _send_now
+from rollmesh.wire.channels import _Receiver
 
 
 @record
