@@ -28,7 +28,8 @@ from rollmesh.engine.client import EngineClient, EngineUnavailable, GenerationCa
 from rollmesh.engine.launch import builtin_argv
 from rich.console import Console
 
-from rollmesh.observe.monitor import StatusBoard, render
+from rollmesh.observe.monitor import StatusBoard
+from rollmesh.observe.render import render
 from rollmesh.wire.messages import Metrics, Pause
 from rollmesh.core.trajectory import append_tokens, new_trajectory
 from rollmesh.wire.transport import Transport

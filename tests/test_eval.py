@@ -22,7 +22,8 @@ from rich.console import Console
 
 from rollmesh.core.evaluation import eval_metrics, eval_summary, pass_at_k, pass_ks
 from rollmesh.runtime.log import get_logger
-from rollmesh.observe.monitor import StatusBoard, render
+from rollmesh.observe.monitor import StatusBoard
+from rollmesh.observe.render import render
 from rollmesh.wire.protocol import ProtocolError, decode, encode
 from rollmesh.wire.messages import EvalResult, Metrics
 from rollmesh.rollout.role import announce_evals

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rollmesh.observe.monitor import (
-    MonitorError, StatusBoard, find_run_dir, load_run, render, sparkline,
-)
+from rollmesh.observe.monitor import MonitorError, StatusBoard, find_run_dir, load_run
+from rollmesh.observe.render import render, sparkline
 from rollmesh.wire.messages import Metrics
 from rollmesh.wire.transport import CurveKeys, Transport
 from rollmesh.wire.channels import Publisher, StatusProxy
