@@ -627,7 +627,7 @@ def test_two_rank_training_equals_one_rank_training(tmp_path, overrides):
 def test_tensorboard_sink_writes_event_files_where_installed(tmp_path):
     pytest.importorskip("tensorboard", reason="the optional `tensorboard` extra is not installed")
     from rollmesh.runtime.log import get_logger
-    from rollmesh.training.role import _tensorboard
+    from rollmesh.training.metrics_sink import tensorboard_writer as _tensorboard
 
     writer = _tensorboard(tmp_path / "tensorboard", get_logger())
     writer.add_scalar("reward_mean", 0.5, 1)

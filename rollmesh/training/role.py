@@ -53,7 +53,6 @@ from rollmesh.models.loading import resolve_device
 from rollmesh.core.evaluation import eval_metrics
 from rollmesh.mq.role import STREAM_AHEAD, BatchFeed
 from rollmesh.training.metrics_sink import MetricsSinks, require_extras
-from rollmesh.training.metrics_sink import tensorboard_writer as _tensorboard  # noqa: F401 - tests
 from rollmesh.config import TrainerSettings
 from rollmesh.wire.messages import Batch, EvalResult, Metrics, StatsRequest
 from rollmesh.training.ranks import close_ranks, init_ranks
