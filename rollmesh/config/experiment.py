@@ -300,8 +300,9 @@ class AlgorithmConfig:
                 "use_reference",
                 "expected true when kl_coef > 0 (the KL term needs reference log-probs), got false",
             )
-        needs_behaviour = policy_losses.get(self.loss).info.get("needs_behaviour", False)
-        if needs_behaviour and self.old_logprobs == "bypass":
+        # (asked only with bypass: a user's loss is then imported here, not at every load)
+        if self.old_logprobs == "bypass" and policy_losses.get(self.loss).info.get(
+                "needs_behaviour", False):
             # Both corrections compare recomputed and behaviour log-probs: bypass makes them no-ops.
             raise _Invalid(
                 "old_logprobs", f"expected 'recompute' with loss = '{self.loss}', got 'bypass'"
