@@ -11,19 +11,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rollmesh.algorithms.registry import advantage_estimators
+
 __all__ = [
-    "ADVANTAGE_KINDS",
     "KL_ESTIMATORS",
     "compute_advantages",
     "gae_advantages",
     "grpo_advantages",
     "kl_estimate",
     "kl_in_reward",
+    "last_masked_token",
     "reinforce_pp_advantages",
     "rloo_advantages",
 ]
 
-ADVANTAGE_KINDS = ("grpo", "grpo_mean_only", "rloo", "reinforce_pp", "gae")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
 
 # exp() of a log-ratio beyond this is a diverged policy, not information; keep it finite.
@@ -105,7 +106,7 @@ def _masked_whiten(x: Tensor, mask: Tensor, eps: float) -> Tensor:
     return torch.where((m > 0) & (hi > lo), whitened, 0.0)
 
 
-def _last_masked_token(per_sequence: Tensor, mask: Tensor) -> Tensor:
+def last_masked_token(per_sequence: Tensor, mask: Tensor) -> Tensor:
     """[B] -> [B, T] with the value on each sequence's last masked token (0 if it has none)."""
     m = mask.float()
     positions = torch.arange(m.shape[1], device=m.device).expand_as(m)
@@ -145,7 +146,7 @@ def reinforce_pp_advantages(
 
     `kl` is the per-token KL to the reference (e.g. kl_estimate(..., "k1")), or None.
     """
-    token_rewards = _last_masked_token(rewards, mask) if rewards.dim() == 1 else rewards.float()
+    token_rewards = last_masked_token(rewards, mask) if rewards.dim() == 1 else rewards.float()
     if kl is not None:
         token_rewards = kl_in_reward(token_rewards, kl, kl_coef)
     return _masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps)
@@ -240,33 +241,18 @@ def compute_advantages(
     kl_coef: float = 0.0, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
     bootstrap: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Dispatch on `kind` (AlgorithmConfig.advantage); returns (advantages, returns).
+    """The estimator registered as `kind` (AlgorithmConfig.advantage, `advantage_estimators`);
+    returns (advantages, returns).
 
-    returns is the critic target for "gae" and None for the critic-free estimators.
+    returns is the critic target for a critic estimator ("gae") and None for the critic-free
+    ones. The built-ins (`rollmesh.algorithms.builtin`):
     grpo, grpo_mean_only, rloo: rewards [B] and group_index [B].
     reinforce_pp: rewards [B] (or token_rewards [B, T]); kl [B, T] optional, weighted by kl_coef.
     gae: token_rewards [B, T] (or rewards [B], put on each sequence's last masked token) and
          values [B, T]; kl, when given, is folded into the token rewards with kl_coef;
          bootstrap [B], when given, is V after each sequence's last token (0: it ended).
     """
-    if kind in ("grpo", "grpo_mean_only", "rloo"):
-        if rewards is None or group_index is None:
-            raise ValueError(f"advantage {kind!r}: expected rewards and group_index")
-        if kind == "rloo":
-            return rloo_advantages(rewards, group_index, mask), None
-        return grpo_advantages(rewards, group_index, mask, std_normalize=kind == "grpo"), None
-    if kind == "reinforce_pp":
-        source = token_rewards if token_rewards is not None else rewards
-        if source is None:
-            raise ValueError("advantage 'reinforce_pp': expected rewards or token_rewards")
-        return reinforce_pp_advantages(source, mask, kl, gamma, kl_coef=kl_coef), None
-    if kind == "gae":
-        if values is None or (token_rewards is None and rewards is None):
-            raise ValueError("advantage 'gae': expected values and token_rewards (or rewards)")
-        if token_rewards is None:
-            token_rewards = _last_masked_token(rewards, mask)
-        if kl is not None:
-            token_rewards = kl_in_reward(token_rewards, kl, kl_coef)
-        return gae_advantages(token_rewards, values, mask, gamma, lam, whiten=whiten,
-                              bootstrap=bootstrap)
-    raise ValueError(f"advantage: expected one of {ADVANTAGE_KINDS}, got {kind!r}")
+    return advantage_estimators.get(kind).fn(
+        mask=mask, rewards=rewards, group_index=group_index, token_rewards=token_rewards,
+        values=values, kl=kl, kl_coef=kl_coef, gamma=gamma, lam=lam, whiten=whiten,
+        bootstrap=bootstrap)

@@ -1,5 +1,5 @@
-"""Loss aggregation, the policy losses (PPO, decoupled PPO, TIS, GSPO, CISPO) and the clipped
-value loss.
+"""Loss aggregation, the policy losses (PPO, decoupled PPO, TIS, GSPO, CISPO), the dispatch to
+the registered losses (`policy_loss`) and the clipped value loss.
 
 Per-token tensors are [B, T] with `mask` [B, T] (1 = generated token that counts). Each loss
 returns (loss, metrics): loss a float32 scalar with gradient, metrics a dict of detached 0-dim
@@ -13,14 +13,18 @@ Log-probs: `logprobs` are the current policy's (with gradient), `old_logprobs` /
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from rollmesh.algorithms.advantages import kl_estimate
+from rollmesh.algorithms.registry import policy_losses
 
 __all__ = [
     "AGG_MODES",
-    "POLICY_LOSSES",
+    "LossInputs",
     "aggregate",
     "cispo_loss",
     "decoupled_ppo_loss",
@@ -32,7 +36,6 @@ __all__ = [
 ]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "decoupled_ppo", "tis", "gspo", "cispo")
 
 # Bounds exp(log-ratio) so one diverged token cannot make the loss inf (e^20 ~ 5e8).
 _MAX_LOG_RATIO = 20.0
@@ -332,51 +335,72 @@ def cispo_loss(
     return loss, _ratio_metrics(logprobs, old_logprobs, ratio, clip_active, no_dual, mask)
 
 
-def policy_loss(
-    kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-    behaviour_logprobs: Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
-    dual_clip: float | None = None, behaviour_cap: float | None = None,
-    behaviour_cap_mode: str = "truncate", tis_cap: float = 2.0, tis_surrogate: str = "ppo",
-    seq_clip_low: float = 3e-4, seq_clip_high: float = 4e-4, agg: str = "token-mean",
-    global_tokens: Normaliser = None, global_seqs: Normaliser = None,
-    norm_tokens: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dispatch on `kind` (AlgorithmConfig.loss): "ppo", "decoupled_ppo", "tis", "gspo" or
-    "cispo".
+@dataclass
+class LossInputs:
+    """What a registered policy loss is given besides its config: the micro-batch's [B, T]
+    log-probs (current with gradient, `old_logprobs` the trainer's recomputation, the proximal
+    policy; `behaviour_logprobs` the engine's, None unless the loss declares
+    needs_behaviour), advantages and mask, and how its per-token losses are reduced
+    (`aggregate`: algorithm.loss_agg over the whole mini-batch's counts)."""
 
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    behaviour_logprobs: Tensor | None = None
+    agg: str = "token-mean"
+    global_tokens: Normaliser = None
+    global_seqs: Normaliser = None
+    norm_tokens: float | None = None
+
+    def normalisers(self) -> dict[str, Any]:
+        return {"global_tokens": self.global_tokens, "global_seqs": self.global_seqs,
+                "norm_tokens": self.norm_tokens}
+
+    def aggregate(self, values: Tensor) -> Tensor:
+        """Per-token `values` [B, T] reduced as the step reduces every loss term."""
+        return aggregate(values, self.mask, self.agg, **self.normalisers())
+
+
+# Metrics the trainer logs of every loss; a loss that does not return one gets it here.
+_TRAINER_METRICS = ("clip_frac", "approx_kl", "approx_kl_k1")
+
+
+def policy_loss(
+    kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+    config: Any = None, *, behaviour_logprobs: Tensor | None = None, agg: str = "token-mean",
+    global_tokens: Normaliser = None, global_seqs: Normaliser = None,
+    norm_tokens: float | None = None, **params: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The policy loss registered as `kind` (AlgorithmConfig.loss, `policy_losses`: "ppo",
+    "decoupled_ppo", "tis", "gspo", "cispo" built in, `rollmesh.algorithms.builtin`).
+
+    `config` is the loss's own config (its registered dataclass; default: its defaults);
+    `params` override its fields by name (e.g. clip_high=0.28 for "ppo", seq_clip_low for
+    "gspo", tis_cap and tis_surrogate for "tis", behaviour_cap and behaviour_cap_mode for
+    "decoupled_ppo"); a name the loss does not take is a TypeError.
     old_logprobs is the trainer's recomputation (the proximal policy for decoupled_ppo);
-    behaviour_logprobs (the engine's) is required by decoupled_ppo and tis.
-    clip_low/clip_high: PPO's ratio clip (ppo, decoupled_ppo, tis) and CISPO's weight clip;
-    seq_clip_low/seq_clip_high: GSPO's sequence-ratio clip. dual_clip: ppo, decoupled_ppo, tis.
-    behaviour_cap_mode ("truncate" or "mask"): decoupled_ppo's behaviour_cap;
-    tis_surrogate ("ppo" or "pg"): tis.
+    behaviour_logprobs (the engine's) is required by the losses that declare needs_behaviour
+    (decoupled_ppo, tis). Metrics: the loss's, with clip_frac (0), approx_kl and approx_kl_k1
+    (of logprobs against old_logprobs) added where it returns none.
     """
-    norm = {"global_tokens": global_tokens, "global_seqs": global_seqs,
-            "norm_tokens": norm_tokens}
-    if kind == "ppo":
-        return ppo_loss(
-            logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip, agg, **norm
-        )
-    if kind == "gspo":
-        return gspo_loss(logprobs, old_logprobs, advantages, mask, seq_clip_low, seq_clip_high,
-                         agg, **norm)
-    if kind == "cispo":
-        return cispo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg,
-                          **norm)
-    if kind not in POLICY_LOSSES:
-        raise ValueError(f"policy loss: expected one of {POLICY_LOSSES}, got {kind!r}")
-    if behaviour_logprobs is None:
+    entry = policy_losses.get(kind)
+    if config is None:
+        config = entry.make_config(**params)
+    elif params:
+        config = entry.make_config(**{**vars(config), **params})
+    if entry.info.get("needs_behaviour") and behaviour_logprobs is None:
         raise ValueError(f"policy loss {kind!r}: expected behaviour_logprobs")
-    if kind == "decoupled_ppo":
-        return decoupled_ppo_loss(
-            logprobs, old_logprobs, behaviour_logprobs, advantages, mask, clip_low, clip_high,
-            behaviour_cap, agg, behaviour_cap_mode=behaviour_cap_mode, dual_clip=dual_clip,
-            **norm,
-        )
-    return tis_loss(
-        logprobs, old_logprobs, behaviour_logprobs, advantages, mask, tis_cap, clip_low,
-        clip_high, dual_clip, agg, surrogate=tis_surrogate, **norm,
-    )
+    inputs = LossInputs(logprobs, old_logprobs, advantages, mask,
+                        behaviour_logprobs if entry.info.get("needs_behaviour") else None,
+                        agg, global_tokens, global_seqs, norm_tokens)
+    loss, metrics = entry.fn(inputs, config)
+    if any(k not in metrics for k in _TRAINER_METRICS):
+        zero = torch.zeros_like(mask, dtype=torch.bool)
+        defaults = _ratio_metrics(logprobs, old_logprobs, torch.ones_like(logprobs.detach()),
+                                  zero, zero, mask)
+        metrics = {**{k: defaults[k] for k in _TRAINER_METRICS}, **metrics}
+    return loss, metrics
 
 
 def value_loss(

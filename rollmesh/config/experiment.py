@@ -10,6 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from rollmesh.algorithms.registry import (
+    Registry, advantage_estimators, policy_losses, reward_shapings,
+)
 from rollmesh.config.parse import _did_you_mean, _field, _Invalid, _show
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -179,15 +182,21 @@ class StalenessConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    advantage: Literal["grpo", "grpo_mean_only", "rloo", "reinforce_pp", "gae"] = _field(
-        "advantage estimator (formulas: README, Algorithms)", "grpo"
-    )
-    loss: Literal["ppo", "decoupled_ppo", "tis", "gspo", "cispo"] = _field(
+    advantage: str = _field(
+        "advantage estimator (formulas: README, Algorithms; others register under the "
+        "entry-point group `rollmesh.advantage_estimators`)", "grpo",
+        choices=advantage_estimators.names)
+    loss: str = _field(
         "policy loss: clipped PPO, decoupled PPO (AReaL, for stale samples), truncated "
         "importance sampling, GSPO (one clipped ratio per sequence) or CISPO (the clipped ratio "
-        "as a stop-gradient weight of the REINFORCE term)",
-        "ppo",
-    )
+        "as a stop-gradient weight of the REINFORCE term); others register under the "
+        "entry-point group `rollmesh.policy_losses`",
+        "ppo", choices=policy_losses.names)
+    reward_shaping: str = _field(
+        "how rewards are shaped before the advantage: `default` = reward_scale, the overlong "
+        "penalty, reward_clip (the rewards as they are with their defaults); others register "
+        "under the entry-point group `rollmesh.reward_shapings`", "default",
+        choices=reward_shapings.names)
     clip_low: float = _field(
         "ratio clip below 1 (ratio >= 1 - clip_low): PPO's, and CISPO's weight clip (>= 1: no "
         "lower bound, as MiniMax-M1)", 0.2, gt=0)
@@ -276,17 +285,24 @@ class AlgorithmConfig:
     use_reference: bool = _field("compute reference-model log-probs (needed by kl_coef > 0)", False)
 
     def validate(self) -> None:
-        if self.advantage == "gae" and self.critic_lr is None:
+        _check_choice("advantage", self.advantage, advantage_estimators)
+        _check_choice("loss", self.loss, policy_losses)
+        _check_choice("reward_shaping", self.reward_shaping, reward_shapings)
+        critic = self.trains_critic()
+        if critic and self.critic_lr is None:
             raise _Invalid(
                 "critic_lr",
-                "missing required value (expected float > 0, as advantage = 'gae' trains a critic)",
+                f"missing required value (expected float > 0, as advantage = "
+                f"'{self.advantage}' trains a critic)",
             )
         if self.kl_coef > 0 and not self.use_reference:
             raise _Invalid(
                 "use_reference",
                 "expected true when kl_coef > 0 (the KL term needs reference log-probs), got false",
             )
-        if self.loss in ("decoupled_ppo", "tis") and self.old_logprobs == "bypass":
+        # (asked only with bypass: a user's loss is then imported here, not at every load)
+        if self.old_logprobs == "bypass" and policy_losses.get(self.loss).info.get(
+                "needs_behaviour", False):
             # Both corrections compare recomputed and behaviour log-probs: bypass makes them no-ops.
             raise _Invalid(
                 "old_logprobs", f"expected 'recompute' with loss = '{self.loss}', got 'bypass'"
@@ -294,13 +310,23 @@ class AlgorithmConfig:
         if self.behaviour_cap_mode == "mask" and self.behaviour_cap is None:
             raise _Invalid("behaviour_cap", "missing required value (expected float > 0, as "
                            "behaviour_cap_mode = 'mask' drops tokens above it)")
-        if self.bootstrap_truncated and self.advantage != "gae":
+        if self.bootstrap_truncated and not critic:
             raise _Invalid("bootstrap_truncated", f"expected false with advantage = "
                            f"'{self.advantage}' (only gae has a critic's value to bootstrap "
                            "with), got true")
         if self.bootstrap_truncated and self.mask_truncated:
             raise _Invalid("bootstrap_truncated", "expected false with mask_truncated = true "
                            "(truncated responses are not trained on), got true")
+
+
+    def trains_critic(self) -> bool:
+        """Whether the advantage estimator needs a critic (registered with critic=True: gae)."""
+        return bool(advantage_estimators.get(self.advantage).info.get("critic", False))
+
+    def outcome_advantage(self) -> bool:
+        """Whether the advantage estimator takes one reward per sequence and compares it within
+        its group (registered with outcome=True: grpo, grpo_mean_only, rloo)."""
+        return bool(advantage_estimators.get(self.advantage).info.get("outcome", False))
 
 
 @dataclass(kw_only=True)
@@ -487,7 +513,7 @@ class ExperimentConfig:
             )
         # Group-relative advantages and the DAPO filter compare responses within a group.
         if self.data.group_size < 2:
-            if self.algorithm.advantage in ("grpo", "grpo_mean_only", "rloo"):
+            if self.algorithm.outcome_advantage():
                 why = f"algorithm.advantage = '{self.algorithm.advantage}'"
             elif self.rollout.group_filter == "dapo":
                 why = "rollout.group_filter = 'dapo'"
@@ -525,6 +551,15 @@ class ExperimentConfig:
                 f"(expected str, as rollout.eval_every = {self.rollout.eval_every})",
             )
 
+
+
+def _check_choice(key: str, name: str, registry: Registry) -> None:
+    """A registry-backed name (policy loss, advantage estimator, reward shaping) must be
+    registered: built in or an entry point of the registry's group (listed in that order, as a
+    choice of fixed values is)."""
+    known = registry.names()
+    if name not in known:
+        raise _Invalid(key, f"expected one of {', '.join(map(repr, known))}, got {name!r}")
 
 
 def _check_registered(key: str, name: str, group: str, *, builtin: Iterable[str] = (),

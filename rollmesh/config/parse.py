@@ -14,7 +14,7 @@ import functools
 import math
 import re
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, field
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin, get_type_hints
 
@@ -35,11 +35,15 @@ class _Invalid(Exception):
         self.key, self.problem = key, problem
 
 
-def _field(help: str, default: Any = MISSING, *, factory: Any = MISSING, **bounds: float) -> Any:
+def _field(help: str, default: Any = MISSING, *, factory: Any = MISSING,
+           choices: Callable[[], Iterable[str]] | None = None, **bounds: float) -> Any:
     """A config field: `help` is mandatory (it becomes the README's reference); `bounds` are any
-    of ge/gt/le/lt, applied to the value (to each item for a list)."""
+    of ge/gt/le/lt, applied to the value (to each item for a list); `choices` (a str field whose
+    allowed values a registry holds) returns those values, for the reference: the field's own
+    `validate` checks them."""
     assert help and set(bounds) <= {"ge", "gt", "le", "lt"}, bounds
-    return field(default=default, default_factory=factory, metadata={"help": help, **bounds})
+    meta = {"help": help, **bounds, **({"choices": choices} if choices else {})}
+    return field(default=default, default_factory=factory, metadata=meta)
 
 
 def _did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -154,6 +158,8 @@ def _describe(tp: Any, meta: Mapping[str, Any] = types.MappingProxyType({})) -> 
         )
     if origin is Literal:
         return "one of " + ", ".join(repr(c) for c in get_args(tp))
+    if tp is str and meta.get("choices"):
+        return "one of " + ", ".join(repr(c) for c in meta["choices"]())
     return tp.__name__ + (_bounds(meta) if tp in (int, float) else "")
 
 

@@ -216,10 +216,10 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
     autocast = device.type == "cuda" and compute_dtype != torch.float32 and ranks.world == 1
     state = TrainState(exp, model, optimizer, scheduler, tokenizer, ranks, device, ref_model,
                        autocast)
-    if exp.algorithm.advantage == "gae":
+    if exp.algorithm.trains_critic():
         if exp.algorithm.critic_lr is None:  # parse_config refuses this; a hand-built config
             raise ValueError("algorithm.critic_lr: missing required value (expected float > 0, "
-                             "as advantage = 'gae' trains a critic)")
+                             f"as advantage = '{exp.algorithm.advantage}' trains a critic)")
         # the value head is drawn the same on every rank
         state.critic, _ = load_models(exp, ranks, device, _trainable(t.gradient_checkpointing),
                                       critic_seed=seed - ranks.rank, whole=whole)

@@ -12,7 +12,8 @@ Every pass over a batch runs on this rank's micro-batches (`micro_batches`, plan
 the sequences; old and reference log-probs and the critic's old values are computed on the
 shares and summed across ranks, so every rank has them for the whole batch.
 
-GAE (`algorithm.advantage = "gae"`, PPO as verl runs it): the sequence reward goes on its last
+GAE (`algorithm.advantage = "gae"`, the estimator registered with critic=True; PPO as verl
+runs it): the sequence reward goes on its last
 generated token (minus the per-token KL when `kl_in_reward`); `gae_advantages` turns rewards
 and old values into advantages (whitened) and returns (`bootstrap_truncated`: a response cut off
 by the length limit continues with the critic's value of the state after its last token instead
@@ -40,9 +41,10 @@ import torch
 from torch import Tensor
 
 from rollmesh.algorithms import (
-    aggregate, compute_advantages, entropy_from_logits, kl_estimate, policy_loss, shape_rewards,
-    token_logprobs, value_loss,
+    aggregate, compute_advantages, entropy_from_logits, kl_estimate, policy_loss, token_logprobs,
+    value_loss,
 )
+from rollmesh.algorithms.registry import policy_losses, reward_shapings
 from rollmesh.config import AlgorithmConfig
 from rollmesh.training.ranks import full_tensor
 from rollmesh.training import batching
@@ -164,28 +166,29 @@ def critic_values(state: TrainState, data: BatchData) -> tuple[Tensor, Tensor] |
 
 
 def batch_rewards(algo: AlgorithmConfig, data: BatchData) -> Tensor:
-    """The rewards the advantages see [B]: `shape_rewards` (scale, DAPO overlong penalty over
-    each response's generated tokens, clip); the scores as they are by default."""
+    """The rewards the advantages see [B]: the reward shaping registered as
+    `algorithm.reward_shaping` over each response's generated tokens ("default": scale, DAPO
+    overlong penalty, clip; the scores as they are with its defaults)."""
     lengths = getattr(data, "response_tokens", None)
-    return shape_rewards(
-        data.rewards, data.mask.sum(dim=1) if lengths is None else lengths,
-        scale=algo.reward_scale, clip=algo.reward_clip, overlong_buffer=algo.overlong_buffer,
-        overlong_max_tokens=algo.overlong_max_tokens, overlong_factor=algo.overlong_penalty)
+    shaping = reward_shapings.get(algo.reward_shaping)
+    return shaping.fn(data.rewards, data.mask.sum(dim=1) if lengths is None else lengths,
+                      shaping.make_config(algo))
 
 
 def batch_advantages(algo: AlgorithmConfig, data: BatchData, values: Tensor | None = None,
                      bootstrap: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(advantages, returns) of the whole batch from its shaped rewards; a KL penalty in the
-    reward is folded in first. returns (the critic's targets) only for "gae", which needs the
-    old `values` (and takes `bootstrap` [B], V after each truncated response, 0 elsewhere)."""
+    reward is folded in first. returns (the critic's targets) only for a critic estimator
+    ("gae"), which needs the old `values` (and takes `bootstrap` [B], V after each truncated
+    response, 0 elsewhere)."""
     rewards, kl = batch_rewards(algo, data), None
     if algo.kl_in_reward and algo.kl_coef > 0:
         kl = kl_estimate(data.old, data.ref, algo.kl_estimator, clamp=algo.kl_clamp) * data.mask
-        if algo.advantage in ("grpo", "grpo_mean_only", "rloo"):
+        if algo.outcome_advantage():
             # Outcome estimators take one reward per sequence: the penalty summed over it.
             rewards, kl = rewards - algo.kl_coef * kl.sum(dim=1), None
-    if algo.advantage == "gae" and values is None:
-        raise ValueError("advantage 'gae': expected the critic's values")
+    if algo.trains_critic() and values is None:
+        raise ValueError(f"advantage {algo.advantage!r}: expected the critic's values")
     return compute_advantages(
         algo.advantage, mask=data.mask, rewards=rewards, group_index=data.group_index, kl=kl,
         kl_coef=algo.kl_coef, gamma=algo.gamma, lam=algo.lam, values=values, bootstrap=bootstrap)
@@ -207,11 +210,9 @@ def micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, f
     mask = mb["mask"]
     norm = {**norm, "norm_tokens": algo.loss_norm_tokens}
     pg, stats = policy_loss(
-        algo.loss, logp, mb["old"], mb["advantages"], mask, behaviour_logprobs=mb["behaviour"],
-        clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-        behaviour_cap=algo.behaviour_cap, behaviour_cap_mode=algo.behaviour_cap_mode,
-        tis_cap=algo.tis_cap, tis_surrogate=algo.tis_surrogate, seq_clip_low=algo.gspo_clip_low,
-        seq_clip_high=algo.gspo_clip_high, agg=algo.loss_agg, **norm)
+        algo.loss, logp, mb["old"], mb["advantages"], mask,
+        policy_losses.get(algo.loss).make_config(algo), behaviour_logprobs=mb["behaviour"],
+        agg=algo.loss_agg, **norm)
     # Position t predicts token t + 1: shift the entropy to align it with the tokens.
     entropy = entropy_from_logits(logits if algo.entropy_coef > 0 else logits.detach(),
                                   state.temperature)
