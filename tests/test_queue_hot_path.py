@@ -19,9 +19,8 @@ import pytest
 from rollmesh.runtime import durable_log
 from rollmesh.wire import protocol
 from rollmesh.runtime.durable_log import DurableLog
-from rollmesh.mq.role import (
-    LOG_NAME, BatchFeed, MessageQueue, decode_entry, next_put, put_ready,
-)
+from rollmesh.mq.client import BatchFeed, next_put, put_ready
+from rollmesh.mq.store import LOG_NAME, MessageQueue, decode_entry
 from rollmesh.wire.messages import (
     Batch,
     BatchCredit,
@@ -77,7 +76,7 @@ def test_put_many_returns_once_its_groups_are_in_the_log_and_a_failed_write_queu
         tmp_path, monkeypatch):
     import os
 
-    from rollmesh.mq.role import QueueDiskError
+    from rollmesh.mq.store import QueueDiskError
 
     q = MessageQueue(10, 1, state_dir=tmp_path, fsync_interval_s=3600)
     assert q.put_many([group(0), group(1)]) == 2

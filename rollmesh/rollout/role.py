@@ -38,7 +38,7 @@ from typing import Any
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.rollout.data import PromptSource
 from rollmesh.engine.client import EngineClient, run_api_key
-from rollmesh.mq.role import put_ready
+from rollmesh.mq.client import put_ready
 from rollmesh.config import RolloutSettings
 from rollmesh.wire.messages import (
     Group,
@@ -289,7 +289,7 @@ class Rollouter:
 
     async def put_ready(self) -> None:
         """Move accepted groups into the MessageQueue, what is ready in one put; wait while it
-        is full (`message_queue.put_ready`)."""
+        is full (`rollmesh.mq.client.put_ready`)."""
         def queued(group: Group) -> None:
             self.core.queued(group)
             self.changed.set()
