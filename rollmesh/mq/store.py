@@ -5,10 +5,10 @@ every sample put is eventually consumed or dropped with a reason, and until then
 in `depth` (put = consumed + dropped + depth).
 
 Staleness of a group handed to a trainer at version v: v minus the oldest weight version among
-the group's generated tokens. A group past `max_staleness` is dropped at hand-out and counted
-(reason "stale"): the bound holds even for trajectories resumed across many syncs. Groups are
-kept whole (GRPO needs the n samples of a prompt together), so one stale sample drops its group.
-Hand-out order: the oldest generated first (the group's oldest token version), then put order.
+the group's generated tokens (`rollmesh.core.trajectory.staleness`, the rule every role applies).
+A group past `max_staleness` is dropped at hand-out and counted (reason "stale"): the bound
+holds even for trajectories resumed across many syncs. Groups are kept whole (GRPO needs the n
+samples of a prompt together), so one stale sample drops its group. Hand-out order: the oldest generated first (the group's oldest token version), then put order.
 
 Durability (role config `state_dir`; without it the queue lives in memory only). Every change
 is first appended to `<state_dir>/queue.log` (`rollmesh.runtime.durable_log`: length + crc32 framed
@@ -60,6 +60,7 @@ import msgpack
 
 from rollmesh.config import ExperimentConfig
 from rollmesh.config.settings import COMPACT_FLOOR_BYTES, MAX_PENDING_BATCHES
+from rollmesh.core.trajectory import is_stale, oldest_version, staleness
 from rollmesh.runtime.durable_log import HEADER, DurableLog, record_size
 from rollmesh.runtime.log import get_logger
 from rollmesh.wire import protocol
@@ -75,29 +76,6 @@ class QueueLogError(RuntimeError):
 
 class QueueDiskError(OSError):
     """The log could not be written (disk full...): the request changed nothing."""
-
-
-def oldest_version(group: Group) -> int | None:
-    """The oldest weight version that produced a token of this group (None: nothing generated).
-    ValueError if a trajectory's versions are not integers."""
-    oldest = None
-    for t in group.trajectories:
-        v = t.versions
-        kind = v.dtype.kind
-        if kind not in "iu":
-            raise ValueError(f"group {group.group_id!r}: trajectory {t.sample_id!r} has versions "
-                             f"of {v.dtype.name}, expected integers")
-        if v.size:
-            if kind == "i":
-                # the smallest version >= 0 (-1: prompt tokens) in one pass, without a copy:
-                # seen unsigned, a negative number is above every non-negative one
-                low = int(v.view(v.dtype.byteorder + "u" + str(v.dtype.itemsize)).min())
-                if low >= 1 << (8 * v.dtype.itemsize - 1):
-                    continue  # every token negative: nothing generated
-            else:
-                low = int(v.min())
-            oldest = low if oldest is None else min(oldest, low)
-    return oldest
 
 
 # -- log entries -------------------------------------------------------------------------------
@@ -296,9 +274,9 @@ class MessageQueue:
             _, seq, group = entry
             k = len(group.trajectories)
             oldest = (self._put_oldest.pop(seq) if seq in self._put_oldest
-                      else oldest_version(group))
+                      else oldest_version(group, strict=True))
             self.queued[seq] = (oldest, group)
-            if self.staleness(oldest, self._clean_at) > self.max_staleness:
+            if is_stale(oldest, self._clean_at, self.max_staleness):
                 self._clean_at = -1  # already past the bound at the last scan: scan again
             self._live_ids[group.group_id] = seq
             if group.group_id not in self._seen_ids:
@@ -318,7 +296,7 @@ class MessageQueue:
             for _seq, oldest, g in taken:
                 k = len(g.trajectories)
                 samples += k
-                self.staleness_hist[self.staleness(oldest, version)] += k
+                self.staleness_hist[staleness(oldest, version)] += k
             self.consumed_samples += samples
             self.depth_samples -= samples
             self._consumed_times.append((now, samples))
@@ -466,7 +444,7 @@ class MessageQueue:
         room = self.capacity - len(self.queued)
         oldest: dict[int, int | None] = {}
         for group in groups:
-            version = oldest_version(group)  # integer versions, checked before any write
+            version = oldest_version(group, strict=True)  # integers, checked before any write
             if group.group_id in self._seen_ids or group.group_id in new_ids:
                 duplicates += 1
             elif room <= 0:
@@ -488,10 +466,6 @@ class MessageQueue:
         self.rejected_puts += accepted < len(groups)  # one back-pressure event per refused put
         return accepted
 
-    @staticmethod
-    def staleness(oldest: int | None, version: int) -> int:
-        return 0 if oldest is None else version - oldest
-
     def set_version(self, version: int) -> None:
         if version > self.version:
             self._record(["version", version])
@@ -503,7 +477,7 @@ class MessageQueue:
         if version <= self._clean_at:
             return 0
         stale = [seq for seq, (oldest, _) in self.queued.items()
-                 if self.staleness(oldest, version) > self.max_staleness]
+                 if is_stale(oldest, version, self.max_staleness)]
         if not stale:
             self._clean_at = version
             return 0

@@ -48,7 +48,7 @@ from rollmesh.rollout.eval_round import EvalRounds, is_eval
 from rollmesh.rollout.filters import get_group_filter, keep_all
 from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
-from rollmesh.core.trajectory import new_trajectory, oldest_version
+from rollmesh.core.trajectory import is_stale, new_trajectory, oldest_version
 
 __all__ = ["GroupState", "RolloutCore", "Send"]
 
@@ -369,19 +369,14 @@ class RolloutCore:
 
     # -- staleness in flight -----------------------------------------------------------------
 
-    def stale_bound(self) -> int:
-        """The oldest version a generated token may have and its group still be trained: the
-        trainer takes batches at the engines' version or later, and a group whose oldest
-        token is older than this would be dropped at hand-out (MessageQueue)."""
-        return self.version - self.exp.staleness.max_staleness
-
     def drop_stale(self, traj: Trajectory | None = None) -> int:
         """Drop now, as stale, the groups that can no longer be trained: one of their samples
-        in hand (`traj`, just back; or, without it, every one the rollouter holds) has a token
-        older than `stale_bound`. Generating the rest would only feed the MessageQueue's stale
-        drop: their places and the engines' time go to new prompts instead. Returns how many
-        groups were dropped."""
-        bound = self.stale_bound()
+        in hand (`traj`, just back; or, without it, every one the rollouter holds) is already
+        stale at the engines' version (`core.trajectory.is_stale`): the trainer takes batches at
+        that version or later, so the MessageQueue would drop it at hand-out. Generating the
+        rest would only feed that drop: their places and the engines' time go to new prompts
+        instead. Returns how many groups were dropped."""
+        max_staleness = self.exp.staleness.max_staleness
         if traj is not None:
             candidates: Any = (traj,)
         else:
@@ -391,7 +386,7 @@ class RolloutCore:
         for t in candidates:
             if t.group_id in self.groups and t.group_id not in doomed and not is_eval(t):
                 oldest = oldest_version(t)
-                if oldest is not None and oldest < bound:
+                if oldest is not None and is_stale(oldest, self.version, max_staleness):
                     doomed[t.group_id] = oldest
         for gid, oldest in doomed.items():
             extra = [traj] if traj is not None and traj.group_id == gid else []
