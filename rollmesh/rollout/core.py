@@ -38,12 +38,14 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollmesh.config import ExperimentConfig
 from rollmesh.rollout.data import PromptGroup, PromptRow, PromptSource, chat_messages, render_prompt
-from rollmesh.wire.messages import Assign, Cancel, Group, Resume, Score, Trajectory, WorkerHello
+from rollmesh.wire.messages import (
+    Assign, Cancel, Group, Resume, Score, Scored, Trajectory, WorkerHello,
+)
 from rollmesh.rollout.eval_round import EvalRounds, is_eval
 from rollmesh.rollout.filters import get_group_filter, keep_all
 from rollmesh.rollout.journal import Journal
@@ -320,12 +322,19 @@ class RolloutCore:
                 self.finish_group(traj.group_id, None, "generation_failed", extra=[traj])
         return True
 
-    def scored(self, worker: Worker, traj: Trajectory) -> Group | None:
-        """A trajectory back from its reward worker; its group completes with the last one.
-        Returns the group if that accepted it (it is in `ready`)."""
-        if self.workers.take_back(worker, traj.sample_id) is None:
+    def scored(self, worker: Worker, scored: Scored) -> Group | None:
+        """A reward back from its reward worker, joined with the trajectory sent to it (a
+        Scored for a trajectory not out with that worker counts as an unexpected return); its
+        group completes with the last one. Returns the group if that accepted it (it is in
+        `ready`)."""
+        dispatched = self.workers.take_back(worker, scored.sample_id)
+        if dispatched is None:
             self.events["unexpected_returns"] += 1
             return None
+        # a copy (the arrays shared): the one sent stays as it was, to be re-queued if this
+        # record turns out to be bad
+        traj = replace(dispatched, reward=scored.reward, reward_status=scored.reward_status,
+                       error=scored.error, reward_info=scored.reward_info)
         if is_eval(traj):
             self.eval.scored(traj)
             return None

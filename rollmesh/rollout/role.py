@@ -145,8 +145,8 @@ class Rollouter:
         if self.core.held(worker, sample_ids):
             self._check_drained()
 
-    def scored(self, worker: Worker, traj: Trajectory) -> None:
-        if self.core.scored(worker, traj) is not None:
+    def scored(self, worker: Worker, scored: Scored) -> None:
+        if self.core.scored(worker, scored) is not None:
             self.ready_added.set()
 
     def _check_drained(self) -> None:
@@ -248,15 +248,16 @@ class Rollouter:
 
     async def handle(self, worker: Worker, msg: Any) -> None:
         """One message from a registered worker."""
-        traj = getattr(msg, "trajectory", None)
-        dispatched = worker.out.get(traj.sample_id) if traj is not None else None
+        sample_id = (msg.sample_id if isinstance(msg, Scored)
+                     else getattr(getattr(msg, "trajectory", None), "sample_id", None))
+        dispatched = worker.out.get(sample_id) if sample_id is not None else None
         try:
             if isinstance(msg, Returned):
                 self.returned(worker, msg.trajectory)
             elif isinstance(msg, Held):
                 self.held(worker, msg.sample_ids)
             elif isinstance(msg, Scored):
-                self.scored(worker, msg.trajectory)
+                self.scored(worker, msg)
             elif not isinstance(msg, (Heartbeat, Metrics)):
                 self.core.events["unexpected_messages"] += 1
         except Exception as e:  # well-formed on the wire, nonsense inside: one
