@@ -70,15 +70,21 @@ def test_stats_answers_the_queues_counters_as_metrics():
     assert v["capacity_groups"] == 4 and v["protocol_errors"] == 0 and not v["durable"]
 
 
-def test_weight_version_drops_the_groups_past_the_bound():
+def test_weight_version_drops_the_groups_past_the_bound_and_put_replies_say_so():
     async def body(r: QueueRole):
-        await r.put_groups(PutGroups(groups=[group(0, version=0), group(1, version=2)]), PEER)
-        return await r.version(WeightVersion(version=2), PEER)
+        before = await r.put_groups(
+            PutGroups(groups=[group(0, version=0), group(1, version=2)]), PEER)
+        await r.version(WeightVersion(version=2), PEER)
+        after = await r.put_groups(PutGroups(groups=[]), PEER)  # what the rollouter sends idle
+        return before, after
 
-    r, _ = run(body)
+    r, (before, after) = run(body)
     assert r.queue.version == 2
     assert [g.group_id for _, g in r.queue.queued.values()] == ["g-00001"]
     assert r.queue.dropped["stale"] == 2  # the 2 samples of group 0 (2 - 0 > 1)
+    assert before.dropped_stale == 0
+    assert (after.accepted, after.depth, after.dropped_stale) == (0, 1, 2)
+    assert r.queue.rejected_puts == 0  # an empty put is no back-pressure event
 
 
 def test_the_stream_hands_out_a_step_once_it_has_the_groups_and_credit_moves_it_on():

@@ -2,7 +2,10 @@
 
 The rollouter puts what it has ready in PutGroups (`put_ready`), two out at once, what is ready
 shared between them so that they overlap: the queue writes one put's records to its log in one
-write while it receives and checks the next, and acknowledges them together.
+write while it receives and checks the next, and acknowledges them together. Each reply says
+how many samples the queue has dropped as stale so far (`PutGroupsReply.dropped_stale`), which
+the rollouter's admission gives back; a put loop with nothing to put sends an empty put every
+second, so that those counts (and a queue that stopped answering) are still heard.
 
 The trainer takes its batches from a stream (`BatchFeed`): it opens one at its next step with
 credit for the steps it may take at its version (OpenBatchStream), and the queue pushes each
@@ -47,6 +50,10 @@ PUTS_IN_FLIGHT = 2  # the rollouter's puts out at once
 # Batches the trainer's stream takes ahead of the step it trains (within one weight version):
 # the next step's batch is on its way while the trainer computes this one.
 STREAM_AHEAD = 1
+# With nothing to put for this long, the put loop sends an empty put: its reply carries the
+# queue's stale drops; a put unanswered this long says the queue is away.
+IDLE_PUT_S = 1.0
+QUEUE_LEASH_S = 3.0
 
 
 def group_bytes(group: Group) -> int:
@@ -74,7 +81,10 @@ def next_put(ready: collections.deque[Group], *, max_groups: int = PUT_MAX_GROUP
 
 async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asyncio.Event,
                     queued: Callable[[Group], None], *, log: Any,
-                    full: Callable[[], None] | None = None, timeout_s: float = 30.0,
+                    full: Callable[[], None] | None = None,
+                    heard: Callable[[PutGroupsReply], None] | None = None,
+                    unheard: Callable[[], None] | None = None, timeout_s: float = 30.0,
+                    idle_s: float = IDLE_PUT_S, leash_s: float = QUEUE_LEASH_S,
                     max_groups: int = PUT_MAX_GROUPS, max_bytes: int = PUT_MAX_BYTES,
                     in_flight: int = PUTS_IN_FLIGHT) -> None:
     """The rollouter's put loop, until cancelled: what is ready goes to the queue in PutGroups,
@@ -84,8 +94,31 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
     refused because it is full stays and goes again (`full()` is called; no new put for 10 ms,
     doubling to 0.5 s). A failed put (timeout, error) goes again after a second: a group the
     queue took and whose reply was lost is counted once there (by its id). `wake` is set when
-    `ready` grows."""
+    `ready` grows.
+
+    What the queue says back: `heard(reply)` is called with every reply (its `dropped_stale`
+    is the queue's count of samples dropped as stale), `unheard()` when a put has had no answer
+    for `leash_s`. With nothing to put for `idle_s`, an empty put goes out (answered at once,
+    with the counts), so that they are heard while the rollouter has nothing to send."""
     running = asyncio.get_running_loop()
+
+    async def send(put: PutGroups, timeout: float) -> Any:
+        extra = {} if put.groups else {"retries": 0}  # an empty put is not worth a retry
+        request = asyncio.create_task(mq.request(put, timeout_s=timeout, **extra))
+        try:
+            await asyncio.wait({request}, timeout=leash_s)
+            late = not request.done()
+            if late and unheard is not None:
+                unheard()  # no answer on a short leash: the queue is away (or cut off)
+            try:
+                return await request
+            except PeerTimeout:
+                if not late and unheard is not None:
+                    unheard()  # timed out within the leash
+                raise
+        finally:
+            request.cancel()
+
     delay = 0.01
     resume_at = 0.0  # no new put before this (the queue was full, or did not answer)
     flying: collections.deque[tuple[asyncio.Task, list[Group]]] = collections.deque()
@@ -103,7 +136,7 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                 groups = next_put(waiting, max_groups=min(max_groups, share),
                                   max_bytes=max_bytes)
                 flying.append((asyncio.create_task(
-                    mq.request(PutGroups(groups=groups), timeout_s=timeout_s)), groups))
+                    send(PutGroups(groups=groups), timeout_s)), groups))
                 out.update(map(id, groups))
             wake.clear()
             pause = max(0.0, resume_at - running.time())
@@ -111,7 +144,11 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                 if pause and any(id(g) not in out for g in ready):
                     await asyncio.sleep(pause)
                 else:
-                    await wake.wait()
+                    try:
+                        await asyncio.wait_for(wake.wait(), idle_s)
+                    except asyncio.TimeoutError:  # nothing to put: an empty put hears the queue
+                        flying.append((asyncio.create_task(
+                            send(PutGroups(groups=[]), min(timeout_s, leash_s))), []))
                 continue
             task, groups = flying[0]
             if len(flying) < in_flight:  # another put may go out once more is ready
@@ -128,9 +165,12 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                 if not (isinstance(reply, PutGroupsReply) and 0 <= reply.accepted <= len(groups)):
                     raise ProtocolError(f"PutGroups of {len(groups)} answered with {reply!r:.200}")
             except (PeerTimeout, RemoteError, ProtocolError) as e:
-                log.warning("queue_put_failed", groups=len(groups), error=str(e))
+                if groups or not isinstance(e, PeerTimeout):  # an empty put: `unheard` says so
+                    log.warning("queue_put_failed", groups=len(groups), error=str(e))
                 resume_at = running.time() + 1.0
                 continue
+            if heard is not None:
+                heard(reply)
             if reply.accepted:
                 taken = set(map(id, groups[:reply.accepted]))
                 left = [g for g in ready if id(g) not in taken]
@@ -143,7 +183,7 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                     full()
                 resume_at = running.time() + delay
                 delay = min(delay * 2, 0.5)
-            else:
+            elif groups:
                 delay = 0.01
     finally:
         for task, _ in flying:

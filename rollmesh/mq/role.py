@@ -101,12 +101,12 @@ class QueueRole:
 
     async def put_groups(self, msg: PutGroups, peer: bytes) -> PutGroupsReply:
         queue = self.queue
-        accepted, depth = await self.call(
-            lambda: (queue.put_many(msg.groups), queue.depth_groups))
+        accepted, depth, stale = await self.call(
+            lambda: (queue.put_many(msg.groups), queue.depth_groups, queue.dropped["stale"]))
         if accepted:
             async with self.changed:
                 self.changed.notify_all()
-        return PutGroupsReply(accepted=accepted, depth=depth)
+        return PutGroupsReply(accepted=accepted, depth=depth, dropped_stale=stale)
 
     # -- hand-outs ---------------------------------------------------------------------------
 

@@ -348,6 +348,9 @@ class PutGroupsReply:
     # refused because the queue is full: keep them and send them again (back-pressure).
     accepted: int
     depth: int
+    # Samples the queue has dropped as stale in all (its stats' dropped["stale"]): the
+    # rollouter gives their places in the staleness bound back.
+    dropped_stale: int = 0
 
 
 @record
