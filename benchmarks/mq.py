@@ -16,8 +16,8 @@ Systems, each moving the same frames (an encoded PutGroups of one group of n sam
   floor is Python's and the log's, and where it is rollmesh's own.
 - rollmesh MessageQueue: the real MessageQueue role (spawned by the Supervisor) between the
   rollouter's put path and the trainer's get path, the very code the roles run: the producer's
-  groups become ready (at most `--window` waiting) and `message_queue.put_ready` sends what is
-  ready in one PutGroups, two puts out at once; the consumer reads a `message_queue.BatchFeed`
+  groups become ready (at most `--window` waiting) and `rollmesh.mq.client.put_ready` sends what
+  is ready in one PutGroups, two puts out at once; the consumer reads a `mq.client.BatchFeed`
   stream of batches of `--batch-groups` groups, one per step, with `--prefetch` steps of
   credit ahead, committing each step at the next (a trainer checkpointing every step). The
   groups are checked (strict decode, staleness, accounting) and written to the log (with
@@ -73,7 +73,7 @@ import collections  # noqa: E402
 import structlog  # noqa: E402
 
 from rollmesh.config import load_experiment, to_dict  # noqa: E402
-from rollmesh.mq.role import STREAM_AHEAD, BatchFeed, put_ready  # noqa: E402
+from rollmesh.mq.client import STREAM_AHEAD, BatchFeed, put_ready  # noqa: E402
 from rollmesh.wire.protocol import encode  # noqa: E402
 from rollmesh.wire.messages import Group, PutGroups, Trajectory
 from rollmesh.launcher.supervisor import Supervisor  # noqa: E402
@@ -253,8 +253,8 @@ def fresh(tr: Trajectory, group_id: str, sent: float) -> Trajectory:
 
 
 async def mq_produce(p: dict[str, Any]) -> None:
-    """The rollouter's put path (`message_queue.put_ready`): groups become ready (flat out, or
-    paced) while at most `window` wait to be queued, and go to the queue as it puts them."""
+    """The rollouter's put path (`rollmesh.mq.client.put_ready`): groups become ready (flat out,
+    or paced) while at most `window` wait to be queued, and go to the queue as it puts them."""
     groups = [group(p["tokens"], p["n"], i) for i in range(16)]
     log = structlog.get_logger("bench")
     with Transport() as t:
@@ -287,7 +287,7 @@ async def mq_produce(p: dict[str, Any]) -> None:
 
 
 async def mq_consume(p: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's get path (`message_queue.BatchFeed`): one batch per step, `prefetch`
+    """The trainer's get path (`mq.client.BatchFeed`): one batch per step, `prefetch`
     steps of credit ahead, each step's checkpoint committed at the next (as a trainer that
     checkpoints every step)."""
     clock, bg = Clock(p["warmup"]), p["batch_groups"]

@@ -17,7 +17,7 @@ import pytest
 
 from rollmesh.rollout.data import PromptGroup, PromptRow
 from rollmesh.runtime.durable_log import DurableLog
-from rollmesh.mq.role import LOG_NAME
+from rollmesh.mq.store import LOG_NAME
 from rollmesh.wire.messages import PutGroup
 from rollmesh.rollout.journal import Journal, JournalDiskError
 from rollmesh.wire.transport import RemoteError, RpcClient

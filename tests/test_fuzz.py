@@ -440,8 +440,8 @@ def test_rollouter_channel(run):
                       logprobs=np.zeros(2, np.float32), versions=np.zeros(2, np.int32),
                       loss_mask=np.zeros(2, np.uint8), prompt_len=1)
     from rollmesh.wire.messages import Returned
-    for rec in (Returned(trajectory=traj), Scored(trajectory=traj), Cancel(), Paused(in_flight=1,
-                                                                                    cancel_queue=2)):
+    scored = Scored(sample_id=traj.sample_id, reward=1.0, reward_status="ok")
+    for rec in (Returned(trajectory=traj), scored, Cancel(), Paused(in_flight=1, cancel_queue=2)):
         sock.send_multipart(encode(rec))
         TRIED["rollouter_channel"] += 1
     # A valid hello: the rollouter takes the fuzzer on as a (reward) worker and heartbeats it.
@@ -456,7 +456,7 @@ def test_rollouter_channel(run):
             if isinstance(msg, Heartbeat):
                 beat = msg
     assert beat is not None and beat.sender == "rollouter"
-    sock.send_multipart(encode(Scored(trajectory=traj)))  # from a known worker, not dispatched
+    sock.send_multipart(encode(scored))  # from a known worker, not dispatched
     deadline = time.monotonic() + 20
     while True:
         stats = rpc(r, r.r_rpc, StatsRequest()).values
@@ -519,7 +519,7 @@ def test_worker_channel_client(run, kind):
     if kind == "reward":
         traj = _score_request(r, "a")
         r.worker_channel.send_multipart([peer, *encode(Score(trajectory=traj))])
-        scored = _recv_from(r, peer, Scored).trajectory
+        scored = _recv_from(r, peer, Scored)
         assert scored.sample_id == "s-1" and scored.reward_status == "ok"
         assert scored.reward == 1.0  # exact_match of the response against its label
     else:

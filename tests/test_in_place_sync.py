@@ -29,7 +29,7 @@ from rollmesh.agents.loops import LoopContext, SingleTurn, token_stamps
 from rollmesh.config import RolloutConfig
 from rollmesh.engine.client import EngineClient, GenerateOutput
 from rollmesh.models.loading import build_tiny
-from rollmesh.mq.role import MessageQueue
+from rollmesh.mq.store import MessageQueue
 from rollmesh.wire.messages import Group
 from rollmesh.training import batching
 from rollmesh.core.trajectory import new_trajectory
@@ -330,7 +330,7 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
     # What reached the MessageQueue (its log's puts): answers that ran across a sync carry the
     # old version on their first tokens and the new one after, never the other way round.
     from rollmesh.runtime.durable_log import DurableLog
-    from rollmesh.mq.role import decode_entry
+    from rollmesh.mq.store import decode_entry
 
     journal, payloads = DurableLog.open(run_dir / "message_queue" / "queue.log")
     journal.close()

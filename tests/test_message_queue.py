@@ -19,7 +19,7 @@ import pytest
 from rollmesh.core.accounting import QueueStatus
 from rollmesh.config import load_experiment, to_dict
 from rollmesh.runtime.durable_log import HEADER, DurableLog
-from rollmesh.mq.role import LOG_NAME, MessageQueue, decode_entry, encode_entry
+from rollmesh.mq.store import LOG_NAME, MessageQueue, decode_entry, encode_entry
 from rollmesh.wire.messages import (
     Batch,
     GetBatch,

@@ -19,9 +19,8 @@ import pytest
 from rollmesh.runtime import durable_log
 from rollmesh.wire import protocol
 from rollmesh.runtime.durable_log import DurableLog
-from rollmesh.mq.role import (
-    LOG_NAME, BatchFeed, MessageQueue, decode_entry, next_put, put_ready,
-)
+from rollmesh.mq.client import BatchFeed, next_put, put_ready
+from rollmesh.mq.store import LOG_NAME, MessageQueue, decode_entry
 from rollmesh.wire.messages import (
     Batch,
     BatchCredit,
@@ -77,7 +76,7 @@ def test_put_many_returns_once_its_groups_are_in_the_log_and_a_failed_write_queu
         tmp_path, monkeypatch):
     import os
 
-    from rollmesh.mq.role import QueueDiskError
+    from rollmesh.mq.store import QueueDiskError
 
     q = MessageQueue(10, 1, state_dir=tmp_path, fsync_interval_s=3600)
     assert q.put_many([group(0), group(1)]) == 2
@@ -364,6 +363,40 @@ def test_a_stream_checks_staleness_at_its_version_and_refuses_a_bad_request(tmp_
 
 
 @pytest.mark.slow
+def test_put_ready_with_nothing_to_put_still_hears_the_queues_stale_drops_and_its_silence():
+    """Idle, the put loop sends an empty put every `idle_s`: `heard` gets each reply (the
+    queue's stale drops); a put unanswered for `leash_s` calls `unheard`."""
+    puts: list[int] = []
+    answer = asyncio.Event()
+    answer.set()
+
+    class Queue:
+        async def request(self, msg, timeout_s=None, retries=None):
+            puts.append(len(msg.groups))
+            if not answer.is_set():
+                await asyncio.sleep(timeout_s)
+                raise PeerTimeout("no answer")
+            return PutGroupsReply(accepted=len(msg.groups), depth=0, dropped_stale=4 * len(puts))
+
+    async def body():
+        heard, unheard = [], []
+        putting = asyncio.create_task(put_ready(
+            Queue(), collections.deque(), asyncio.Event(), lambda g: None,
+            log=structlog_logger(), heard=lambda r: heard.append(r.dropped_stale),
+            unheard=lambda: unheard.append(len(puts)), idle_s=0.05, leash_s=0.1))
+        while len(heard) < 3:
+            await asyncio.sleep(0.01)
+        answer.clear()
+        while not unheard:
+            await asyncio.sleep(0.01)
+        putting.cancel()
+        return heard, unheard
+
+    heard, unheard = asyncio.run(asyncio.wait_for(body(), 10))
+    assert heard[:3] == [4, 8, 12] and set(puts) == {0}
+    assert unheard and unheard[0] == len(heard) + 1
+
+
 def test_put_ready_waits_while_the_queue_is_full_and_queues_every_group_once(tmp_path):
     async def body(t, sup):
         mq, address, producer = await queue_and_clients(t, sup, tmp_path, capacity_groups=4)

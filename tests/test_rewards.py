@@ -558,7 +558,7 @@ def test_the_reward_worker_gives_the_trajectory_view_to_functions_that_take_it()
                                   ("exact_match", "It is 42."),
                                   (FIX + "trajectory_raising", None)):
                 await worker.score(trajectory(reward, label))
-            return [m.trajectory for m in worker.channel.sent], worker.counts
+            return list(worker.channel.sent), worker.counts  # the Scored records
 
     (reads, builtin, old, raising), counts = asyncio.run(main())
     assert (reads.reward_status, reads.reward, reads.reward_info) == ("ok", 2.0, {

@@ -12,7 +12,7 @@ import pytest
 import structlog
 
 from rollmesh.engine.client import EngineClient
-from rollmesh.mq.role import oldest_version
+from rollmesh.core.trajectory import oldest_version
 from rollmesh.wire.messages import Pause, Resume, WeightVersion
 from rollmesh.rollout.journal import Journal
 from rollmesh.wire.transport import Transport

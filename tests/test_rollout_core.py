@@ -10,7 +10,7 @@ import pytest
 import structlog
 
 from rollmesh.rollout.data import PromptSource
-from rollmesh.wire.messages import Assign, Group, Score
+from rollmesh.wire.messages import Assign, Group, Score, Scored
 from rollmesh.rollout.core import RolloutCore
 from rollmesh.rollout.filters import dapo_filter, get_group_filter, keep_all
 from rollmesh.rollout.workers import Worker
@@ -49,8 +49,8 @@ def finish(core: RolloutCore, group_id: str, rewards: list[float]) -> None:
     for send in sends:
         if isinstance(send.msg, Score) and send.msg.trajectory.group_id == group_id:
             traj = send.msg.trajectory
-            traj.reward, traj.reward_status = rewards[traj.index], "ok"
-            core.scored(scorer, traj)
+            core.scored(scorer, Scored(sample_id=traj.sample_id, reward=rewards[traj.index],
+                                       reward_status="ok"))
 
 
 def dispatched_groups(sends) -> list[str]:
@@ -301,8 +301,7 @@ def test_a_sample_scored_across_a_sync_past_the_bound_drops_its_group(tmp_path):
     assert gid in core.groups
     scorer = worker(core, b"reward")
     for traj in scoring:
-        traj.reward, traj.reward_status = 1.0, "ok"
-        core.scored(scorer, traj)
+        core.scored(scorer, Scored(sample_id=traj.sample_id, reward=1.0, reward_status="ok"))
     assert gid not in core.groups and not core.ready
     assert dict(core.dropped) == {"stale": 2} and core.stale_out == {}
     assert identity_holds(core)

@@ -5,7 +5,10 @@ observation tokens with mask 0) with, per token, the behaviour log-prob and the 
 that produced it (-1: not generated). This module owns the helpers every role uses on that row,
 so that the rollouter, the reward worker and the agent loops share them without importing one
 another: `new_trajectory` (a prompt's row), `append_tokens` / `append_observation` (growing it)
-and `load_tokenizer` (the experiment's tokenizer, which made the row's tokens).
+and `load_tokenizer` (the experiment's tokenizer, which made the row's tokens). It also holds the
+staleness rule, once, for the rollouter, the MessageQueue and the trainer: `oldest_version` (of
+a trajectory or a group), `staleness` (how many versions old at a given version) and `is_stale`
+(past `max_staleness`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from rollmesh.config import ModelConfig
-from rollmesh.wire.messages import Trajectory
+from rollmesh.wire.messages import Group, Trajectory
 
-__all__ = ["append_observation", "append_tokens", "load_tokenizer", "new_trajectory",
-           "oldest_version"]
+__all__ = ["append_observation", "append_tokens", "is_stale", "load_tokenizer", "new_trajectory",
+           "oldest_version", "staleness"]
 
 
 def new_trajectory(sample_id: str, group_id: str, index: int, prompt_ids: list[int], *,
@@ -55,14 +58,44 @@ def append_tokens(traj: Trajectory, ids: list[int], logprobs: list[float] | None
     traj.loss_mask = np.concatenate([traj.loss_mask, np.full(n, int(generated), np.uint8)])
 
 
-def oldest_version(traj: Trajectory) -> int | None:
-    """The oldest weight version among its generated tokens (None: nothing generated yet, or
-    versions that are not integers: the MessageQueue refuses those at the put)."""
-    v = traj.versions
-    if v.dtype.kind not in "iu" or not v.size:
-        return None
-    generated = v[v >= 0]
-    return int(generated.min()) if generated.size else None
+def oldest_version(item: Trajectory | Group, *, strict: bool = False) -> int | None:
+    """The oldest weight version among the generated tokens of a trajectory, or of every
+    trajectory of a group (None: nothing generated yet). Versions that are not integers count
+    as nothing generated, or with `strict` raise ValueError (the MessageQueue refuses such a
+    group at the put). One pass over each row, without a copy."""
+    oldest = None
+    for t in item.trajectories if isinstance(item, Group) else (item,):
+        v = t.versions
+        kind = v.dtype.kind
+        if kind not in "iu":
+            if strict:
+                raise ValueError(f"group {item.group_id!r}: trajectory {t.sample_id!r} has versions "
+                                 f"of {v.dtype.name}, expected integers")
+            continue
+        if v.size:
+            if kind == "i":
+                # the smallest version >= 0 (-1: prompt tokens) in one pass, without a copy:
+                # seen unsigned, a negative number is above every non-negative one
+                low = int(v.view(v.dtype.byteorder + "u" + str(v.dtype.itemsize)).min())
+                if low >= 1 << (8 * v.dtype.itemsize - 1):
+                    continue  # every token negative: nothing generated
+            else:
+                low = int(v.min())
+            oldest = low if oldest is None else min(oldest, low)
+    return oldest
+
+
+def staleness(oldest: Any, version: Any) -> Any:
+    """The staleness rule, the one every role applies: a sample (or group) whose oldest
+    generated token came from weight version `oldest` is `version - oldest` versions stale when
+    trained at `version`; 0 when nothing was generated (`oldest` None). Works on ints and,
+    elementwise, on tensors or arrays (where the caller marks "nothing generated" itself)."""
+    return 0 if oldest is None else version - oldest
+
+
+def is_stale(oldest: int | None, version: int, max_staleness: int) -> bool:
+    """Past the bound: it may not be trained at `version` (`staleness` > max_staleness)."""
+    return staleness(oldest, version) > max_staleness
 
 
 def append_observation(traj: Trajectory, ids: list[int]) -> None:

@@ -1,1 +1,3 @@
-"""The MessageQueue role (`role`): the queued groups, the staleness bound at hand-out, back-pressure, its durable log."""
+"""The MessageQueue: its role process (`role`), its state and durable log without sockets
+(`store`: the queued groups, the staleness bound at hand-out, back-pressure), and what its
+clients run (`client`: the rollouter's puts, the trainer's stream of batches)."""

@@ -1,82 +1,31 @@
-"""The MessageQueue role: the bounded buffer between rollout and training.
+"""The MessageQueue role: the bounded buffer between rollout and training, served over RPC.
 
-It owns the queued groups, the staleness bound at hand-out, back-pressure to the rollouter, and
-its share of the accounting: every sample put is eventually consumed or dropped with a reason,
-and until then it is counted in `depth` (put = consumed + dropped + depth).
+The queue's state and rules (`MessageQueue`: its groups, the staleness bound, its durable log)
+live in `rollmesh.mq.store`, its clients (the rollouter's `put_ready`, the trainer's `BatchFeed`)
+in `rollmesh.mq.client`. This module is the process around them: `QueueRole` holds one handler
+per request (a method each, built from a `MessageQueue` without sockets, so that a test can call
+one alone), `main` binds them to the role's RPC server.
 
-Staleness of a group handed to a trainer at version v: v minus the oldest weight version among
-the group's generated tokens. A group past `max_staleness` is dropped at hand-out and counted
-(reason "stale"): the bound holds even for trajectories resumed across many syncs. Groups are
-kept whole (GRPO needs the n samples of a prompt together), so one stale sample drops its group.
-Hand-out order: the oldest generated first (the group's oldest token version), then put order.
-
-Durability (role config `state_dir`; without it the queue lives in memory only). Every change
-is first appended to `<state_dir>/queue.log` (`rollmesh.runtime.durable_log`: length + crc32 framed
-records, torn tail discarded on open), then applied, then acknowledged; on start the log is
-replayed, so a MessageQueue killed at any moment comes back with its groups, its hand-outs not
-yet committed, its counters (put, consumed, dropped by reason, rejected, staleness histogram) and
-its version. Entries are msgpack lists; a group travels as the wire codec's own frames
-(`protocol.encode(Group)`), never pickle:
-
-    ["put", seq, [frame, ...]]           a group queued (seq: the queue's own serial)
-    ["take", step, version, [seq, ...]]  groups handed out to a trainer at `version` for `step`
-                                         (step 0: untracked, gone once handed out)
-    ["drop", reason, [seq, ...]]         groups dropped (stale)
-    ["commit", committed_step]           hand-outs for steps <= committed_step are forgotten
-    ["forget", step]                     one uncommitted hand-out evicted (max_pending_batches)
-    ["version", v]                       the weight version
-    ["state", {counters}]                absolute counters: the last record of a compacted log
-
-Compaction: when the log exceeds max(2 x live bytes, `compact_floor_bytes`) it is rewritten as
-the live records only (puts of queued and pending groups, takes of the pending hand-outs, then
-the counters), so the log stays within about max(2 x live, floor) + one record. The log is
-recycled (`DurableLog` with `recycle=True`): a compaction writes the new log, salted, over the
-file the compaction before replaced, and keeps the file it replaces as the next one's spare, so
-appends go on over pages the kernel already caches instead of new ones; disk use is the log and
-one spare no larger than a log before its compaction.
-
-Hand-out with acknowledgement (issue 9): `GetBatch.step` is the trainer step the batch is for
-(state.step + 1) and `committed_step` the step of its latest checkpoint. A batch handed out for
-a step is kept (durably) until a GetBatch arrives with committed_step >= that step; a GetBatch
-for a step already handed out and not yet committed (the trainer restarted from its checkpoint,
-or a retried request) gets exactly the same groups again, counted once. step = 0 keeps the old
-behaviour: a batch handed out is gone.
-
-The hot path (issue 16). The rollouter puts what it has ready in PutGroups (`put_ready`), two
-out at once, what is ready shared between them so that they overlap: each put's records go to
-the log in one write, acknowledged together. A group travels nested as its own frames
-(`protocol.Framed`): the queue checks it strictly, keeps the frames it came in, writes those to
-the log and hands those out, never encoding a group again; the header of its put record is kept
-too, so a compaction writes the record again without its checksum computed anew. The trainer
-takes its batches from a stream (`BatchFeed`): it opens one at its next step with credit for the
-steps it may take at its version (OpenBatchStream), and the queue pushes each step's batch as
-soon as it has the groups, while the trainer is still busy with the step before; the trainer
-moves the credit on as it goes (BatchCredit). Each step's batch is taken and kept exactly as a
-GetBatch for that step would, so a trainer that restarts and opens a stream at its checkpoint's
-next step gets the same batches again.
+The queue's state lives in one thread of its own (every MessageQueue call goes there, in order):
+its log writes, checksums and compactions never hold up the event loop, which meanwhile
+receives, checks (decodes) and sends; the periodic fsync runs in a third thread, beside the
+appends. Back-pressure: a put the queue has no room for is refused in part (`accepted` says how
+many of its groups are in), and the rollouter sends the rest again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import heapq
 import os
-import secrets
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-import msgpack
-
-from rollmesh.wire import protocol
-from rollmesh.config import ExperimentConfig, parse_config
-from rollmesh.runtime.durable_log import HEADER, DurableLog, record_size
-from rollmesh.runtime.log import get_logger
-from rollmesh.config.settings import COMPACT_FLOOR_BYTES, MAX_PENDING_BATCHES, MessageQueueSettings
-from rollmesh.wire.protocol import ProtocolError
+from rollmesh.config import parse_config
+from rollmesh.config.settings import MessageQueueSettings
+from rollmesh.mq.store import MessageQueue, default_capacity
+from rollmesh.runtime.process import RoleContext
 from rollmesh.wire.messages import (
     Batch,
     BatchCredit,
@@ -93,756 +42,9 @@ from rollmesh.wire.messages import (
     StreamState,
     WeightVersion,
 )
-from rollmesh.runtime.process import RoleContext
-from rollmesh.wire.transport import (
-    PeerTimeout, RemoteError, RpcClient, RpcServer, RpcStream, StreamBroken,
-)
+from rollmesh.wire.transport import RpcServer
 
-LOG_NAME = "queue.log"
 MAX_WAIT_S = 300.0  # the longest a GetBatch may wait for groups (the trainer asks for seconds)
-_STATE_OVERHEAD = 4096  # the counters record of a compacted log, roughly
-# One PutGroups holds at most this many groups, bytes of arrays and frames (what is ready
-# beyond goes in the next put): big enough to spread a put's costs over many groups, small
-# enough that one put is a short write and a short pause of the queue's loop.
-PUT_MAX_GROUPS = 64
-PUT_MAX_BYTES = 32 << 20
-PUT_MAX_FRAMES = protocol.MAX_FRAMES // 2
-PUTS_IN_FLIGHT = 2  # the rollouter's puts out at once
-# Batches the trainer's stream takes ahead of the step it trains (within one weight version):
-# the next step's batch is on its way while the trainer computes this one.
-STREAM_AHEAD = 1
-
-
-class QueueLogError(RuntimeError):
-    """A whole (checksummed) log record that cannot be understood: a format mismatch, fatal."""
-
-
-class QueueDiskError(OSError):
-    """The log could not be written (disk full...): the request changed nothing."""
-
-
-def oldest_version(group: Group) -> int | None:
-    """The oldest weight version that produced a token of this group (None: nothing generated).
-    ValueError if a trajectory's versions are not integers."""
-    oldest = None
-    for t in group.trajectories:
-        v = t.versions
-        kind = v.dtype.kind
-        if kind not in "iu":
-            raise ValueError(f"group {group.group_id!r}: trajectory {t.sample_id!r} has versions "
-                             f"of {v.dtype.name}, expected integers")
-        if v.size:
-            if kind == "i":
-                # the smallest version >= 0 (-1: prompt tokens) in one pass, without a copy:
-                # seen unsigned, a negative number is above every non-negative one
-                low = int(v.view(v.dtype.byteorder + "u" + str(v.dtype.itemsize)).min())
-                if low >= 1 << (8 * v.dtype.itemsize - 1):
-                    continue  # every token negative: nothing generated
-            else:
-                low = int(v.min())
-            oldest = low if oldest is None else min(oldest, low)
-    return oldest
-
-
-# -- log entries -------------------------------------------------------------------------------
-
-
-_SMALL_PART = 4096  # a put record's pieces smaller than this are copied into one
-
-
-def _array_header(n: int) -> bytes:
-    return bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
-                                              else b"\xdd" + n.to_bytes(4, "big"))
-
-
-def _bin_header(n: int) -> bytes:
-    return (b"\xc4" + n.to_bytes(1, "big") if n < 1 << 8 else
-            b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big"))
-
-
-def entry_parts(entry: list[Any]) -> list[Any]:
-    """An entry as msgpack, in pieces: a put's group frames are referenced, not copied (the
-    log writes the pieces with one writev). A group's frames are the ones it came in, kept
-    with it (`protocol.keep_frames`): the same bytes whenever its record is written again."""
-    if entry[0] != "put":
-        return [msgpack.packb(entry, use_bin_type=True)]
-    frames = protocol.keep_frames(entry[2])
-    parts: list[Any] = []
-    # small pieces (headers, the type name, the body) joined, arrays referenced: fewer
-    # pieces to checksum and to hand to writev
-    head = bytearray(b"\x93\xa3put" + msgpack.packb(entry[1]) + _array_header(len(frames)))
-    for f in frames:
-        view = memoryview(f).cast("B")
-        head += _bin_header(view.nbytes)
-        if view.nbytes < _SMALL_PART:
-            head += view
-        else:
-            parts += [bytes(head), view]
-            head.clear()
-    if head:
-        parts.append(bytes(head))
-    return parts
-
-
-def encode_entry(entry: list[Any]) -> bytes:
-    return b"".join(entry_parts(entry))
-
-
-def _ints(v: Any) -> list[int]:
-    if type(v) is not list or not all(type(x) is int for x in v):
-        raise QueueLogError(f"expected a list of ints, got {v!r:.80}")
-    return v
-
-
-def decode_entry(payload: bytes) -> list[Any]:
-    """Bytes -> a validated entry (groups decoded by the wire codec, strictly)."""
-    try:
-        e = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
-    except Exception as err:
-        raise QueueLogError(f"undecodable entry: {type(err).__name__}: {err}") from None
-    if type(e) is not list or not e or type(e[0]) is not str:
-        raise QueueLogError(f"entry is not [kind, ...]: {e!r:.80}")
-    kind, n = e[0], len(e)
-    if kind == "put" and n == 3 and type(e[1]) is int and type(e[2]) is list:
-        return ["put", e[1], protocol.decode(e[2], Group)]
-    if kind == "take" and n == 4 and type(e[1]) is int and type(e[2]) is int:
-        return ["take", e[1], e[2], _ints(e[3])]
-    if kind == "drop" and n == 3 and type(e[1]) is str:
-        return ["drop", e[1], _ints(e[2])]
-    if kind in ("commit", "forget", "version") and n == 2 and type(e[1]) is int:
-        return e
-    if kind == "state" and n == 2 and type(e[1]) is dict:
-        return e
-    raise QueueLogError(f"unknown or malformed entry {kind!r:.40} ({n} fields)")
-
-
-@dataclass
-class Pending:
-    """A batch handed out for a trainer step and not yet covered by a checkpoint."""
-
-    step: int
-    version: int
-    seqs: list[int]
-    groups: list[Group]
-    samples: int
-    nbytes: int  # its take record on disk
-
-
-class MessageQueue:
-    """The queue's state and rules, without sockets (the role below serves it).
-
-    Every change goes through `_record`: appended to the log (when there is one), then applied
-    by the same code that replays the log on start, so live state and replayed state agree."""
-
-    def __init__(self, capacity_groups: int, max_staleness: int, *,
-                 state_dir: str | Path | None = None, fsync_interval_s: float = 1.0,
-                 compact_floor_bytes: int = COMPACT_FLOOR_BYTES,
-                 max_pending_batches: int = MAX_PENDING_BATCHES, log: Any = None):
-        self.capacity = capacity_groups
-        self.max_staleness = max_staleness
-        self.compact_floor_bytes = compact_floor_bytes
-        self.max_pending_batches = max_pending_batches
-        self.log = log if log is not None else get_logger("rollmesh.mq.role")
-        # seq -> (oldest generated version, group), in put order (= seq order); the oldest
-        # version is computed once at put, not at every hand-out
-        self.queued: collections.OrderedDict[int, tuple[int | None, Group]] = \
-            collections.OrderedDict()
-        self.pending: dict[int, Pending] = {}  # step -> the batch handed out for it
-        self.depth_samples = 0
-        self.version = 0
-        self.committed_step = 0
-        self.next_seq = 0
-        self.put_samples = 0
-        self.consumed_samples = 0
-        self.rejected_puts = 0  # back-pressure events: a put refused because the queue was full
-        self.duplicate_puts = 0  # a put of a group already held (a retry): accepted, not added
-        self.redelivered_batches = 0
-        self.evicted_batches = 0
-        self.dropped: collections.Counter[str] = collections.Counter()
-        self.staleness_hist: collections.Counter[int] = collections.Counter()
-        self._consumed_times: collections.deque[tuple[float, int]] = collections.deque()
-        # seq -> the oldest version of a group being put, computed once by `put_many` (which
-        # checks it before the write) for `_apply`; a replay computes it again
-        self._put_oldest: dict[int, int | None] = {}
-        self._live_ids: dict[str, int] = {}  # group_id -> seq, queued or pending
-        # every group id ever put: a group the rollouter generated again after a crash (it
-        # could not know its first copy was accepted) is recognised even once trained on
-        self._seen_ids: set[str] = set()
-        self._seen_bytes = 0  # their size in the counters record of a compacted log
-        self._clean_at = -1  # every queued group is within the bound at this version
-        self._sizes: dict[int, int] = {}  # seq -> its put record's bytes on disk
-        # seq -> its put record's header (length, crc32), where known: a compaction writes the
-        # record again as it is (its bytes are the group's kept frames, unchanged)
-        self._headers: dict[int, bytes] = {}
-        self.live_bytes = 0
-        self.replayed_records = 0
-        self.journal: DurableLog | None = None
-        self.log_error: str | None = None  # the last failed log write, until one succeeds
-        self.log_write_failures = 0
-        self._compact_after = 0.0  # a failed compaction (no room) is retried after this
-        if state_dir is not None:
-            self.journal, payloads = DurableLog.open(
-                Path(state_dir) / LOG_NAME, fsync_interval_s=fsync_interval_s, log=self.log,
-                recycle=True)
-            for i, payload in enumerate(payloads):
-                try:
-                    self._apply(decode_entry(payload), len(payload) + HEADER.size)
-                except Exception as e:  # whole and checksummed, yet not understood: refuse
-                    raise QueueLogError(f"{self.journal.path}: record {i} cannot be replayed: "
-                                        f"{type(e).__name__}: {e}") from None
-            self.replayed_records = len(payloads)
-            self._consumed_times.clear()  # rates are about this process's lifetime
-            self._maybe_compact()
-
-    # -- the log -----------------------------------------------------------------------------
-
-    def _record(self, entry: list[Any]) -> Any:
-        """Write-ahead: durable (in the kernel) first, then applied. Returns what _apply does."""
-        return self._record_many([entry])[0]
-
-    def _record_many(self, entries: list[list[Any]]) -> list[Any]:
-        """Several entries written with one write (`DurableLog.append_records`), then applied.
-
-        A write that fails (disk full, file size limit) changes nothing: the log is cut back to
-        its last whole record, the state is not touched, the error (naming the file) goes to
-        the request's caller, which was not acknowledged and retries; `log_error` in the stats
-        (the role's status) says so until a write succeeds again."""
-        headers: list[bytes | None] = [None] * len(entries)
-        if self.journal is not None:
-            try:
-                headers = self.journal.append_records([entry_parts(e) for e in entries])
-            except OSError as e:
-                first = self.log_error is None
-                self.log_error = f"{e.filename or self.journal.path}: {e.strerror}"
-                self.log_write_failures += 1
-                if first:  # once per episode: a full disk fails every request until it clears
-                    self.log.error("log_write_failed", path=str(self.journal.path),
-                                   error=str(e), record=entries[0][0])
-                raise QueueDiskError(
-                    f"MessageQueue cannot write its log {self.journal.path}: {e.strerror} "
-                    f"(nothing was changed; retry once there is room)") from None
-            if self.log_error is not None:
-                self.log.warning("log_write_recovered", path=str(self.journal.path),
-                                 failed_writes=self.log_write_failures, error=self.log_error)
-                self.log_error = None
-        out = []
-        for entry, header in zip(entries, headers):
-            out.append(self._apply(entry, 0 if header is None else record_size(header)))
-            if header is not None and entry[0] == "put":
-                self._headers[entry[1]] = header
-        if self.journal is not None:
-            self._maybe_compact()
-        return out
-
-    def _apply(self, entry: list[Any], nbytes: int) -> Any:
-        kind = entry[0]
-        if kind == "put":
-            _, seq, group = entry
-            k = len(group.trajectories)
-            oldest = (self._put_oldest.pop(seq) if seq in self._put_oldest
-                      else oldest_version(group))
-            self.queued[seq] = (oldest, group)
-            if self.staleness(oldest, self._clean_at) > self.max_staleness:
-                self._clean_at = -1  # already past the bound at the last scan: scan again
-            self._live_ids[group.group_id] = seq
-            if group.group_id not in self._seen_ids:
-                self._seen_ids.add(group.group_id)
-                self._seen_bytes += len(group.group_id) + 2
-            self._sizes[seq] = nbytes
-            self.live_bytes += nbytes
-            self.next_seq = max(self.next_seq, seq + 1)
-            self.put_samples += k
-            self.depth_samples += k
-            return None
-        if kind == "take":
-            _, step, version, seqs = entry
-            taken = [(seq, *self.queued.pop(seq)) for seq in seqs]
-            now = time.monotonic()
-            samples = 0
-            for _seq, oldest, g in taken:
-                k = len(g.trajectories)
-                samples += k
-                self.staleness_hist[self.staleness(oldest, version)] += k
-            self.consumed_samples += samples
-            self.depth_samples -= samples
-            self._consumed_times.append((now, samples))
-            groups = [g for _, _, g in taken]
-            if step > 0:
-                self.pending[step] = Pending(step, version, list(seqs), groups, samples, nbytes)
-                self.live_bytes += nbytes
-            else:
-                self._forget(seqs, groups)
-            return groups
-        if kind == "drop":
-            _, reason, seqs = entry
-            for seq in seqs:
-                _, g = self.queued.pop(seq)
-                k = len(g.trajectories)
-                self.depth_samples -= k
-                self.dropped[reason] += k
-                self._forget([seq], [g])
-            return None
-        if kind == "commit":
-            self.committed_step = max(self.committed_step, entry[1])
-            for step in [s for s in self.pending if s <= self.committed_step]:
-                self._release(step)
-            return None
-        if kind == "forget":
-            if entry[1] in self.pending:
-                self._release(entry[1])
-            return None
-        if kind == "version":
-            self.version = max(self.version, entry[1])
-            return None
-        if kind == "state":
-            s = entry[1]
-            self.version = int(s["version"])
-            self.committed_step = int(s["committed_step"])
-            self.next_seq = max(self.next_seq, int(s["next_seq"]))
-            self.put_samples = int(s["put_samples"])
-            self.consumed_samples = int(s["consumed_samples"])
-            self.rejected_puts = int(s["rejected_puts"])
-            self.duplicate_puts = int(s.get("duplicate_puts", 0))
-            self.evicted_batches = int(s.get("evicted_batches", 0))
-            self.dropped = collections.Counter({str(k): int(v) for k, v in s["dropped"].items()})
-            self.staleness_hist = collections.Counter(
-                {int(k): int(v) for k, v in s["staleness_hist"].items()})
-            self.depth_samples = sum(len(g.trajectories) for _, g in self.queued.values())
-            for gid in s.get("seen_ids", ()):
-                if gid not in self._seen_ids:
-                    self._seen_ids.add(gid)
-                    self._seen_bytes += len(gid) + 2
-            return None
-        raise QueueLogError(f"unknown entry {kind!r}")
-
-    def _forget(self, seqs: list[int], groups: list[Group]) -> None:
-        for seq, g in zip(seqs, groups):
-            self.live_bytes -= self._sizes.pop(seq, 0)
-            self._headers.pop(seq, None)
-            if self._live_ids.get(g.group_id) == seq:
-                del self._live_ids[g.group_id]
-
-    def _release(self, step: int) -> None:
-        p = self.pending.pop(step)
-        self.live_bytes -= p.nbytes
-        self._forget(p.seqs, p.groups)
-
-    def _counters(self) -> dict[str, Any]:
-        return {"version": self.version, "committed_step": self.committed_step,
-                "next_seq": self.next_seq, "put_samples": self.put_samples,
-                "consumed_samples": self.consumed_samples, "rejected_puts": self.rejected_puts,
-                "duplicate_puts": self.duplicate_puts, "evicted_batches": self.evicted_batches,
-                "dropped": dict(self.dropped),
-                "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
-                "seen_ids": sorted(self._seen_ids)}
-
-    def live_entries(self) -> list[list[Any]]:
-        """The log a replay needs to rebuild this state exactly (what compaction writes)."""
-        held: dict[int, Group] = {seq: g for seq, (_, g) in self.queued.items()}
-        for p in self.pending.values():
-            held.update(zip(p.seqs, p.groups))
-        entries: list[list[Any]] = [["put", seq, held[seq]] for seq in sorted(held)]
-        entries += [["take", p.step, p.version, p.seqs]
-                    for p in sorted(self.pending.values(), key=lambda p: p.step)]
-        entries.append(["state", self._counters()])  # last: absolute, overrides the above
-        return entries
-
-    def compact(self) -> None:
-        assert self.journal is not None
-        records: list[Any] = []
-        for entry in self.live_entries():
-            header = self._headers.get(entry[1]) if entry[0] == "put" else None
-            # a put written before: the same bytes again (the group's kept frames), its
-            # checksum known; anything else is encoded (and checksummed) now
-            records.append((header, entry_parts(entry)) if header is not None
-                           else encode_entry(entry))
-        headers = self.journal.rewrite(records)
-        # record sizes in the new file (the live-bytes estimate starts again from them)
-        sizes = [record_size(h) for h in headers]
-        held = sorted({*self.queued, *(s for p in self.pending.values() for s in p.seqs)})
-        self._sizes = dict(zip(held, sizes))
-        self._headers = dict(zip(held, headers))
-        for p, n in zip(sorted(self.pending.values(), key=lambda p: p.step),
-                        sizes[len(held):-1]):
-            p.nbytes = n
-        self.live_bytes = sum(sizes[:-1])
-
-    def _maybe_compact(self) -> None:
-        assert self.journal is not None
-        if self.journal.size > max(2 * (self.live_bytes + _STATE_OVERHEAD + self._seen_bytes),
-                                   self.compact_floor_bytes) \
-                and time.monotonic() >= self._compact_after:
-            try:
-                self.compact()
-            except OSError as e:  # no room for the new file: the log is as it was, still valid
-                self._compact_after = time.monotonic() + 30.0
-                self.log.warning("log_compaction_failed", path=str(self.journal.path),
-                                 error=str(e), retry_in_s=30)
-
-    def sync(self) -> None:
-        if self.journal is not None:
-            self.journal.sync()
-
-    def close(self) -> None:
-        if self.journal is not None:
-            self.journal.close()
-
-    # -- the rules ---------------------------------------------------------------------------
-
-    @property
-    def depth_groups(self) -> int:
-        return len(self.queued)
-
-    def put(self, group: Group) -> bool:
-        return self.put_many([group]) == 1
-
-    def put_many(self, groups: list[Group]) -> int:
-        """Queue these groups in order, their records written with one write; returns how many
-        of the first ones are in the queue now (the rest: full, to be sent again).
-
-        A group put before counts as accepted and is not queued again: the retry of a put
-        whose reply was lost (a restart in between), or a group a restarted rollouter
-        generated again; held or trained, it counts once. Nothing is recorded if any group is
-        malformed (ValueError) or the write fails (QueueDiskError)."""
-        entries: list[list[Any]] = []
-        new_ids: set[str] = set()
-        duplicates = accepted = 0
-        room = self.capacity - len(self.queued)
-        oldest: dict[int, int | None] = {}
-        for group in groups:
-            version = oldest_version(group)  # integer versions, checked before any write
-            if group.group_id in self._seen_ids or group.group_id in new_ids:
-                duplicates += 1
-            elif room <= 0:
-                break
-            else:
-                seq = self.next_seq + len(entries)
-                entries.append(["put", seq, group])
-                oldest[seq] = version
-                new_ids.add(group.group_id)
-                room -= 1
-            accepted += 1
-        if entries:
-            self._put_oldest = oldest
-            try:
-                self._record_many(entries)
-            finally:
-                self._put_oldest = {}
-        self.duplicate_puts += duplicates
-        self.rejected_puts += accepted < len(groups)  # one back-pressure event per refused put
-        return accepted
-
-    @staticmethod
-    def staleness(oldest: int | None, version: int) -> int:
-        return 0 if oldest is None else version - oldest
-
-    def set_version(self, version: int) -> None:
-        if version > self.version:
-            self._record(["version", version])
-
-    def drop_stale(self, version: int) -> int:
-        """Drop every group past the bound for a consumer at `version`; returns samples dropped.
-        A full scan only when the version moved past the last one (or a put arrived already
-        past it): every hand-out calls this, and the queue can be long."""
-        if version <= self._clean_at:
-            return 0
-        stale = [seq for seq, (oldest, _) in self.queued.items()
-                 if self.staleness(oldest, version) > self.max_staleness]
-        if not stale:
-            self._clean_at = version
-            return 0
-        before = self.dropped["stale"]
-        self._record(["drop", "stale", stale])
-        self._clean_at = version  # only once recorded: a failed write scans again next time
-        return self.dropped["stale"] - before
-
-    def commit(self, committed_step: int) -> None:
-        """Forget the hand-outs of every step <= committed_step (their checkpoint is written)."""
-        if committed_step > self.committed_step:
-            self._record(["commit", committed_step])
-
-    def redeliver(self, step: int) -> Pending | None:
-        """The uncommitted batch already handed out for this step, if any (counted as a
-        redelivery, not as consumed again)."""
-        p = self.pending.get(step) if step > 0 else None
-        if p is not None:
-            self.redelivered_batches += 1
-        return p
-
-    def take(self, n: int, version: int, step: int = 0) -> list[Group] | None:
-        """Exactly n groups for a trainer at `version`, oldest first, or None if fewer remain
-        after dropping the stale ones. step > 0: kept until committed (see `commit`)."""
-        assert step not in self.pending, "redeliver() answers a step already handed out"
-        version = max(version, self.version)
-        self.drop_stale(version)
-        if len(self.queued) < n:
-            return None
-        if step > 0 and step <= self.committed_step:
-            self.log.warning("get_batch_for_committed_step", step=step,
-                             committed_step=self.committed_step)
-            step = 0  # a checkpoint already covers it: nothing to keep it for
-        # The oldest generated first (then in put order): a group that finished late (resumed
-        # across an engine restart, say) is trained before the fresher ones put before it, so
-        # it meets its staleness deadline instead of being dropped at the next version.
-        seqs = [seq for _, seq in heapq.nsmallest(
-            n, ((oldest if oldest is not None else version, seq)
-                for seq, (oldest, _) in self.queued.items()))]
-        groups = self._record(["take", step, version, seqs])
-        while len(self.pending) > self.max_pending_batches:
-            oldest = min(self.pending)
-            self.log.warning("uncommitted_batch_evicted", step=oldest,
-                             committed_step=self.committed_step,
-                             max_pending_batches=self.max_pending_batches)
-            self.evicted_batches += 1
-            self._record(["forget", oldest])
-        return groups
-
-    def hand_out(self, step: int, n: int, version: int) -> tuple[list[Group], int, bool] | None:
-        """The batch for `step` as (groups, version, redelivered): the one handed out before for
-        it if any (`redeliver`), else `take`; None if too few groups remain."""
-        again = self.redeliver(step)
-        if again is not None:
-            return again.groups, again.version, True
-        groups = self.take(n, version, step)
-        if groups is None:
-            return None
-        return groups, max(version, self.version), False
-
-    def stats(self) -> dict[str, Any]:
-        now = time.monotonic()
-        while self._consumed_times and now - self._consumed_times[0][0] > 60:
-            self._consumed_times.popleft()
-        recent = sum(k for _, k in self._consumed_times)
-        span = now - self._consumed_times[0][0] if self._consumed_times else 0.0
-        out = {
-            "depth_groups": len(self.queued), "depth_samples": self.depth_samples,
-            "capacity_groups": self.capacity, "version": self.version,
-            "put_samples": self.put_samples, "consumed_samples": self.consumed_samples,
-            "dropped": dict(self.dropped), "rejected_puts": self.rejected_puts,
-            "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
-            "consumed_per_s": recent / span if span > 0 else 0.0,
-            "max_staleness": self.max_staleness,
-            "pending_batches": len(self.pending),
-            "pending_samples": sum(p.samples for p in self.pending.values()),
-            "committed_step": self.committed_step, "redelivered_batches": self.redelivered_batches,
-            "duplicate_puts": self.duplicate_puts, "evicted_batches": self.evicted_batches,
-            "durable": self.journal is not None,
-        }
-        if self.journal is not None:
-            out.update(log_bytes=self.journal.size, log_live_bytes=self.live_bytes,
-                       log_compactions=self.journal.compactions,
-                       log_fsyncs=self.journal.fsyncs, replayed_records=self.replayed_records,
-                       log_error=self.log_error, log_write_failures=self.log_write_failures)
-        return out
-
-
-# -- the other ends: the rollouter's puts, the trainer's stream ---------------------------------
-
-
-def group_bytes(group: Group) -> int:
-    """About what a group weighs on the wire: the bytes of its arrays."""
-    return sum(t.token_ids.nbytes + t.logprobs.nbytes + t.versions.nbytes + t.loss_mask.nbytes
-               for t in group.trajectories)
-
-
-def next_put(ready: collections.deque[Group], *, max_groups: int = PUT_MAX_GROUPS,
-             max_bytes: int = PUT_MAX_BYTES, max_frames: int = PUT_MAX_FRAMES) -> list[Group]:
-    """The groups of the next PutGroups: the oldest ready, within the limits (one at least)."""
-    out: list[Group] = []
-    nbytes = frames = 0
-    for group in ready:
-        size = group_bytes(group)
-        n = 2 + 4 * len(group.trajectories)
-        if out and (len(out) >= max_groups or nbytes + size > max_bytes
-                    or frames + n > max_frames):
-            break
-        out.append(group)
-        nbytes += size
-        frames += n
-    return out
-
-
-async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asyncio.Event,
-                    queued: Callable[[Group], None], *, log: Any,
-                    full: Callable[[], None] | None = None, timeout_s: float = 30.0,
-                    max_groups: int = PUT_MAX_GROUPS, max_bytes: int = PUT_MAX_BYTES,
-                    in_flight: int = PUTS_IN_FLIGHT) -> None:
-    """The rollouter's put loop, until cancelled: what is ready goes to the queue in PutGroups,
-    oldest first, with up to `in_flight` puts out at once, shared evenly over the puts that may
-    go out (the queue writes one while it receives and checks the next). A group stays in
-    `ready` until the queue has it in its log (then `queued(group)` is called); what the queue
-    refused because it is full stays and goes again (`full()` is called; no new put for 10 ms,
-    doubling to 0.5 s). A failed put (timeout, error) goes again after a second: a group the
-    queue took and whose reply was lost is counted once there (by its id). `wake` is set when
-    `ready` grows."""
-    running = asyncio.get_running_loop()
-    delay = 0.01
-    resume_at = 0.0  # no new put before this (the queue was full, or did not answer)
-    flying: collections.deque[tuple[asyncio.Task, list[Group]]] = collections.deque()
-    out: set[int] = set()  # ids of the groups in a put not yet answered
-    try:
-        while True:
-            while len(flying) < in_flight and running.time() >= resume_at:
-                waiting = collections.deque(g for g in ready if id(g) not in out)
-                if not waiting:
-                    break
-                # what waits is shared over the puts that may go out now, so that they overlap
-                # (the queue writes one while the next is sent and checked) instead of one
-                # put carrying it all while the others have nothing to carry
-                share = -(-len(waiting) // (in_flight - len(flying)))
-                groups = next_put(waiting, max_groups=min(max_groups, share),
-                                  max_bytes=max_bytes)
-                flying.append((asyncio.create_task(
-                    mq.request(PutGroups(groups=groups), timeout_s=timeout_s)), groups))
-                out.update(map(id, groups))
-            wake.clear()
-            pause = max(0.0, resume_at - running.time())
-            if not flying:
-                if pause and any(id(g) not in out for g in ready):
-                    await asyncio.sleep(pause)
-                else:
-                    await wake.wait()
-                continue
-            task, groups = flying[0]
-            if len(flying) < in_flight:  # another put may go out once more is ready
-                woken = asyncio.create_task(wake.wait())
-                await asyncio.wait({task, woken}, timeout=pause or None,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                woken.cancel()
-                if not task.done():
-                    continue
-            flying.popleft()
-            out.difference_update(map(id, groups))
-            try:
-                reply = await task
-                if not (isinstance(reply, PutGroupsReply) and 0 <= reply.accepted <= len(groups)):
-                    raise ProtocolError(f"PutGroups of {len(groups)} answered with {reply!r:.200}")
-            except (PeerTimeout, RemoteError, ProtocolError) as e:
-                log.warning("queue_put_failed", groups=len(groups), error=str(e))
-                resume_at = running.time() + 1.0
-                continue
-            if reply.accepted:
-                taken = set(map(id, groups[:reply.accepted]))
-                left = [g for g in ready if id(g) not in taken]
-                ready.clear()
-                ready.extend(left)
-                for g in groups[:reply.accepted]:
-                    queued(g)
-            if reply.accepted < len(groups):
-                if full is not None:
-                    full()
-                resume_at = running.time() + delay
-                delay = min(delay * 2, 0.5)
-            else:
-                delay = 0.01
-    finally:
-        for task, _ in flying:
-            task.cancel()
-
-
-class BatchFeed:
-    """The trainer's end of the hand-out: its batches from the MessageQueue's stream.
-
-    `get(step, ...)` returns the batch for `step`, the step after the trainer's last one. The
-    feed keeps one stream open (OpenBatchStream) with credit through `through_step`, which the
-    trainer sets to the last step it may train at its current weight version (never beyond:
-    a batch is taken at the version it is trained at, so its staleness is exact), at most
-    `STREAM_AHEAD` past `step`. So the next batch is already here, or on its way, when the
-    trainer asks for it. Each get moves the credit on (BatchCredit) and says which step the
-    latest checkpoint holds. After a dropped connection, a stream the queue no longer has (it
-    restarted, or another replaced it), or a wait that came back empty although the queue had
-    sent the step's batch, the next get opens a new stream at `step`: the queue hands out
-    again, from its log, every batch it already took for the steps from there on, so nothing
-    is lost or trained twice (a batch that arrives twice is dropped)."""
-
-    def __init__(self, mq: RpcClient, groups: int, *, log: Any = None):
-        self.mq, self.groups = mq, groups
-        self.log = log if log is not None else get_logger("rollmesh.mq.role")
-        self.stream: RpcStream | None = None
-        self.stream_id = 0
-        self.have: dict[int, Batch] = {}  # batches received for the steps ahead
-        # (version, through, committed) last sent; None: send them again (a probe)
-        self.credit: tuple[int, int, int] | None = None
-        self.opened = 0  # streams opened (1 when nothing went wrong)
-
-    async def get(self, step: int, version: int, through_step: int, committed_step: int,
-                  timeout_s: float) -> Batch | None:
-        """The batch for `step`, or None if none came within `timeout_s` (ask again)."""
-        if step < 1 or through_step < step:
-            raise ValueError(f"BatchFeed.get: step must be >= 1 and through_step >= step, got "
-                             f"step={step}, through_step={through_step}")
-        for s in [s for s in self.have if s < step]:
-            del self.have[s]
-        if self.stream is None or self.stream.broken:
-            await self._open(step, version, through_step, committed_step)
-        elif (version, through_step, committed_step) != self.credit:
-            probe = self.credit is None  # the last wait came back empty: is the stream whole?
-            try:
-                state = await self.mq.request(BatchCredit(
-                    stream=self.stream_id, version=version, through_step=through_step,
-                    committed_step=committed_step), timeout_s=max(timeout_s, 5.0))
-            except PeerTimeout as e:  # the queue is away (restarting): ask again later
-                self.log.warning("batch_credit_failed", step=step, error=str(e))
-                self._close()
-                return None
-            if not isinstance(state, StreamState):
-                raise ProtocolError(f"BatchCredit answered with {type(state).__name__}")
-            self.credit = (version, through_step, committed_step)
-            if not state.open or (probe and state.next_step > step and step not in self.have):
-                # the queue restarted, or a stream replaced ours, or it sent this step's batch
-                # and, a whole wait later, nothing came: a new stream (it sends it again)
-                await self._open(step, version, through_step, committed_step)
-        if step in self.have:
-            return self.have.pop(step)
-        assert self.stream is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                batch = await self.stream.next(max(0.0, deadline - time.monotonic()))
-            except PeerTimeout:
-                self.credit = None  # the next get asks the queue how the stream stands
-                return None
-            except StreamBroken as e:
-                self.log.warning("batch_stream_broken", step=step, error=str(e))
-                self._close()
-                return None
-            except RemoteError:  # the queue ended the stream with an error (its log, say)
-                self._close()  # the next get opens another
-                raise
-            if not isinstance(batch, Batch):
-                self._close()
-                raise ProtocolError(f"the batch stream sent a {type(batch).__name__}")
-            if batch.step == step:
-                return batch
-            if batch.step > step:
-                self.have.setdefault(batch.step, batch)
-            # else: a step already had (sent again by a stream opened meanwhile): dropped
-
-    async def _open(self, step: int, version: int, through_step: int,
-                    committed_step: int) -> None:
-        self._close()
-        self.have.clear()  # the new stream hands them out again
-        self.stream_id = secrets.randbits(62)
-        self.stream = await self.mq.stream(OpenBatchStream(
-            stream=self.stream_id, groups=self.groups, version=version, next_step=step,
-            through_step=through_step, committed_step=committed_step))
-        self.credit = (version, through_step, committed_step)
-        self.opened += 1
-
-    def _close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
-
-    def close(self) -> None:
-        self._close()
-        self.have.clear()
-
-
-def default_capacity(exp: ExperimentConfig) -> int:
-    """Enough for every group the staleness bound lets exist at once, and one batch more."""
-    per_version = exp.rollout.batch_groups * exp.sync.sync_every
-    return (exp.staleness.max_staleness + 2) * per_version
 
 
 @dataclass
@@ -858,14 +60,218 @@ class _Stream:
     committed: int = 0  # the consumer's latest checkpoint, committed with the next hand-out
 
 
+class QueueRole:
+    """The role's request handlers, one method each, around one `MessageQueue`.
+
+    Every call to the queue goes to its own thread (`call`); `changed` wakes the requests and
+    the stream waiting for groups; `consumer` is the open stream, if any. Built without sockets
+    (`main` binds `handlers()` to an `RpcServer` and sets `server`, whose protocol error count
+    the stats report), so a test can build one and call a handler alone."""
+
+    def __init__(self, queue: MessageQueue, *, log: Any, host: str = ""):
+        self.queue, self.log, self.host = queue, log, host
+        self.state = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="queue-state")
+        self.changed = asyncio.Condition()
+        self.consumer: _Stream | None = None  # the open stream, if any
+        self.status: dict[str, Any] = queue.stats()  # the latest stats, for the monitor
+        self.server: RpcServer | None = None
+
+    def handlers(self) -> dict[type, Callable[..., Any]]:
+        return {PutGroups: self.put_groups, PutGroup: self.put, OpenBatchStream: self.open_stream,
+                BatchCredit: self.credit, GetBatch: self.get, WeightVersion: self.version,
+                StatsRequest: self.stats}
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call `fn` (a MessageQueue method) in the queue's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.state, fn, *args)
+
+    def close(self) -> None:
+        """Wait for what the queue's thread is doing: the state is the caller's thread's."""
+        self.state.shutdown(wait=True)
+
+    # -- puts --------------------------------------------------------------------------------
+
+    async def put(self, msg: PutGroup, peer: bytes) -> PutReply:
+        queue = self.queue
+        accepted, depth = await self.call(lambda: (queue.put(msg.group), queue.depth_groups))
+        if accepted:
+            async with self.changed:
+                self.changed.notify_all()
+        return PutReply(accepted=accepted, depth=depth)
+
+    async def put_groups(self, msg: PutGroups, peer: bytes) -> PutGroupsReply:
+        queue = self.queue
+        accepted, depth, stale = await self.call(
+            lambda: (queue.put_many(msg.groups), queue.depth_groups, queue.dropped["stale"]))
+        if accepted:
+            async with self.changed:
+                self.changed.notify_all()
+        return PutGroupsReply(accepted=accepted, depth=depth, dropped_stale=stale)
+
+    # -- hand-outs ---------------------------------------------------------------------------
+
+    def _commit_and_hand_out(self, committed: int, step: int, n: int,
+                             version: int) -> tuple[list[Group], int, bool] | None:
+        self.queue.commit(committed)
+        return self.queue.hand_out(step, n, version)
+
+    async def hand_out(self, step: int, n: int, version: int, committed: int = 0) -> Batch | None:
+        """The batch for `step` (the one handed out before, if any), or None: too few groups.
+        `committed`: a checkpoint to commit first (in the same call to the queue's thread).
+        Called holding `changed`."""
+        queue = self.queue
+        if committed <= queue.committed_step and step not in queue.pending \
+                and len(queue.queued) < n:
+            return None  # nothing to do there (reads of the thread's state: never too low)
+        out = await self.call(self._commit_and_hand_out, committed, step, n, version)
+        if out is None:
+            return None
+        groups, version, redelivered = out
+        if redelivered:  # a restarted trainer, or a retry: the very same batch
+            self.log.info("batch_redelivered", step=step, groups=len(groups))
+        elif step > 0:
+            self.changed.notify_all()  # another request for this step returns it too
+        return Batch(groups=groups, version=version, step=step, redelivered=redelivered)
+
+    async def get(self, msg: GetBatch, peer: bytes) -> Batch:
+        if msg.groups < 1 or msg.step < 0 or msg.committed_step < 0:
+            raise ValueError(f"GetBatch: groups must be >= 1 and steps >= 0, got groups="
+                             f"{msg.groups}, step={msg.step}, committed_step={msg.committed_step}")
+        if not 0 <= msg.timeout_s <= MAX_WAIT_S:  # a waiting request holds a server slot
+            raise ValueError(f"GetBatch: timeout_s must be in [0, {MAX_WAIT_S:g}], "
+                             f"got {msg.timeout_s}")
+        if msg.committed_step > self.queue.committed_step:
+            await self.call(self.queue.commit, msg.committed_step)
+        deadline = time.monotonic() + msg.timeout_s
+        async with self.changed:
+            while True:
+                batch = await self.hand_out(msg.step, msg.groups, msg.version)
+                remaining = deadline - time.monotonic()
+                if batch is not None or remaining <= 0:
+                    return batch or Batch(groups=[], step=msg.step,
+                                          version=max(msg.version, self.queue.version))
+                try:
+                    await asyncio.wait_for(self.changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+
+    # -- the stream ---------------------------------------------------------------------------
+
+    async def open_stream(self, msg: OpenBatchStream, peer: bytes) -> AsyncIterator[Batch]:
+        capacity = self.queue.capacity
+        if not 1 <= msg.groups <= capacity or msg.next_step < 1 or msg.through_step < 0 \
+                or msg.committed_step < 0:
+            raise ValueError(f"OpenBatchStream: groups must be in [1, {capacity}] (the "
+                             f"capacity), next_step >= 1 and steps >= 0, got groups={msg.groups}, "
+                             f"next_step={msg.next_step}, through_step={msg.through_step}, "
+                             f"committed_step={msg.committed_step}")
+        if msg.committed_step > self.queue.committed_step:
+            await self.call(self.queue.commit, msg.committed_step)
+        stream = _Stream(msg.stream, peer, msg.groups, msg.version, msg.next_step,
+                         msg.through_step, msg.committed_step)
+        before, self.consumer = self.consumer, stream
+        if before is not None:
+            self.log.info("batch_stream_replaced", next_step=before.cursor,
+                          new_next_step=stream.cursor)
+        async with self.changed:
+            self.changed.notify_all()  # the stream it replaces ends
+        return self.batches(stream)
+
+    async def batches(self, stream: _Stream) -> AsyncIterator[Batch]:
+        try:
+            while True:
+                async with self.changed:
+                    while True:
+                        if self.consumer is not stream:
+                            return  # replaced
+                        if stream.cursor <= stream.through:
+                            batch = await self.hand_out(stream.cursor, stream.groups,
+                                                        stream.version, stream.committed)
+                            if batch is not None:
+                                break
+                        elif stream.committed > self.queue.committed_step:
+                            # no hand-out to commit it with (the credit is used up: the last
+                            # step of a run, or of a weight version): committed on its own
+                            await self.call(self.queue.commit, stream.committed)
+                        await self.changed.wait()
+                stream.cursor += 1  # handed out (and kept): a stream opened later gets it again
+                yield batch
+        finally:
+            if self.consumer is stream:
+                self.consumer = None
+
+    async def credit(self, msg: BatchCredit, peer: bytes) -> StreamState:
+        if msg.through_step < 0 or msg.committed_step < 0:
+            raise ValueError(f"BatchCredit: steps must be >= 0, got through_step="
+                             f"{msg.through_step}, committed_step={msg.committed_step}")
+        stream = self.consumer
+        if stream is None or stream.id != msg.stream or stream.peer != peer:
+            if msg.committed_step > self.queue.committed_step:
+                await self.call(self.queue.commit, msg.committed_step)
+            return StreamState(open=False, next_step=0)
+        # committed with the stream's next hand-out (one call to the queue's thread for both;
+        # a commit lost with a crash is sent again by the trainer's next credit)
+        stream.committed = max(stream.committed, msg.committed_step)
+        stream.version = max(stream.version, msg.version)
+        stream.through = max(stream.through, msg.through_step)
+        async with self.changed:
+            self.changed.notify_all()
+        return StreamState(open=True, next_step=stream.cursor)
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    async def version(self, msg: WeightVersion, peer: bytes) -> Ok:
+        def apply() -> tuple[int, int]:
+            self.queue.set_version(msg.version)
+            self.queue.drop_stale(self.queue.version)
+            return self.queue.version, self.queue.depth_groups
+
+        async with self.changed:
+            now, depth = await self.call(apply)
+            self.changed.notify_all()
+        self.log.info("version", version=now, depth=depth)
+        return Ok()
+
+    def protocol_errors(self) -> int:
+        """Requests the server could not decode (none without a server: nothing came in)."""
+        return self.server.stats.protocol_errors if self.server is not None else 0
+
+    async def stats(self, msg: StatsRequest, peer: bytes) -> Metrics:
+        return Metrics(role="message_queue", host=self.host,
+                       values={**await self.call(self.queue.stats),
+                               "protocol_errors": self.protocol_errors()})
+
+    async def status_loop(self) -> None:  # the monitor's copy, taken in the queue's thread
+        while True:
+            await asyncio.sleep(0.5)
+            self.status.update(await self.call(self.queue.stats))
+
+    async def fsync_loop(self, interval_s: float) -> None:
+        """The batched fsync: nothing written stays unsynced longer than `interval_s`."""
+        assert self.queue.journal is not None
+        journal = self.queue.journal
+        while True:
+            await asyncio.sleep(max(interval_s, 0.05))
+            began = await self.call(journal.begin_sync)
+            if began is None:
+                continue
+            error = None
+            try:
+                await asyncio.to_thread(os.fsync, began[0])
+            except OSError as e:
+                error = e
+            try:
+                await self.call(journal.end_sync, began, error)
+            except OSError as e:
+                # what the kernel held may never reach the disk (and Linux forgets the error
+                # after reporting it once): stop, so that a restart replays what is on disk
+                self.log.error("log_fsync_failed", path=e.filename, error=str(e))
+                raise
+
+
 async def main(ctx: RoleContext) -> None:
     """Role entry: serve PutGroups / PutGroup / OpenBatchStream / BatchCredit / GetBatch /
-    WeightVersion / StatsRequest.
-
-    The queue's state lives in one thread of its own (every MessageQueue call goes there, in
-    order): its log writes, checksums and compactions never hold up the event loop, which
-    meanwhile receives, checks (decodes) and sends; the periodic fsync runs in a third thread,
-    beside the appends.
+    WeightVersion / StatsRequest (`QueueRole`).
 
     settings: rollmesh.config.MessageQueueSettings (a durable queue with a state_dir)."""
     settings = parse_config(MessageQueueSettings, ctx.config, "MessageQueue spec")
@@ -883,189 +289,17 @@ async def main(ctx: RoleContext) -> None:
                      put_samples=queue.put_samples, consumed_samples=queue.consumed_samples,
                      dropped=dict(queue.dropped), version=queue.version,
                      seconds=round(time.monotonic() - started, 3))
-        queue.journal.background_sync = True  # fsync_loop below
-    state = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="queue-state")
-    loop = asyncio.get_running_loop()
-
-    async def q(fn: Callable[..., Any], *args: Any) -> Any:
-        """Call `fn` (a MessageQueue method) in the queue's thread."""
-        return await loop.run_in_executor(state, fn, *args)
-
-    changed = asyncio.Condition()
-    consumer: list[_Stream | None] = [None]  # the open stream, if any
-    status: dict[str, Any] = queue.stats()  # the latest stats, for the monitor
-
-    async def put(msg: PutGroup, peer: bytes) -> PutReply:
-        accepted, depth = await q(lambda: (queue.put(msg.group), queue.depth_groups))
-        if accepted:
-            async with changed:
-                changed.notify_all()
-        return PutReply(accepted=accepted, depth=depth)
-
-    async def put_groups(msg: PutGroups, peer: bytes) -> PutGroupsReply:
-        accepted, depth = await q(lambda: (queue.put_many(msg.groups), queue.depth_groups))
-        if accepted:
-            async with changed:
-                changed.notify_all()
-        return PutGroupsReply(accepted=accepted, depth=depth)
-
-    def commit_and_hand_out(committed: int, step: int, n: int,
-                            version: int) -> tuple[list[Group], int, bool] | None:
-        queue.commit(committed)
-        return queue.hand_out(step, n, version)
-
-    async def hand_out(step: int, n: int, version: int, committed: int = 0) -> Batch | None:
-        """The batch for `step` (the one handed out before, if any), or None: too few groups.
-        `committed`: a checkpoint to commit first (in the same call to the queue's thread).
-        Called holding `changed`."""
-        if committed <= queue.committed_step and step not in queue.pending \
-                and len(queue.queued) < n:
-            return None  # nothing to do there (reads of the thread's state: never too low)
-        out = await q(commit_and_hand_out, committed, step, n, version)
-        if out is None:
-            return None
-        groups, version, redelivered = out
-        if redelivered:  # a restarted trainer, or a retry: the very same batch
-            ctx.log.info("batch_redelivered", step=step, groups=len(groups))
-        elif step > 0:
-            changed.notify_all()  # another request for this step returns it too
-        return Batch(groups=groups, version=version, step=step, redelivered=redelivered)
-
-    async def get(msg: GetBatch, peer: bytes) -> Batch:
-        if msg.groups < 1 or msg.step < 0 or msg.committed_step < 0:
-            raise ValueError(f"GetBatch: groups must be >= 1 and steps >= 0, got groups="
-                             f"{msg.groups}, step={msg.step}, committed_step={msg.committed_step}")
-        if not 0 <= msg.timeout_s <= MAX_WAIT_S:  # a waiting request holds a server slot
-            raise ValueError(f"GetBatch: timeout_s must be in [0, {MAX_WAIT_S:g}], "
-                             f"got {msg.timeout_s}")
-        if msg.committed_step > queue.committed_step:
-            await q(queue.commit, msg.committed_step)
-        deadline = time.monotonic() + msg.timeout_s
-        async with changed:
-            while True:
-                batch = await hand_out(msg.step, msg.groups, msg.version)
-                remaining = deadline - time.monotonic()
-                if batch is not None or remaining <= 0:
-                    return batch or Batch(groups=[], version=max(msg.version, queue.version),
-                                          step=msg.step)
-                try:
-                    await asyncio.wait_for(changed.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
-
-    async def open_stream(msg: OpenBatchStream, peer: bytes) -> AsyncIterator[Batch]:
-        if not 1 <= msg.groups <= queue.capacity or msg.next_step < 1 or msg.through_step < 0 \
-                or msg.committed_step < 0:
-            raise ValueError(f"OpenBatchStream: groups must be in [1, {queue.capacity}] (the "
-                             f"capacity), next_step >= 1 and steps >= 0, got groups={msg.groups}, "
-                             f"next_step={msg.next_step}, through_step={msg.through_step}, "
-                             f"committed_step={msg.committed_step}")
-        if msg.committed_step > queue.committed_step:
-            await q(queue.commit, msg.committed_step)
-        stream = _Stream(msg.stream, peer, msg.groups, msg.version, msg.next_step,
-                         msg.through_step, msg.committed_step)
-        before, consumer[0] = consumer[0], stream
-        if before is not None:
-            ctx.log.info("batch_stream_replaced", next_step=before.cursor,
-                         new_next_step=stream.cursor)
-        async with changed:
-            changed.notify_all()  # the stream it replaces ends
-        return batches(stream)
-
-    async def batches(stream: _Stream) -> AsyncIterator[Batch]:
-        try:
-            while True:
-                async with changed:
-                    while True:
-                        if consumer[0] is not stream:
-                            return  # replaced
-                        if stream.cursor <= stream.through:
-                            batch = await hand_out(stream.cursor, stream.groups, stream.version,
-                                                   stream.committed)
-                            if batch is not None:
-                                break
-                        elif stream.committed > queue.committed_step:
-                            # no hand-out to commit it with (the credit is used up: the last
-                            # step of a run, or of a weight version): committed on its own
-                            await q(queue.commit, stream.committed)
-                        await changed.wait()
-                stream.cursor += 1  # handed out (and kept): a stream opened later gets it again
-                yield batch
-        finally:
-            if consumer[0] is stream:
-                consumer[0] = None
-
-    async def credit(msg: BatchCredit, peer: bytes) -> StreamState:
-        if msg.through_step < 0 or msg.committed_step < 0:
-            raise ValueError(f"BatchCredit: steps must be >= 0, got through_step="
-                             f"{msg.through_step}, committed_step={msg.committed_step}")
-        stream = consumer[0]
-        if stream is None or stream.id != msg.stream or stream.peer != peer:
-            if msg.committed_step > queue.committed_step:
-                await q(queue.commit, msg.committed_step)
-            return StreamState(open=False, next_step=0)
-        # committed with the stream's next hand-out (one call to the queue's thread for both;
-        # a commit lost with a crash is sent again by the trainer's next credit)
-        stream.committed = max(stream.committed, msg.committed_step)
-        stream.version = max(stream.version, msg.version)
-        stream.through = max(stream.through, msg.through_step)
-        async with changed:
-            changed.notify_all()
-        return StreamState(open=True, next_step=stream.cursor)
-
-    async def version(msg: WeightVersion, peer: bytes) -> Ok:
-        def apply() -> tuple[int, int]:
-            queue.set_version(msg.version)
-            queue.drop_stale(queue.version)
-            return queue.version, queue.depth_groups
-
-        async with changed:
-            now, depth = await q(apply)
-            changed.notify_all()
-        ctx.log.info("version", version=now, depth=depth)
-        return Ok()
-
-    async def stats(msg: StatsRequest, peer: bytes) -> Metrics:
-        return Metrics(role="message_queue", host=ctx.spec.host,
-                       values={**await q(queue.stats),
-                               "protocol_errors": server.stats.protocol_errors})
-
-    async def status_loop() -> None:  # the monitor's copy, taken in the queue's thread
-        while True:
-            await asyncio.sleep(0.5)
-            status.update(await q(queue.stats))
-
-    async def fsync_loop() -> None:  # the batched fsync: nothing written stays unsynced longer
-        assert queue.journal is not None
-        journal = queue.journal
-        while True:
-            await asyncio.sleep(max(fsync_interval_s, 0.05))
-            began = await q(journal.begin_sync)
-            if began is None:
-                continue
-            error = None
-            try:
-                await asyncio.to_thread(os.fsync, began[0])
-            except OSError as e:
-                error = e
-            try:
-                await q(journal.end_sync, began, error)
-            except OSError as e:
-                # what the kernel held may never reach the disk (and Linux forgets the error
-                # after reporting it once): stop, so that a restart replays what is on disk
-                ctx.log.error("log_fsync_failed", path=e.filename, error=str(e))
-                raise
-
-    server = RpcServer(ctx.transport, settings.bind, {
-        PutGroups: put_groups, PutGroup: put, OpenBatchStream: open_stream, BatchCredit: credit,
-        GetBatch: get, WeightVersion: version, StatsRequest: stats,
-    }, name="message_queue")
+        queue.journal.background_sync = True  # QueueRole.fsync_loop
+    role = QueueRole(queue, log=ctx.log, host=ctx.spec.host)
+    server = role.server = RpcServer(ctx.transport, settings.bind, role.handlers(),
+                                     name="message_queue")
     ctx.log.info("config", capacity_groups=queue.capacity, max_staleness=queue.max_staleness,
                  state_dir=settings.state_dir, fsync_interval_s=fsync_interval_s)
     serving = asyncio.create_task(server.serve())
-    syncing = asyncio.create_task(fsync_loop()) if queue.journal is not None else None
-    watching = asyncio.create_task(status_loop())
-    ctx.set_status(lambda: dict(status))
+    syncing = (asyncio.create_task(role.fsync_loop(fsync_interval_s))
+               if queue.journal is not None else None)
+    watching = asyncio.create_task(role.status_loop())
+    ctx.set_status(lambda: dict(role.status))
     await ctx.ready(rpc=server.address)
     try:
         stop = asyncio.create_task(ctx.stopping.wait())
@@ -1080,6 +314,6 @@ async def main(ctx: RoleContext) -> None:
         if syncing is not None:
             syncing.cancel()
         server.close()
-        state.shutdown(wait=True)  # what it was doing is done: the state is the main thread's
+        role.close()  # what it was doing is done: the state is the main thread's
         ctx.log.info("stats", **queue.stats())
         queue.close()

@@ -45,16 +45,17 @@ class RewardWorker:
             result = await self.sandbox.score(
                 name, response, traj.label, traj.metadata, self.exp.rollout.reward_timeout_s,
                 trajectory=functools.partial(trajectory_view, traj, self.tokenizer))
-            traj.reward, traj.reward_status = result.reward, result.status
-            traj.error, traj.reward_info = result.error, result.info
+            scored = Scored(sample_id=traj.sample_id, reward=result.reward,
+                            reward_status=result.status, error=result.error,
+                            reward_info=result.info)
         except Exception as e:  # the sandbox itself failed (e.g. could not start a child)
-            traj.reward, traj.reward_status = None, "error"
-            traj.error = f"reward sandbox: {type(e).__name__}: {e}"
-        self.counts[traj.reward_status] += 1
-        if traj.reward_status != "ok":
+            scored = Scored(sample_id=traj.sample_id, reward=None, reward_status="error",
+                            error=f"reward sandbox: {type(e).__name__}: {e}")
+        self.counts[scored.reward_status] += 1
+        if scored.reward_status != "ok":
             self.ctx.log.warning("reward_failed", sample=traj.sample_id, reward=name,
-                                 status=traj.reward_status, error=traj.error)
-        await self.channel.send(Scored(trajectory=traj))
+                                 status=scored.reward_status, error=scored.error)
+        await self.channel.send(scored)  # what scoring adds: the rollouter holds the rest
 
     async def serve(self, credits: int) -> None:
         await serve_worker(self.ctx, self.channel, name=self.name, kind="reward", credits=credits,

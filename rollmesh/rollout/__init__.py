@@ -1,6 +1,6 @@
 """The rollouter's rules, without sockets (the role is `rollmesh.rollout.role`).
 
-As `message_queue.MessageQueue` holds the queue's rules apart from its server, this package
+As `mq.store.MessageQueue` holds the queue's rules apart from its server, this package
 holds the rollouter's state and rules as plain objects that tests drive directly:
 
     core.RolloutCore    capacity (AReaL's staleness bound), admission, dispatch, returned and

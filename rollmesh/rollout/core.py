@@ -38,17 +38,19 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollmesh.config import ExperimentConfig
 from rollmesh.rollout.data import PromptGroup, PromptRow, PromptSource, chat_messages, render_prompt
-from rollmesh.wire.messages import Assign, Cancel, Group, Resume, Score, Trajectory, WorkerHello
+from rollmesh.wire.messages import (
+    Assign, Cancel, Group, Resume, Score, Scored, Trajectory, WorkerHello,
+)
 from rollmesh.rollout.eval_round import EvalRounds, is_eval
 from rollmesh.rollout.filters import get_group_filter, keep_all
 from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
-from rollmesh.core.trajectory import new_trajectory, oldest_version
+from rollmesh.core.trajectory import is_stale, new_trajectory, oldest_version
 
 __all__ = ["GroupState", "RolloutCore", "Send"]
 
@@ -320,12 +322,19 @@ class RolloutCore:
                 self.finish_group(traj.group_id, None, "generation_failed", extra=[traj])
         return True
 
-    def scored(self, worker: Worker, traj: Trajectory) -> Group | None:
-        """A trajectory back from its reward worker; its group completes with the last one.
-        Returns the group if that accepted it (it is in `ready`)."""
-        if self.workers.take_back(worker, traj.sample_id) is None:
+    def scored(self, worker: Worker, scored: Scored) -> Group | None:
+        """A reward back from its reward worker, joined with the trajectory sent to it (a
+        Scored for a trajectory not out with that worker counts as an unexpected return); its
+        group completes with the last one. Returns the group if that accepted it (it is in
+        `ready`)."""
+        dispatched = self.workers.take_back(worker, scored.sample_id)
+        if dispatched is None:
             self.events["unexpected_returns"] += 1
             return None
+        # a copy (the arrays shared): the one sent stays as it was, to be re-queued if this
+        # record turns out to be bad
+        traj = replace(dispatched, reward=scored.reward, reward_status=scored.reward_status,
+                       error=scored.error, reward_info=scored.reward_info)
         if is_eval(traj):
             self.eval.scored(traj)
             return None
@@ -369,19 +378,14 @@ class RolloutCore:
 
     # -- staleness in flight -----------------------------------------------------------------
 
-    def stale_bound(self) -> int:
-        """The oldest version a generated token may have and its group still be trained: the
-        trainer takes batches at the engines' version or later, and a group whose oldest
-        token is older than this would be dropped at hand-out (MessageQueue)."""
-        return self.version - self.exp.staleness.max_staleness
-
     def drop_stale(self, traj: Trajectory | None = None) -> int:
         """Drop now, as stale, the groups that can no longer be trained: one of their samples
-        in hand (`traj`, just back; or, without it, every one the rollouter holds) has a token
-        older than `stale_bound`. Generating the rest would only feed the MessageQueue's stale
-        drop: their places and the engines' time go to new prompts instead. Returns how many
-        groups were dropped."""
-        bound = self.stale_bound()
+        in hand (`traj`, just back; or, without it, every one the rollouter holds) is already
+        stale at the engines' version (`core.trajectory.is_stale`): the trainer takes batches at
+        that version or later, so the MessageQueue would drop it at hand-out. Generating the
+        rest would only feed that drop: their places and the engines' time go to new prompts
+        instead. Returns how many groups were dropped."""
+        max_staleness = self.exp.staleness.max_staleness
         if traj is not None:
             candidates: Any = (traj,)
         else:
@@ -391,7 +395,7 @@ class RolloutCore:
         for t in candidates:
             if t.group_id in self.groups and t.group_id not in doomed and not is_eval(t):
                 oldest = oldest_version(t)
-                if oldest is not None and oldest < bound:
+                if oldest is not None and is_stale(oldest, self.version, max_staleness):
                     doomed[t.group_id] = oldest
         for gid, oldest in doomed.items():
             extra = [traj] if traj is not None and traj.group_id == gid else []

@@ -8,7 +8,8 @@ heartbeats with the workers (a worker silent for `liveness` heartbeats, or unrea
 its trajectories are re-queued as they were when dispatched), answers the synchronizer's Pause,
 Resume and StatsRequest, and runs the put loop: the groups the core accepted go to the
 MessageQueue, what is ready in one PutGroups (held and retried while the queue is full:
-back-pressure). Each finished evaluation round is published to the status hub
+back-pressure); the replies say how many samples the queue dropped as stale, whose places in
+the bound admission gives back. Each finished evaluation round is published to the status hub
 (`announce_evals`) for the trainer's metrics rows.
 
 Engine outages: the rollouter probes the engines' /health (`engines` in its spec); while none
@@ -38,7 +39,7 @@ from typing import Any
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.rollout.data import PromptSource
 from rollmesh.engine.client import EngineClient, run_api_key
-from rollmesh.mq.role import put_ready
+from rollmesh.mq.client import put_ready
 from rollmesh.config import RolloutSettings
 from rollmesh.wire.messages import (
     Group,
@@ -48,6 +49,7 @@ from rollmesh.wire.messages import (
     Ok,
     Pause,
     Paused,
+    PutGroupsReply,
     Resume,
     Returned,
     Scored,
@@ -61,7 +63,7 @@ from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
 from rollmesh.runtime.process import RoleContext
 from rollmesh.core.trajectory import load_tokenizer
-from rollmesh.wire.transport import PeerTimeout, RemoteError, RpcClient, RpcServer
+from rollmesh.wire.transport import RpcClient, RpcServer
 from rollmesh.wire.channels import Channel, Liveness
 
 
@@ -145,8 +147,8 @@ class Rollouter:
         if self.core.held(worker, sample_ids):
             self._check_drained()
 
-    def scored(self, worker: Worker, traj: Trajectory) -> None:
-        if self.core.scored(worker, traj) is not None:
+    def scored(self, worker: Worker, scored: Scored) -> None:
+        if self.core.scored(worker, scored) is not None:
             self.ready_added.set()
 
     def _check_drained(self) -> None:
@@ -189,30 +191,23 @@ class Rollouter:
 
     # -- what the queue and the engines say --------------------------------------------------
 
-    async def watch_queue(self, interval_s: float = 1.0) -> None:
-        """Ask the MessageQueue for its stats every `interval_s`, on a short leash: its stale
-        drops (samples; groups are data.group_size each) give places in the bound back
-        (`RolloutCore.queue_stale`), and a queue that does not answer is reported (stats
-        `queue_unreachable_s`, the monitor's header) while it is cut off."""
-        size = self.exp.data.group_size
-        while True:
-            try:
-                reply = await self.mq.request(StatsRequest(), timeout_s=3, retries=0)
-                groups = int(reply.values.get("dropped", {}).get("stale", 0)) // size
-            except PeerTimeout:
-                if self.queue_unreachable_since is None:
-                    self.queue_unreachable_since = time.monotonic()
-                    self.log.error("queue_unreachable", queue=self.mq.address)
-            except (RemoteError, TypeError, ValueError, AttributeError) as e:
-                self.log.warning("queue_stats_failed", error=str(e))
-            else:
-                if self.queue_unreachable_since is not None:
-                    self.log.warning("queue_reachable", unreachable_s=round(
-                        time.monotonic() - self.queue_unreachable_since, 1))
-                    self.queue_unreachable_since = None
-                if self.core.queue_stale(groups):
-                    self.changed.set()
-            await asyncio.sleep(interval_s)
+    def queue_heard(self, reply: PutGroupsReply) -> None:
+        """The MessageQueue answered a put: its stale drops (samples; groups are
+        data.group_size each) give places in the bound back (`RolloutCore.queue_stale`), and a
+        queue reported cut off is reachable again."""
+        if self.queue_unreachable_since is not None:
+            self.log.warning("queue_reachable", unreachable_s=round(
+                time.monotonic() - self.queue_unreachable_since, 1))
+            self.queue_unreachable_since = None
+        if self.core.queue_stale(reply.dropped_stale // self.exp.data.group_size):
+            self.changed.set()
+
+    def queue_unheard(self) -> None:
+        """A put went unanswered on the put loop's short leash: the queue is reported cut off
+        (stats `queue_unreachable_s`, the monitor's header) until it answers again."""
+        if self.queue_unreachable_since is None:
+            self.queue_unreachable_since = time.monotonic()
+            self.log.error("queue_unreachable", queue=self.mq.address)
 
     async def watch_engines(self, urls: list[str], api_key: str | None,
                             interval_s: float = 1.0) -> None:
@@ -248,15 +243,16 @@ class Rollouter:
 
     async def handle(self, worker: Worker, msg: Any) -> None:
         """One message from a registered worker."""
-        traj = getattr(msg, "trajectory", None)
-        dispatched = worker.out.get(traj.sample_id) if traj is not None else None
+        sample_id = (msg.sample_id if isinstance(msg, Scored)
+                     else getattr(getattr(msg, "trajectory", None), "sample_id", None))
+        dispatched = worker.out.get(sample_id) if sample_id is not None else None
         try:
             if isinstance(msg, Returned):
                 self.returned(worker, msg.trajectory)
             elif isinstance(msg, Held):
                 self.held(worker, msg.sample_ids)
             elif isinstance(msg, Scored):
-                self.scored(worker, msg.trajectory)
+                self.scored(worker, msg)
             elif not isinstance(msg, (Heartbeat, Metrics)):
                 self.core.events["unexpected_messages"] += 1
         except Exception as e:  # well-formed on the wire, nonsense inside: one
@@ -289,7 +285,8 @@ class Rollouter:
 
     async def put_ready(self) -> None:
         """Move accepted groups into the MessageQueue, what is ready in one put; wait while it
-        is full (`message_queue.put_ready`)."""
+        is full (`rollmesh.mq.client.put_ready`). Its replies carry the queue's stale drops
+        (`queue_heard`); with nothing to put it still sends an empty put every second."""
         def queued(group: Group) -> None:
             self.core.queued(group)
             self.changed.set()
@@ -298,7 +295,7 @@ class Rollouter:
             self.core.events["queue_full_waits"] += 1
 
         await put_ready(self.mq, self.core.ready, self.ready_added, queued, log=self.log,
-                        full=full)
+                        full=full, heard=self.queue_heard, unheard=self.queue_unheard)
 
 
 async def announce_evals(ctx: RoleContext, evals: EvalRounds) -> None:
@@ -342,8 +339,7 @@ async def main(ctx: RoleContext) -> None:
 
     control = RpcServer(ctx.transport, settings.control,
                         {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
-    coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), r.watch_queue(),
-             control.serve()]
+    coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), control.serve()]
     if r.core.eval.rows and ctx.publisher is not None:
         coros.append(announce_evals(ctx, r.core.eval))
     if settings.engines:  # no new prompt while no engine can generate it

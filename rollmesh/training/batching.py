@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollmesh.core import trajectory
 from rollmesh.wire.messages import Group, Trajectory
 
 
@@ -116,11 +117,11 @@ def trajectory_counts(trajs: list[Trajectory]) -> dict[str, int]:
 
 def staleness(versions: Tensor, mask: Tensor, trainer_version: int) -> Tensor:
     """Per sample: trainer version minus the oldest version among its generated tokens (0 if
-    it has none)."""
+    it has none): `rollmesh.core.trajectory.staleness`, row by row."""
     generated = (versions >= 0) & (mask > 0)
     big = torch.iinfo(torch.int64).max
     oldest = torch.where(generated, versions, big).amin(dim=1)
-    return torch.where(oldest == big, 0, trainer_version - oldest)
+    return torch.where(oldest == big, 0, trajectory.staleness(oldest, trainer_version))
 
 
 def split_across_ranks(lengths: list[int], index: list[int], ranks: int) -> list[list[int]]:

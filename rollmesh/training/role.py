@@ -12,7 +12,7 @@ the step's math: `rollmesh.training.step`.
 Versions: the trainer's version is the number of weight syncs it has published (the engines
 start at version 0 = the initial weights). It asks for batches at its version; a sync publishes
 version + 1 (protocol in `rollmesh.sync.role`). A resumed trainer continues the sequence.
-The queue streams the batches (`message_queue.BatchFeed`): the next step's batch is taken and
+The queue streams the batches (`mq.client.BatchFeed`): the next step's batch is taken and
 sent while this step trains, when both train at the same version.
 
 Evaluations (`rollout.eval_every`): the rollouter publishes each finished round to the launcher's
@@ -51,7 +51,7 @@ from rollmesh.runtime.durable_log import write_atomic
 from rollmesh.engine.client import run_api_key
 from rollmesh.models.loading import resolve_device
 from rollmesh.core.evaluation import eval_metrics
-from rollmesh.mq.role import STREAM_AHEAD, BatchFeed
+from rollmesh.mq.client import STREAM_AHEAD, BatchFeed
 from rollmesh.training.metrics_sink import MetricsSinks, require_extras
 from rollmesh.config import TrainerSettings
 from rollmesh.wire.messages import Batch, EvalResult, Metrics, StatsRequest

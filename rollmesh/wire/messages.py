@@ -225,9 +225,15 @@ class Score:
 
 @record
 class Scored:
-    """Reward worker -> rollouter: the trajectory with reward (or a recorded failure)."""
+    """Reward worker -> rollouter: what scoring added to the trajectory `sample_id`, its reward
+    (or a recorded failure). The rollouter holds the trajectory it sent in Score and joins the
+    two (`RolloutCore.scored`): the token arrays do not travel back."""
 
-    trajectory: Trajectory
+    sample_id: str
+    reward: float | None
+    reward_status: str  # ok | error | timeout (never a silent 0)
+    error: str = ""  # why scoring failed
+    reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # -- weight sync: synchronizer -> rollouter (request-reply) ------------------------------------
@@ -342,6 +348,9 @@ class PutGroupsReply:
     # refused because the queue is full: keep them and send them again (back-pressure).
     accepted: int
     depth: int
+    # Samples the queue has dropped as stale in all (its stats' dropped["stale"]): the
+    # rollouter gives their places in the staleness bound back.
+    dropped_stale: int = 0
 
 
 @record
