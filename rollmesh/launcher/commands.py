@@ -2,7 +2,8 @@
 `rollmesh stop RUN` (stop_main); rollmesh.cli dispatches to them.
 
 `rollmesh launch CLUSTER_TOML` loads the cluster file (rollmesh.config), then either prints the
-plan (`--dry-run`, rollmesh.launcher.plan), submits a batch job (`--sbatch`,
+plan (`--dry-run`, rollmesh.launcher.plan; what this machine lacks for it, such as the model
+directory, is warned of after it, where a launch refuses), submits a batch job (`--sbatch`,
 rollmesh.launcher.slurm), or runs the Launcher (rollmesh.launcher.launcher) under the console
 (rollmesh.launcher.console). `rollmesh stop` asks the launcher over its control socket
 (StopRun, CURVE with the run's keys) or signals its pid.
@@ -49,7 +50,9 @@ def main(argv: list[str]) -> int:
                         "trainer's latest checkpoint, the queue's log, the rollouter's journal")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a cluster or experiment key, e.g. staleness.max_staleness=0")
-    p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan, start nothing; what this machine lacks for it (the "
+                        "model directory, CPUs, the hosts' python) is a warning, not an error")
     p.add_argument("--run-dir", help="the run directory (default <run_dir>/<name>-<timestamp>)")
     shown = p.add_mutually_exclusive_group()
     shown.add_argument("--verbose", action="store_true",
@@ -82,6 +85,9 @@ def main(argv: list[str]) -> int:
         p.error("give a cluster file, or --resume RUN (not both)")
     if args.resume and args.run_dir:
         p.error("--resume RUN is the run directory: --run-dir does not go with it")
+    # A dry run plans for a machine that may not be this one: what this machine lacks (the
+    # model directory, CPUs, the hosts' python) is warned of after the plan, not refused.
+    problems: list[ConfigError] | None = [] if args.dry_run else None
     try:
         if args.resume:
             run_dir = _run_dir(args.resume)
@@ -90,9 +96,11 @@ def main(argv: list[str]) -> int:
                 print(f"rollmesh launch: {run_dir} is still running (launcher pid {pid}): "
                       f"stop it first (rollmesh stop {run_dir})", file=sys.stderr)
                 return 2
-            cluster = load_cluster(run_dir / "cluster.toml", overrides=args.overrides)
+            cluster = load_cluster(run_dir / "cluster.toml", overrides=args.overrides,
+                                   machine_problems=problems)
         else:
-            cluster = load_cluster(args.cluster, overrides=args.overrides)
+            cluster = load_cluster(args.cluster, overrides=args.overrides,
+                                   machine_problems=problems)
     except ConfigError as e:
         print(f"rollmesh launch: {e}", file=sys.stderr)
         return 2
@@ -108,11 +116,22 @@ def main(argv: list[str]) -> int:
         return 2
     if args.dry_run:
         hosts = _make_hosts(cluster)
+        warnings: list[str] = [str(e) for e in problems or ()]
+        for host in hosts.values():
+            try:
+                host.python()
+            except FileNotFoundError as e:  # (a LocalHost's) planned as named, warned of
+                warnings.append(str(e))
+                host.require_python = False  # type: ignore[attr-defined]
         print_plan(cluster, build_plan(cluster, hosts, str(run_dir),
                                        engine_key="<the run's engine key>",
                                        launcher_before=launcher_affinity(cluster)), str(run_dir))
         if cluster.slurm is not None:
             print(slurm.plan_note(slurm.in_allocation()))
+        sys.stdout.flush()
+        for warning in warnings:
+            print(f"rollmesh launch: warning: {warning} (a launch on this machine would stop "
+                  "here)", file=sys.stderr)
         return 0
     console = Console(cluster.experiment_config.trainer.total_steps,  # type: ignore[union-attr]
                       verbose=args.verbose, quiet=args.quiet)
