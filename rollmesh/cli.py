@@ -11,9 +11,9 @@ _DELEGATED = {
     "engine": ("rollmesh.engine.builtin.server:main", "serve a model over the SGLang HTTP contract"),
     "role": ("rollmesh.runtime.process:role_main", "run one role process (used by the launcher)"),
     "monitor": ("rollmesh.observe.monitor:main", "watch a running run live, read-only"),
-    "launch": ("rollmesh.launcher.launcher:main", "start every role of a cluster file"),
-    "status": ("rollmesh.launcher.launcher:status_main", "show a run's processes (rollmesh status RUN)"),
-    "stop": ("rollmesh.launcher.launcher:stop_main", "stop a run from another terminal"),
+    "launch": ("rollmesh.launcher.commands:main", "start every role of a cluster file"),
+    "status": ("rollmesh.launcher.commands:status_main", "show a run's processes (rollmesh status RUN)"),
+    "stop": ("rollmesh.launcher.commands:stop_main", "stop a run from another terminal"),
     "sft": ("rollmesh.training.sft:main", "supervised warm-start on chat transcripts (before RL)"),
 }
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,6 +61,42 @@ def test_gpu_example_dry_run_plans_sglang_engines_and_fsdp_ranks_over_ssh(tmp_pa
     assert out.stdout.count("specs/trainer[") == 4
     assert not (tmp_path / "r").exists()
 
+
+
+def test_8gpu_example_dry_run_warns_of_the_missing_model_where_a_launch_refuses(tmp_path):
+    """The command the example's header suggests, on a machine without its model: the dry run
+    prints the plan and warns; a launch refuses with the same message, starting nothing."""
+    model = "/models/Qwen2.5-1.5B-Instruct"  # configs/gsm8k_grpo.toml's model.path
+    if Path(model).exists():
+        pytest.skip(f"{model} exists on this machine")
+    out = rollmesh("launch", "launch/gsm8k_8gpu.example.toml", "--dry-run",
+                   "--run-dir", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("-m sglang.launch_server --model-path " + model) == 4
+    assert out.stdout.count("specs/trainer[") == 4
+    warnings = [l for l in out.stderr.splitlines() if l.startswith("rollmesh launch: warning: ")]
+    assert len(warnings) == 1 and "model.path" in warnings[0] and repr(model) in warnings[0]
+    assert not (tmp_path / "r").exists()
+
+    launch = rollmesh("launch", "launch/gsm8k_8gpu.example.toml", "--run-dir", str(tmp_path / "r"))
+    assert launch.returncode == 2
+    refusal = launch.stderr.strip()
+    problem = warnings[0].removeprefix("rollmesh launch: warning: ").removesuffix(
+        " (a launch on this machine would stop here)")
+    assert refusal == f"rollmesh launch: {problem}"
+    assert not (tmp_path / "r").exists()
+
+
+def test_dry_run_warns_of_a_host_python_this_machine_lacks(tmp_path):
+    """Before launch/bootstrap.sh (no .venv): the plan names the python as configured."""
+    out = rollmesh("launch", "launch/local.toml", "--dry-run", "--run-dir", str(tmp_path / "r"),
+                   "--set", "hosts.local.python=.not-made-yet/bin/python")
+    assert out.returncode == 0, out.stderr
+    assert f"{ROOT}/.not-made-yet/bin/python -m rollmesh engine --model tiny" in out.stdout
+    assert out.stderr.strip() == (
+        f"rollmesh launch: warning: hosts.local.python: {ROOT}/.not-made-yet/bin/python does not "
+        "exist (run launch/bootstrap.sh, or set python) (a launch on this machine would stop "
+        "here)")
 
 def test_readme_configuration_reference_is_in_step_with_the_dataclasses():
     readme = (ROOT / "README.md").read_text()

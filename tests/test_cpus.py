@@ -17,7 +17,7 @@ from rollmesh.runtime.cpus import (
     CpuListError, available_cpus, format_cpulist, parse_cpulist, pinned, thread_env,
 )
 from rollmesh.launcher.host_kinds import make_host
-from rollmesh.launcher.launcher import _make_hosts, build_plan, print_plan
+from rollmesh.launcher.plan import _make_hosts, build_plan, print_plan
 from rollmesh.launcher.supervisor import Supervisor
 from rollmesh.launcher.slurm import SlurmHost
 from rollmesh.wire.transport import Transport
@@ -169,7 +169,7 @@ def test_a_remote_host_is_not_checked_at_load(tmp_path):
 
 
 def plan_of(cluster, run_dir: Path):
-    from rollmesh.launcher.launcher import launcher_affinity
+    from rollmesh.launcher.plan import launcher_affinity
 
     return build_plan(cluster, _make_hosts(cluster), str(run_dir), engine_key="k",
                       launcher_before=launcher_affinity(cluster))

@@ -19,7 +19,7 @@ from rollmesh.config import ConfigError, load_cluster
 from rollmesh.engine.client import EngineClient
 from rollmesh.models.loading import materialize
 from rollmesh.launcher.host_kinds import make_host
-from rollmesh.launcher.launcher import build_plan
+from rollmesh.launcher.plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

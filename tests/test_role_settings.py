@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rollmesh.config import ConfigError, load_cluster, parse_config, to_dict
-from rollmesh.launcher.launcher import _make_hosts, build_plan, print_plan
+from rollmesh.launcher.plan import _make_hosts, build_plan, print_plan
 from rollmesh.config.settings import (
     COMPACT_FLOOR_BYTES, AgentWorkerSettings, MessageQueueSettings, RewardWorkerSettings,
 )

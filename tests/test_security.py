@@ -152,7 +152,7 @@ def test_non_loopback_is_curve_by_default(tmp_path, address, curve):
 
 def test_the_launcher_binds_remote_roles_and_the_hub_with_curve():
     """The plan's bind addresses: loopback only on a single-host run; otherwise CURVE."""
-    from rollmesh.launcher.launcher import _bind
+    from rollmesh.launcher.plan import _bind
     from rollmesh.launcher.host_kinds import make_host
 
     local = make_host("a", HostConfig(address="127.0.0.1"))

@@ -14,7 +14,7 @@ import pytest
 from rollmesh.config import load_cluster
 from rollmesh.engine.client import EngineClient
 from rollmesh.launcher.host_kinds import make_host
-from rollmesh.launcher.launcher import build_plan
+from rollmesh.launcher.plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "launch" / "gsm8k_gpu.example.toml"

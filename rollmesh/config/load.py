@@ -9,7 +9,7 @@ import copy
 import dataclasses
 import os
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rollmesh.config.cluster import ClusterConfig, _placement_key, is_local_address
@@ -112,12 +112,17 @@ def load_experiment(
     return _parse(ExperimentConfig, data, ctx)
 
 
-def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> ClusterConfig:
+def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = (),
+                 machine_problems: list[ConfigError] | None = None) -> ClusterConfig:
     """Read and validate a cluster file and the experiment it names (`.experiment_config`).
 
     An override goes to the cluster file if its first key is a cluster key (name, experiment,
     run_dir, hosts, roles, ports, settings...), otherwise to the experiment (e.g.
     `staleness.max_staleness=0`).
+
+    The checks of this machine's state (a local model directory, local CPUs) raise their
+    ConfigError; given `machine_problems`, they append it there instead (`rollmesh launch
+    --dry-run` plans a run for another machine and warns of them).
     """
     source = os.fspath(path)
     cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig) if f.init}
@@ -135,13 +140,27 @@ def load_cluster(path: str | os.PathLike[str], overrides: Iterable[str] = ()) ->
     if not os.path.isfile(cluster.experiment):
         ctx.fail("experiment", f"expected an existing file, got {_show(cluster.experiment)}")
     exp = load_experiment(cluster.experiment, theirs)
-    _check_against_experiment(cluster, exp, ctx)
-    _check_local_cpus(cluster, ctx)
+    _check_against_experiment(cluster, exp, ctx, machine_problems)
+    _on_this_machine(machine_problems, _check_local_cpus, cluster, ctx)
     cluster.experiment_config = exp
     return cluster
 
 
-def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx: _Context) -> None:
+def _on_this_machine(problems: list[ConfigError] | None, check: Callable[..., None],
+                     *args: Any) -> None:
+    """Run a check of this machine's state: its ConfigError is raised, or appended to
+    `problems` when there is such a list."""
+    if problems is None:
+        check(*args)
+        return
+    try:
+        check(*args)
+    except ConfigError as e:
+        problems.append(e)
+
+
+def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx: _Context,
+                              machine_problems: list[ConfigError] | None = None) -> None:
     """The experiment's process counts are the cluster's: they must agree."""
     for role, wanted, what in (
         ("engine", exp.engine.count, "engine.count"),
@@ -154,7 +173,7 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
                 f"expected {_plural(wanted, 'process')} in all ({what} in "
                 f"{cluster.experiment}), got {placed}",
             )
-    _check_local_model(cluster, exp)
+    _on_this_machine(machine_problems, _check_local_model, cluster, exp)
     capacity = cluster.settings.message_queue.capacity_groups
     if capacity is not None and capacity < exp.rollout.batch_groups:
         ctx.fail("settings.message_queue.capacity_groups",

@@ -1,7 +1,8 @@
 """The roles the launcher starts and how (`ROLE_TABLE`): each role's entry point, whether it is
 a single process, whether it is restarted by itself after a crash, its place in the start order
 and its named ports. The one source for rollmesh.config.cluster (the `[roles]` of a cluster
-file, the port plan) and rollmesh.launcher.launcher (start, supervise).
+file, the port plan), rollmesh.launcher.plan (named ports) and rollmesh.launcher.launcher
+(start, supervise).
 
 Row order is the port plan's (rollmesh.config.ClusterConfig.processes) and the cluster file's
 `[roles]`. A process owns the block `[port, port + ports.per_process)`; a role's named ports are

@@ -1,6 +1,7 @@
-"""Each role's settings, one dataclass per role: what `launcher.build_plan` writes for a process
-and its `main` reads back with `parse_config(XSettings, ctx.config, "<role> spec")`, so that a
-bad spec is an error naming the role and the key. The defaults are the roles' own.
+"""Each role's settings, one dataclass per role: what `rollmesh.launcher.plan.build_plan` writes
+for a process and its `main` reads back with `parse_config(XSettings, ctx.config, "<role>
+spec")`, so that a bad spec is an error naming the role and the key. The defaults are the
+roles' own.
 
 They travel as plain dicts (`rollmesh.config.to_dict`): Supervisor.spawn passes JSON. Tests and
 benchmarks write them by hand, with only the keys they need.

@@ -135,12 +135,14 @@ def die_with_parent(argv: list[str]) -> list[str]:
 
 class LocalHost(Host):
     local = True
+    # False: a missing `python` is planned as it is named (a dry run, which warns of it)
+    require_python = True
 
     def python(self) -> str:
         p = self.cfg.python
         if os.sep in p:
             full = Path(self.workdir, p)
-            if not full.exists():
+            if not full.exists() and self.require_python:
                 raise FileNotFoundError(f"hosts.{self.name}.python: {full} does not exist "
                                         "(run launch/bootstrap.sh, or set python)")
             return str(full)

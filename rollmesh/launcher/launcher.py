@@ -1,6 +1,8 @@
-"""`rollmesh launch CLUSTER_TOML`: start every role on every host, supervise them, host the hub.
+"""The Launcher: start every role of the plan on every host, supervise them, host the hub
+(`rollmesh launch CLUSTER_TOML` runs it: rollmesh.launcher.commands).
 
-    plan      every process of the cluster file: host, ports, CPUs (rollmesh.runtime.cpus), its role config
+    plan      every process of the cluster file: host, ports, CPUs, its role config
+              (rollmesh.launcher.plan)
     run dir   runs/<name>-<timestamp>: keys (CURVE, 0600), resolved configs, specs, logs,
               metrics.jsonl (mirrored from the trainer's host where it runs on another;
               its checkpoints and export stay there, under runs/<name>-<timestamp>)
@@ -20,7 +22,8 @@
               from the kernel (PDEATHSIG, engines included), roles over SSH hear no heartbeat
 
 Hosts whose address is this machine run their roles as local processes; others over OpenSSH
-(rollmesh.launcher.hosts). `--dry-run` prints the plan (the command per host) and starts nothing.
+(rollmesh.launcher.hosts). `--dry-run` (rollmesh.launcher.commands) prints the plan (the command
+per host) and starts nothing.
 
 What the user sees is rollmesh.launcher.console's: a live progress bar and event lines on a terminal,
 plain lines otherwise; every role's log and the launcher's own go to RUN/logs/ (JSON lines),
@@ -29,64 +32,39 @@ and to the terminal too, human-readable, with `--verbose`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import secrets
-import shlex
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollmesh.config import (
+    ROLE, ROLE_TABLE, START_ORDER, ClusterConfig, ExperimentConfig, to_dict, to_toml,
+)
 from rollmesh.core.accounting import (
     QueueStatus, RolloutStatus, TrainerStatus, dropped_by_reason, identity,
 )
-from rollmesh.launcher.console import Console, LogStream
-from rollmesh.runtime.cpus import (
-    available_cpus, format_cpulist, missing_problem, parse_cpulist, pin_self, pinned, thread_env,
-    threads_for,
-)
-from rollmesh.config import (
-    ClusterConfig, ConfigError, ExperimentConfig, Process, load_cluster, to_dict, to_toml,
-)
-from rollmesh.runtime.durable_log import write_atomic
 from rollmesh.engine.client import API_KEY_FILE, EngineClient
-from rollmesh.engine.launch import EngineLaunch, engine_launch
-from rollmesh.launcher.host_kinds import make_host
+from rollmesh.launcher.console import Console, LogStream
 from rollmesh.launcher.hosts import Host, SshHost
-from rollmesh.runtime.log import configure_logging, get_logger
-from rollmesh.config import (
-    ROLE, ROLE_TABLE, START_ORDER, AgentWorkerSettings, MessageQueueSettings, RewardWorkerSettings,
-    RolloutSettings, SynchronizerSettings, TrainerSettings,
-)
-from rollmesh.observe.plot import plot_metric, read_metrics
-from rollmesh.wire.messages import (
-    EnginesChanged,
-    Heartbeat,
-    Metrics,
-    Ok,
-    Pause,
-    StatsRequest,
-    StopRun,
-)
+from rollmesh.launcher.plan import Planned, _connect, _make_hosts, build_plan, launcher_affinity
 from rollmesh.launcher.supervisor import Child, RoleFailed, Supervisor
-from rollmesh.wire.transport import (
-    CurveKeys,
-    PeerTimeout,
-    RemoteError,
-    RpcClient,
-    Transport,
-    TransportError,
-)
-from rollmesh.wire.channels import Publisher, StatusProxy
 from rollmesh.launcher.watchdog import Snapshot, stalled
+from rollmesh.observe.plot import plot_metric, read_metrics
+from rollmesh.runtime.cpus import format_cpulist
+from rollmesh.runtime.durable_log import write_atomic
+from rollmesh.runtime.log import configure_logging, get_logger
+from rollmesh.wire.channels import Publisher, StatusProxy
+from rollmesh.wire.messages import EnginesChanged, Metrics, Ok, Pause, StatsRequest, StopRun
+from rollmesh.wire.transport import (
+    CurveKeys, PeerTimeout, RemoteError, RpcClient, Transport, TransportError,
+)
 
 log = get_logger("rollmesh.launcher.launcher")
 
@@ -97,258 +75,6 @@ MAX_RESTARTS = 5
 # crash loop ends the run; engines killed now and then over a long run do not).
 ENGINE_RESTART_WINDOW_S = 600.0
 WATCH_EVERY_S = 5.0  # the progress watchdog's snapshots
-
-
-# --------------------------------------------------------------------------------------------
-# The plan
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Planned:
-    proc: Process
-    host: Host
-    config: dict[str, Any] = field(default_factory=dict)
-    engine: EngineLaunch | None = None
-    # The CPUs it is started on: its own (`cpus` in the cluster file), or, for a process on this
-    # machine without them while the launcher pins itself (launcher_cpus), the launcher's
-    # affinity from before (it would inherit the launcher's CPUs otherwise); empty: as it comes.
-    cpus: tuple[int, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return self.proc.name
-
-    def port(self, name: str) -> int:
-        """Its port named `name` (rollmesh.config.ROLE_TABLE)."""
-        return ROLE[self.proc.role].port(self.proc.port, name)
-
-    @property
-    def who(self) -> str:
-        """How the CPU prelude names it in an error."""
-        return f"{self.name} on host {self.proc.host}"
-
-    def env(self) -> dict[str, str]:
-        """A role's environment beyond its host's: its GPUs, its CPUs' thread counts."""
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.proc.gpus))} if self.proc.gpus else {}
-        if self.proc.cpus:
-            env.update(thread_env(self.proc.cpus, self.host.cfg.env))
-        return env
-
-
-def _bind(host: Host, port: int) -> str:
-    addr = host.address
-    literal = addr.replace(".", "").isdigit() or ":" in addr
-    return f"tcp://{addr if literal else '*'}:{port}"
-
-
-def _connect(host: Host, port: int) -> str:
-    return f"tcp://{host.address}:{port}"
-
-
-def _make_hosts(cluster: ClusterConfig) -> dict[str, Host]:
-    srun = cluster.slurm.srun_options if cluster.slurm is not None else None
-    return {name: make_host(name, cfg, srun) for name, cfg in cluster.hosts.items()}
-
-
-def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
-               engine_key: str | None = None,
-               launcher_before: tuple[int, ...] = ()) -> list[Planned]:
-    """Every process with the configuration it is handed: an engine's command line, each other
-    role's settings (rollmesh.config). Ports: each process owns the block
-    `[port, port + ports.per_process)` (see config.ClusterConfig.processes). CPUs: its own, or
-    `launcher_before` (the launcher's affinity before launcher_cpus) for a process on this
-    machine without any."""
-    plan = [Planned(p, hosts[p.host], cpus=p.cpus or (
-        launcher_before if cluster.launcher_cpus and hosts[p.host].same_machine else ()))
-        for p in cluster.processes()]
-    wiring = _Wiring(cluster, plan, run_dir)
-    for p in plan:
-        if p.proc.role == "engine":
-            _plan_engine(p, wiring.exp, run_dir, engine_key)
-        else:
-            p.config = to_dict(_SETTINGS[p.proc.role](wiring, p))
-    return plan
-
-
-class _Wiring:
-    """What a process's settings are made of: the experiment, where the run's outputs go on a
-    host, and the addresses of the other roles' first process (by their named ports)."""
-
-    def __init__(self, cluster: ClusterConfig, plan: list[Planned], run_dir: str):
-        assert cluster.experiment_config is not None
-        self.exp = cluster.experiment_config
-        self.settings = cluster.settings
-        self.run_dir = run_dir
-        self.first: dict[str, Planned] = {}
-        for p in plan:
-            self.first.setdefault(p.proc.role, p)
-        self.engines = [f"http://{p.host.address}:{p.port('http')}" for p in plan
-                        if p.proc.role == "engine"]
-
-    def connect(self, role: str, port: str) -> str:
-        """The address of `role`'s first process's port named `port`."""
-        p = self.first[role]
-        return _connect(p.host, p.port(port))
-
-    def tuning(self, role: str) -> dict[str, Any]:
-        """`role`'s [settings.<role>] table, as its settings' keyword arguments."""
-        table = getattr(self.settings, role)
-        return {f.name: getattr(table, f.name) for f in dataclasses.fields(table)}
-
-    def run_here(self, host: Host) -> str:
-        """The run's directory on `host` (on another host: under its remote run directory)."""
-        return self.run_dir if host.local else f"runs/{Path(self.run_dir).name}"
-
-
-def _bind_named(p: Planned, port: str) -> str:
-    return _bind(p.host, p.port(port))
-
-
-def _plan_engine(p: Planned, exp: ExperimentConfig, run_dir: str,
-                 engine_key: str | None) -> None:
-    bind_host = p.host.address if p.host.local else "0.0.0.0"
-    keys = f"{run_dir}/keys" if p.host.local else f"runs/{Path(run_dir).name}/keys"
-    p.engine = engine_launch(exp.engine, exp.model, bind_host, p.port("http"), gpus=p.proc.gpus,
-                             seed=exp.seed, weight_version="0", python=p.host.python(),
-                             api_key=engine_key,
-                             api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None)
-    if p.cpus:  # the prelude sets its affinity, then execs the server
-        p.engine.argv = pinned(p.engine.argv, p.cpus, p.who, python=p.host.python())
-    if p.proc.cpus:  # the built-in engine's --threads (engine.extra_args) still wins
-        p.engine.env.update(thread_env(p.proc.cpus, p.host.cfg.env))
-
-
-def _message_queue(w: _Wiring, p: Planned) -> MessageQueueSettings:
-    # durable: its groups, uncommitted hand-outs and counters outlive a restart
-    return MessageQueueSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
-                                state_dir=f"{w.run_here(p.host)}/message_queue",
-                                **w.tuning("message_queue"))
-
-
-def _rollouter(w: _Wiring, p: Planned) -> RolloutSettings:
-    return RolloutSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
-                           state_dir=f"{w.run_here(p.host)}/rollouter",
-                           control=_bind_named(p, "control"),
-                           message_queue=w.connect("message_queue", "bind"),
-                           engines=w.engines)
-
-
-def _agent_worker(w: _Wiring, p: Planned) -> AgentWorkerSettings:
-    return AgentWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
-                               engines=w.engines, **w.tuning("agent_worker"))
-
-
-def _reward_worker(w: _Wiring, p: Planned) -> RewardWorkerSettings:
-    return RewardWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
-                                **w.tuning("reward_worker"))
-
-
-def _synchronizer(w: _Wiring, p: Planned) -> SynchronizerSettings:
-    return SynchronizerSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
-                                rollouter=w.connect("rollouter", "control"),
-                                message_queue=w.connect("message_queue", "bind"),
-                                engines=w.engines)
-
-
-def _trainer(w: _Wiring, p: Planned) -> TrainerSettings:
-    # rank 0 hosts the ranks' rendezvous and joins the engines' weight-update group. A trainer
-    # on another host writes its outputs there, under the run's remote directory; the launcher
-    # mirrors its metrics into the run directory here.
-    run_here = w.run_here(p.host)
-    return TrainerSettings(
-        experiment=w.exp, bind=_bind_named(p, "bind"),
-        rendezvous=w.connect("trainer", "rendezvous"),
-        weight_sync_address=w.first["trainer"].host.address,
-        message_queue=w.connect("message_queue", "bind"),
-        synchronizer=w.connect("synchronizer", "bind"),
-        engines=w.engines,
-        # The weight-update group has 1 + sum(TP sizes) ranks: each engine's TP ranks join it
-        # (rank_offset = 1 + the TP sizes before it).
-        engine_tp_sizes=[w.exp.engine.tp_size] * len(w.engines),
-        metrics_path=(f"{w.run_dir}/metrics.jsonl" if p.host.local
-                      else f"{run_here}/trainer/metrics.jsonl"),
-        final_export_dir=f"{run_here}/policy", checkpoint_dir=f"{run_here}/checkpoints",
-        # torch.set_num_threads in the rank
-        threads=threads_for(p.proc.cpus, p.host.cfg.env) if p.proc.cpus else None)
-
-
-# Each role's settings, from the wiring and its process (the engine's: its command line).
-_SETTINGS: dict[str, Callable[[_Wiring, Planned], Any]] = {
-    "message_queue": _message_queue, "rollouter": _rollouter, "agent_worker": _agent_worker,
-    "reward_worker": _reward_worker, "synchronizer": _synchronizer, "trainer": _trainer,
-}
-
-
-def launcher_affinity(cluster: ClusterConfig) -> tuple[int, ...]:
-    """With launcher_cpus: the launcher's affinity now (before it pins itself), for the
-    processes here that have no CPUs of their own; else ()."""
-    return tuple(sorted(os.sched_getaffinity(0))) if cluster.launcher_cpus else ()
-
-
-def pin_launcher(cluster: ClusterConfig, source: str) -> None:
-    """launcher_cpus: every thread of the launcher on those CPUs (the ones it starts later
-    inherit them), checked first (a Slurm allocation's launcher is checked only here)."""
-    if not cluster.launcher_cpus:
-        return
-    cpus = parse_cpulist(cluster.launcher_cpus)
-    problem = missing_problem(cpus, available_cpus(), f"this machine ({os.uname().nodename})")
-    if problem:
-        raise ConfigError(source, "launcher_cpus", f"{problem}, got {cluster.launcher_cpus!r}")
-    pin_self(cpus)
-
-
-def _cpus_note(p: Planned) -> str:
-    """What the plan says of a process's CPUs."""
-    if p.proc.cpus:
-        threads = threads_for(p.proc.cpus, p.host.cfg.env)
-        if p.engine is not None and any(a == "--threads" or a.startswith("--threads=")
-                                        for a in p.engine.argv):
-            threads_note = "threads: --threads"
-        else:
-            threads_note = f"threads={threads}"
-        return f" cpus={format_cpulist(p.proc.cpus)} {threads_note}"
-    if p.cpus:
-        return f" cpus={format_cpulist(p.cpus)} (the launcher's own, before launcher_cpus)"
-    return ""
-
-
-def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> None:
-    print(f"run {cluster.name}: experiment {cluster.experiment}; run directory {run_dir}")
-    if cluster.launcher_cpus:
-        print(f"launcher: cpus={format_cpulist(parse_cpulist(cluster.launcher_cpus))}")
-    for host_name in dict.fromkeys(p.proc.host for p in plan):
-        host = next(p.host for p in plan if p.proc.host == host_name)
-        how = ("Slurm job steps (srun)" if not host.same_machine and host.local
-               else "local processes" if host.local else "over ssh")
-        print(f"\nhost {host_name} ({host.address}, {how}):")
-        if isinstance(host, SshHost):
-            print(f"  each command below runs through: {shlex.join(host.ssh())}")
-        specs = run_dir if host.local else f"runs/{Path(run_dir).name}"
-        for p in (p for p in plan if p.proc.host == host_name):
-            if p.engine is not None:
-                args, env = p.engine.argv, p.engine.env
-            else:
-                args = ["-m", "rollmesh", "role", "--spec", f"{specs}/specs/{p.name}.json"]
-                args, env = pinned(args, p.cpus, p.who) if p.cpus else args, p.env()
-            argv = host.argv(args, env)
-            if not host.same_machine and host.local:  # srun: the environment it hands on
-                from rollmesh.launcher.slurm import step_name
-
-                argv = host.argv(args, env, step_name(f"{host_name} {p.proc.role}/{p.proc.index}"))
-                argv = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv] if env else argv
-            gpus = f" gpus={list(p.proc.gpus)}" if p.proc.gpus else ""
-            if env and host.same_machine:  # (ssh and srun show theirs in the command)
-                argv = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
-            changed = cluster.settings.changed(p.proc.role)
-            tuned = "".join(f" {k}={v}" for k, v in changed.items())
-            print(f"  {p.name:18s}{gpus}{_cpus_note(p)}{tuned}\n"
-                  f"    {shlex.join(argv) if host.local else argv[-1]}")
-
-
-# --------------------------------------------------------------------------------------------
-# Running
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -970,249 +696,3 @@ class Launcher:
             print(f"rollmesh: run failed: {self.failure}\n  run directory: {self.run_dir}",
                   file=sys.stderr)
 
-
-# --------------------------------------------------------------------------------------------
-# Commands
-# --------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="rollmesh launch",
-        description="Start a run. On a terminal: a live progress bar (step/total, ETA, reward, "
-                    "staleness, samples/s, last sync, elapsed) under one line per notable "
-                    "event (restarts, failures with their log's last lines, failed syncs, "
-                    "dropped samples, eval results, the watchdog). Not a terminal: plain lines "
-                    "`rollmesh: step S/T ...` every few seconds and the event lines. Logs: "
-                    "RUN/logs/*.log, JSON lines.")
-    p.add_argument("cluster", nargs="?", help="cluster file (launch/*.toml)")
-    p.add_argument("--resume", metavar="RUN",
-                   help="go on with the run in this directory after it stopped (a trainer "
-                        "that died, Ctrl-C, a lost machine): its configs and keys, the "
-                        "trainer's latest checkpoint, the queue's log, the rollouter's journal")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a cluster or experiment key, e.g. staleness.max_staleness=0")
-    p.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
-    p.add_argument("--run-dir", help="the run directory (default <run_dir>/<name>-<timestamp>)")
-    shown = p.add_mutually_exclusive_group()
-    shown.add_argument("--verbose", action="store_true",
-                       help="also stream every role's log (and the launcher's) to the terminal, "
-                            "human-readable: `HH:MM:SS [host role/i] level event key=value`; "
-                            "they always go to RUN/logs/ as JSON lines")
-    shown.add_argument("--quiet", action="store_true",
-                       help="no progress bar or event lines while it runs: only the run "
-                            "directory, a failed role's log tail, and the final progress line "
-                            "and summary")
-    s = p.add_argument_group("Slurm (a cluster file with [slurm]; see rollmesh.launcher.slurm)")
-    s.add_argument("--sbatch", action="store_true",
-                   help="submit a batch job that runs this launch inside its allocation")
-    s.add_argument("--nodes", type=int, help="with --sbatch: nodes (slurm.nodes)")
-    s.add_argument("--gpus-per-node", type=int, help="with --sbatch: GPUs per node")
-    s.add_argument("--time", help="with --sbatch: the time limit (slurm.time)")
-    s.add_argument("--partition", help="with --sbatch: the partition (slurm.partition)")
-    args = p.parse_args(argv)
-    from rollmesh.launcher import slurm
-
-    for flag, key in (("nodes", "nodes"), ("gpus_per_node", "gpus_per_node"),
-                      ("time", "time"), ("partition", "partition")):
-        value = getattr(args, flag)
-        if value is not None:
-            if not args.sbatch:
-                p.error(f"--{flag.replace('_', '-')} goes with --sbatch")
-            args.overrides.append(f"slurm.{key}={json.dumps(value)}")
-    configure_logging("launcher", stream=sys.stderr)
-    if (args.cluster is None) == (args.resume is None):
-        p.error("give a cluster file, or --resume RUN (not both)")
-    if args.resume and args.run_dir:
-        p.error("--resume RUN is the run directory: --run-dir does not go with it")
-    try:
-        if args.resume:
-            run_dir = _run_dir(args.resume)
-            pid = json.loads((run_dir / "launcher.json").read_text()).get("pid")
-            if pid and pid != os.getpid() and _pid_alive(pid):
-                print(f"rollmesh launch: {run_dir} is still running (launcher pid {pid}): "
-                      f"stop it first (rollmesh stop {run_dir})", file=sys.stderr)
-                return 2
-            cluster = load_cluster(run_dir / "cluster.toml", overrides=args.overrides)
-        else:
-            cluster = load_cluster(args.cluster, overrides=args.overrides)
-    except ConfigError as e:
-        print(f"rollmesh launch: {e}", file=sys.stderr)
-        return 2
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    if not args.resume:
-        run_dir = Path(args.run_dir or Path(cluster.run_dir) / f"{cluster.name}-{stamp}")
-    if args.sbatch:
-        return slurm.sbatch_main(args, cluster, run_dir)
-    if cluster.slurm is not None and not args.dry_run and not slurm.in_allocation():
-        print("rollmesh launch: the cluster file has [slurm] but this is not inside a Slurm "
-              "allocation (no SLURM_JOB_ID): submit it with --sbatch, or run it under salloc",
-              file=sys.stderr)
-        return 2
-    if args.dry_run:
-        hosts = _make_hosts(cluster)
-        print_plan(cluster, build_plan(cluster, hosts, str(run_dir),
-                                       engine_key="<the run's engine key>",
-                                       launcher_before=launcher_affinity(cluster)), str(run_dir))
-        if cluster.slurm is not None:
-            print(slurm.plan_note(slurm.in_allocation()))
-        return 0
-    console = Console(cluster.experiment_config.trainer.total_steps,  # type: ignore[union-attr]
-                      verbose=args.verbose, quiet=args.quiet)
-    console.info(f"rollmesh: run directory {run_dir}")
-    launcher = Launcher(cluster, run_dir, resume=bool(args.resume), console=console)
-    try:
-        pin_launcher(cluster, args.cluster or str(run_dir / "cluster.toml"))
-        return asyncio.run(launcher.run())
-    except ConfigError as e:
-        console.stop()
-        print(f"rollmesh launch: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, OSError) as e:  # before any role: run directory, ports, SSH reach
-        console.stop()
-        print(f"rollmesh launch: {e}", file=sys.stderr)
-        return 1
-
-
-def _run_dir(arg: str) -> Path:
-    path = Path(arg)
-    if (path / "launcher.json").exists():
-        return path
-    raise SystemExit(f"rollmesh: {arg}: not a run directory (no launcher.json)")
-
-
-def status_main(argv: list[str]) -> int:
-    """`rollmesh status RUN`: is the launcher alive, and what it last said of its processes."""
-    p = argparse.ArgumentParser(prog="rollmesh status")
-    p.add_argument("run")
-    args = p.parse_args(argv)
-    from rollmesh.launcher.slurm import status_of_job
-
-    queued = status_of_job(Path(args.run))  # submitted with --sbatch, not started yet
-    if queued is not None:
-        return queued
-    run = _run_dir(args.run)
-    info = json.loads((run / "launcher.json").read_text())
-    alive = _pid_alive(info["pid"])
-    print(f"run {info['name']} ({run}): launcher pid {info['pid']} "
-          f"{'running' if alive else 'not running'}")
-    status_file = run / "status.json"
-    if status_file.exists():
-        status = json.loads(status_file.read_text())
-        print(f"state: {status['state']}, elapsed {status['elapsed_s']}s")
-        for proc in status["processes"]:
-            print(f"  {proc['name']:18s} {proc['host']:10s} {proc['state']:9s} "
-                  f"restarts={proc['restarts']} pid={proc['pid']}")
-    return 0 if alive else 1
-
-
-def stop_main(argv: list[str]) -> int:
-    """`rollmesh stop RUN`: ask the launcher to shut the run down, and wait for it.
-
-    From any machine that reaches the launcher's control socket (launcher.json's "control")
-    and holds the run's keys (RUN/keys: CURVE authenticates the request): StopRun, then wait
-    until the launcher no longer answers. `--pid`: signal the launcher's process instead
-    (this machine only); without either, the socket is tried first and the pid is the
-    fallback where the launcher runs here."""
-    p = argparse.ArgumentParser(prog="rollmesh stop")
-    p.add_argument("run")
-    p.add_argument("--timeout", type=float, default=60)
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--socket", action="store_true",
-                     help="only through the control socket (no fallback to the pid)")
-    how.add_argument("--pid", action="store_true",
-                     help="only by signalling the launcher's pid (on its machine)")
-    args = p.parse_args(argv)
-    configure_logging("stop", stream=sys.stderr)
-    from rollmesh.launcher import slurm
-
-    job = slurm.job_of(Path(args.run))  # submitted with --sbatch
-    if job is not None and not (Path(args.run) / "launcher.json").exists():
-        ok = slurm.cancel(job)  # still queued (or its launcher not started): no run to drain
-        print(f"rollmesh: cancelled Slurm job {job}" if ok else
-              f"rollmesh: scancel {job} failed", file=sys.stdout if ok else sys.stderr)
-        return 0 if ok else 1
-    run = _run_dir(args.run)
-    info = json.loads((run / "launcher.json").read_text())
-    if not args.pid:
-        try:
-            answered = asyncio.run(_stop_over_socket(run, info, args.timeout))
-        except (OSError, ValueError, TransportError) as e:
-            answered = f"cannot use the control socket: {type(e).__name__}: {e}"
-        if answered is True:
-            print(f"rollmesh: stopped {info['name']} (through {info['control']})")
-            if job is not None:
-                slurm.wait_job_gone(job, args.timeout)
-            return 0
-        if job is not None and not args.socket and slurm.job_state(job):
-            # its launcher does not answer: the job's end takes every step with it
-            print(f"rollmesh: {answered}; cancelling Slurm job {job}", file=sys.stderr)
-            return 0 if slurm.cancel(job) and slurm.wait_job_gone(job, args.timeout) else 1
-        if args.socket or not _local_launcher(info):
-            print(f"rollmesh: could not stop {args.run} through {info.get('control')}: "
-                  f"{answered}", file=sys.stderr)
-            return 1
-        print(f"rollmesh: {answered}; signalling the launcher's pid instead", file=sys.stderr)
-    pid = info["pid"]
-    if not _pid_alive(pid):
-        print(f"rollmesh: the launcher of {args.run} (pid {pid}) is not running")
-        return 1
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + args.timeout
-    while _pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _pid_alive(pid):
-        print(f"rollmesh: launcher {pid} still running after {args.timeout:g}s", file=sys.stderr)
-        return 1
-    print(f"rollmesh: stopped {info['name']}")
-    return 0
-
-
-def _local_launcher(info: dict[str, Any]) -> bool:
-    """The launcher of this launcher.json runs on this machine (its pid means something here)."""
-    control = str(info.get("control", ""))
-    host = control.removeprefix("tcp://").rsplit(":", 1)[0]
-    from rollmesh.config import is_local_address
-
-    return is_local_address(host) or host == os.uname().nodename
-
-
-async def _stop_over_socket(run: Path, info: dict[str, Any], timeout_s: float) -> bool | str:
-    """StopRun to the launcher's control socket, then wait until it stops answering (its
-    socket closes when it exits). True: stopped; else why not."""
-    keys = CurveKeys.load(run / "keys")
-    with Transport(keys) as t:
-        client = RpcClient(t, info["control"], timeout_s=3, retries=1, name="launcher")
-        try:
-            try:
-                await client.request(StopRun(reason=f"rollmesh stop from {os.uname().nodename}"))
-            except PeerTimeout:
-                return "the launcher did not answer (not running, or not reachable from here)"
-            except RemoteError as e:
-                return f"the launcher refused: {e}"
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
-                try:  # a Heartbeat is answered by the control socket while the launcher lives
-                    await client.request(Heartbeat(sender="rollmesh-stop", seq=0), timeout_s=2,
-                                         retries=0)
-                except PeerTimeout:
-                    return True
-                except RemoteError:
-                    continue
-            return f"the launcher still answers after {timeout_s:g}s"
-        finally:
-            client.close()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, IndexError):
-        return True
