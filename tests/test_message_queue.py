@@ -124,7 +124,7 @@ def test_compaction_keeps_the_log_within_its_bound_over_ten_thousand_puts(tmp_pa
     for i in range(10_000):
         q.put(group(i))
         if i % 2:
-            step = i // 2 + 1  # a trainer checkpointing every step: step handed out, step - 1 committed
+            step = i // 2 + 1  # a trainer checkpointing every step: step - 1 committed
             q.commit(step - 1)
             q.take(2, 0, step=step)
         biggest = max(biggest, q.journal.size)
