@@ -11,18 +11,20 @@ them saturates.
    `tiny` model), the MessageQueue with its durable log, the rollouter with its journal and its
    engine health probe, --agents agent workers (64 credits each, the launcher's figure) and
    --rewards reward workers (`letter_share`, in their sandbox). This script plays trainer and
-   synchronizer over the real protocol (as tests/helpers/rollout_stack.py does): GetBatch for step k
-   with step k-1 committed, and with SYNC 1 a weight sync after every batch (Pause in abort
+   synchronizer over the real protocol (as tests/helpers/rollout_stack.py does): the batch for
+   step k from the queue's stream (`BatchFeed`, the trainer's) with step k-1 committed, and with SYNC 1 a weight sync after every batch (Pause in abort
    mode, the engine's weight version bumped, WeightVersion to the queue, Resume), so
    trajectories are interrupted and resumed as in a run. The engine is cheap because it is
    small, not replaced: the tiny model and --new-tokens tokens per response (ignore_eos). The
    rollouter does per sample what it does at any size (Assign, Returned, Score, Scored, its
-   share of a PutGroup and of the journal); the settings differ in prompt length (its per
+   share of a PutGroups and of the journal); the settings differ in prompt length (its per
    token cost: the chat template and the arrays of each new trajectory), group size (its per
    group cost) and syncs (its cost per resume).
 2. The MessageQueue alone (--queue-tokens x --queue-group-sizes): the real role process with
-   its durable log, fed by PutGroup (one in flight, as the rollouter puts) and drained by
-   GetBatch of --queue-batch-samples samples from this process, with samples of each length:
+   its durable log, fed by PutGroups of one group each (one in flight: the cost of a put of
+   one group; the rollouter's `put_ready` puts what is ready, more at once when it can) and
+   drained by the trainer's stream of batches (`BatchFeed`) of --queue-batch-samples samples
+   from this process, with samples of each length:
    its cost per
    token carried and per put, which the stack above cannot resolve (its engine makes long
    samples slow, and idle ticking then weighs as much as the signal).
@@ -73,12 +75,11 @@ from rollmesh.engine.client import EngineClient  # noqa: E402
 from rollmesh.models.loading import tiny_tokenizer  # noqa: E402
 from rollmesh.core.trajectory import new_trajectory  # noqa: E402
 from rollmesh.wire.protocol import decode, encode
+from rollmesh.mq.client import BatchFeed  # noqa: E402
 from rollmesh.wire.messages import (
-    Batch,
-    GetBatch,
     Group,
     Pause,
-    PutGroup,
+    PutGroups,
     Resume,
     Returned,
     StatsRequest,
@@ -187,11 +188,10 @@ async def measure(args: argparse.Namespace, tokens: int, group_size: int, sync: 
         async def consume() -> None:
             """The trainer's and the synchronizer's part: batches out, a sync after each."""
             version = step = 0
+            feed = BatchFeed(q, args.batch_groups)
             while True:
-                batch: Batch = await q.request(
-                    GetBatch(groups=args.batch_groups, version=version, timeout_s=60.0,
-                             step=step + 1, committed_step=step), timeout_s=120)
-                if not batch.groups:
+                batch = await feed.get(step + 1, version, step + 1, step, timeout_s=60.0)
+                if batch is None:
                     raise RuntimeError(f"no batch within 60 s after step {step}")
                 step += 1
                 if seen["counting"]:
@@ -253,8 +253,9 @@ async def measure(args: argparse.Namespace, tokens: int, group_size: int, sync: 
 
 async def queue_alone(args: argparse.Namespace, tokens: int, group_size: int,
                       work: Path) -> dict:
-    """The real MessageQueue process (durable log), PutGroup one at a time from here, GetBatch
-    from here: its main thread's CPU per sample of `tokens` tokens in groups of `group_size`."""
+    """The real MessageQueue process (durable log), PutGroups of one group one at a time from
+    here, batches through the trainer's stream (`BatchFeed`) from here: its main thread's CPU
+    per sample of `tokens` tokens in groups of `group_size`."""
     exp = load_experiment(ROOT / "configs/tiny_cpu.toml",  # the queue takes groups of any size
                           overrides=[f"rollout.batch_groups={args.batch_groups}"])
     env = {k: v for k, v in with_repo_on_path().items() if k == "PYTHONPATH"}
@@ -277,7 +278,7 @@ async def queue_alone(args: argparse.Namespace, tokens: int, group_size: int,
                 reward=1.0, reward_status="ok", num_turns=1, finish_reason="length"))
         return Group(group_id=f"g{i:07d}", trajectories=trajs)
 
-    per_get = max(1, args.queue_batch_samples // group_size)  # the same samples per GetBatch
+    per_get = max(1, args.queue_batch_samples // group_size)  # the same samples per batch
     n_groups = max(args.queue_samples // group_size, 4 * per_get)
     groups = [group(i) for i in range(n_groups)]
     try:
@@ -295,17 +296,24 @@ async def queue_alone(args: argparse.Namespace, tokens: int, group_size: int,
             for i, g in enumerate(groups):
                 if i == warm:
                     marks["start"] = probe.read()
-                while not (await q.request(PutGroup(group=g))).accepted:
+                while not (await q.request(PutGroups(groups=[g]))).accepted:
                     await asyncio.sleep(0.005)
 
         async def consume() -> None:
             got, step = 0, 0
+            feed = None
             while got < n_groups:
-                batch: Batch = await q.request(GetBatch(
-                    groups=min(per_get, n_groups - got), version=0, timeout_s=30.0,
-                    step=step + 1, committed_step=step), timeout_s=60)
+                size = min(per_get, n_groups - got)  # the last batch: what is left
+                if feed is None or feed.groups != size:
+                    if feed is not None:
+                        feed.close()
+                    feed = BatchFeed(q, size)
+                batch = await feed.get(step + 1, 0, step + 1, step, timeout_s=30.0)
+                if batch is None:
+                    raise RuntimeError(f"no batch within 30 s after step {step}")
                 step += 1
                 got += len(batch.groups)
+            feed.close()
             marks["end"] = probe.read()
 
         await asyncio.gather(produce(), consume())
@@ -412,7 +420,7 @@ def main() -> int:
     p.add_argument("--queue-group-sizes", default="1,16")
     p.add_argument("--queue-samples", type=int, default=2048, help="samples per queue-alone run")
     p.add_argument("--queue-batch-samples", type=int, default=128,
-                   help="samples per GetBatch in the queue-alone runs, whatever the group size")
+                   help="samples per batch in the queue-alone runs, whatever the group size")
     p.add_argument("--repeat", type=int, default=1, help="runs of everything; medians are used")
     p.add_argument("--costs", help="write the fitted costs here (simulate.py --process-costs)")
     p.add_argument("--json", help="write result rows (benchmarks/results.py) here")

@@ -175,8 +175,10 @@ def test_killed_trainer_resumes_and_its_next_step_matches_an_uninterrupted_run(t
         for c in first:
             c.process.wait()
         second = spawn_trainers(sup, exp, {**config, "message_queue": mq})
-        # The dead trainer's last GetBatch (5 s long poll) is still open in the queue and would
-        # take batch 2 with it: put it after that poll has expired.
+        # Batch 2 goes in a while after the new trainers started. (This wait dates from the
+        # trainer's long-polled GetBatch, which could take batch 2 with it; the dead trainer's
+        # batch stream may still take it, and the queue then keeps it for step 2 and hands it
+        # to the new trainers' stream again.)
         await asyncio.sleep(6)
         await put_groups(t, mq, batches[1])
         return [c.process.returncode for c in first], await wait_exit(second)

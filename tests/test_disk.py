@@ -18,9 +18,9 @@ import pytest
 from rollmesh.rollout.data import PromptGroup, PromptRow
 from rollmesh.runtime.durable_log import DurableLog
 from rollmesh.mq.store import LOG_NAME
-from rollmesh.wire.messages import PutGroup
 from rollmesh.rollout.journal import Journal, JournalDiskError
 from rollmesh.wire.transport import RemoteError, RpcClient
+from tests.helpers.queue import put_group
 from tests.test_message_queue import balance, group, kill_and_respawn, spawn_queue, stats
 from tests.test_trainer import with_supervisor
 
@@ -66,12 +66,12 @@ def test_queue_log_full_disk_refuses_puts_naming_the_file_then_resumes(tmp_path,
         address = (await sup.wait_ready(mq, 60))["rpc"]
         client = RpcClient(t, address, timeout_s=5, retries=3)
         for i in range(3):
-            assert (await client.request(PutGroup(group=group(i)))).accepted
+            assert await put_group(client, group(i))
         ballast = fill(small_disk)
         refused = None
         for i in range(3, 40):  # the tmpfs's last page may still take a record or two
             try:
-                assert (await client.request(PutGroup(group=group(i, tokens=512)))).accepted
+                assert await put_group(client, group(i, tokens=512))
             except RemoteError as e:
                 refused = (i, str(e))
                 break
@@ -85,7 +85,7 @@ def test_queue_log_full_disk_refuses_puts_naming_the_file_then_resumes(tmp_path,
         # the refused group is not in the queue: what is on disk is exactly what was accepted
         assert whole_records(path) == during["put_samples"] // 2
         ballast.unlink()  # space returns; the caller retries the same put
-        assert (await client.request(PutGroup(group=group(i, tokens=512)))).accepted
+        assert await put_group(client, group(i, tokens=512))
         after = await stats(client)
         assert after["log_error"] is None and balance(after) == 0
         assert after["put_samples"] == during["put_samples"] + 2 and after["duplicate_puts"] == 0

@@ -9,8 +9,8 @@ on a channel this test binds, so the test plays a hostile rollouter), and a stat
 
 Hypothesis throws at each: random frames, truncated and extra array frames, huge declared
 shapes and sizes, wrong field types, unknown record types, msgpack length bombs, and valid
-records out of order (Resume before Pause, SyncDone without SyncRequest, GetBatch with absurd
-sizes). After each barrage the role is alive, answers a valid request correctly, its protocol
+records out of order (Resume before Pause, SyncDone without SyncRequest, OpenBatchStream and
+BatchCredit with absurd sizes). After each barrage the role is alive, answers a valid request correctly, its protocol
 error counter went up (its stats, the Metrics it publishes, or its log), and its resident
 memory (VmRSS) stays under a bound. The engine's HTTP gets malformed JSON, wrong types, huge and
 negative values, unknown routes and an oversized body: each a 4xx with a message, and the
@@ -37,17 +37,19 @@ from hypothesis import strategies as st
 from rollmesh.config import to_dict
 from rollmesh.wire.protocol import RECORDS, ProtocolError, decode, encode
 from rollmesh.wire.messages import (
+    BatchCredit,
     Cancel,
-    GetBatch,
     Heartbeat,
     Metrics,
     Ok,
+    OpenBatchStream,
     Pause,
     Paused,
     Resume,
     Score,
     Scored,
     StatsRequest,
+    StreamState,
     SyncDone,
     SyncRequest,
     Trajectory,
@@ -367,14 +369,22 @@ def test_message_queue_rpc(run):
     before = rpc(r, r.mq_rpc, StatsRequest()).values["protocol_errors"]
     sock = rpc_socket(r, r.mq_rpc)
     barrage("message_queue", sock, rpc_hostile, examples=150, prefix=[], drain=sock)
-    # Valid records with absurd values: an empty wait, a batch bigger than any queue.
-    reply = rpc(r, r.mq_rpc, GetBatch(groups=2**62, version=0, timeout_s=0.2))
-    assert reply.groups == [] and reply.version == 0
-    reply = rpc(r, r.mq_rpc, GetBatch(groups=-5, version=-(2**63), timeout_s=-1.0))
-    # Refused by the handler with the reason (an ErrorReply), the queue untouched.
+    # Valid records with absurd values: credit for a stream the queue does not have, a batch
+    # bigger than any queue, negative sizes and steps.
+    reply = rpc(r, r.mq_rpc, BatchCredit(stream=2**62, version=0, through_step=2**62))
+    assert reply == StreamState(open=False, next_step=0), reply
+    for rec in (OpenBatchStream(stream=1, groups=2**62, version=0, next_step=1, through_step=1),
+                OpenBatchStream(stream=-1, groups=-5, version=-(2**63), next_step=-(2**63),
+                                through_step=-1, committed_step=-1)):
+        reply = rpc(r, r.mq_rpc, rec)
+        # Refused by the handler with the reason (an ErrorReply), the queue untouched.
+        assert getattr(reply, "code", "") == "handler", reply
+        assert "groups must be in [1, " in reply.message, reply
+    reply = rpc(r, r.mq_rpc, BatchCredit(stream=1, version=-(2**63), through_step=-5,
+                                         committed_step=-(2**63)))
     assert getattr(reply, "code", "") == "handler", reply
-    assert "groups must be >= 1" in reply.message, reply
-    TRIED["message_queue"] += 2
+    assert "steps must be >= 0" in reply.message, reply
+    TRIED["message_queue"] += 4
     sock.close(0)
     stats = rpc(r, r.mq_rpc, StatsRequest()).values
     assert stats["protocol_errors"] > before + 100, stats["protocol_errors"]

@@ -20,17 +20,10 @@ from rollmesh.core.accounting import QueueStatus
 from rollmesh.config import load_experiment, to_dict
 from rollmesh.runtime.durable_log import HEADER, DurableLog
 from rollmesh.mq.store import LOG_NAME, MessageQueue, decode_entry, encode_entry
-from rollmesh.wire.messages import (
-    Batch,
-    GetBatch,
-    Group,
-    PutGroup,
-    StatsRequest,
-    Trajectory,
-    WeightVersion,
-)
+from rollmesh.wire.messages import Batch, Group, StatsRequest, Trajectory, WeightVersion
 from rollmesh.launcher.supervisor import Supervisor
 from rollmesh.wire.transport import RpcClient, free_port
+from tests.helpers.queue import Trainer, put_group
 from tests.test_trainer import with_supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +124,7 @@ def test_compaction_keeps_the_log_within_its_bound_over_ten_thousand_puts(tmp_pa
     for i in range(10_000):
         q.put(group(i))
         if i % 2:
-            step = i // 2 + 1  # a trainer checkpointing every step: GetBatch(step, step - 1)
+            step = i // 2 + 1  # a trainer checkpointing every step: step - 1 committed
             q.commit(step - 1)
             q.take(2, 0, step=step)
         biggest = max(biggest, q.journal.size)
@@ -246,10 +239,11 @@ async def kill_and_respawn(sup: Supervisor, child):
     return child
 
 
-async def get(client: RpcClient, step: int, committed: int, n: int = 2,
+async def get(trainer: Trainer, step: int, committed: int, n: int = 2,
               version: int = 0) -> Batch:
-    return await client.request(GetBatch(groups=n, version=version, timeout_s=1.0, step=step,
-                                         committed_step=committed))
+    batch = await trainer.take(step, committed, groups=n, version=version)
+    assert batch is not None, f"no batch of {n} groups for step {step}"
+    return batch
 
 
 async def stats(client: RpcClient) -> dict:
@@ -263,11 +257,12 @@ def test_killed_queue_comes_back_at_its_address_with_its_groups_and_counters(tmp
         address = (await sup.wait_ready(mq, 60))["rpc"]
         client = RpcClient(t, address, timeout_s=5, retries=3)  # survives the restart
         for i in range(6):
-            assert (await client.request(PutGroup(group=group(i)))).accepted
-        handed = await get(client, step=1, committed=0)
+            assert await put_group(client, group(i))
+        trainer = Trainer(client)
+        handed = await get(trainer, step=1, committed=0)
         await client.request(WeightVersion(version=2))  # the 4 groups left are now stale
         for i in range(6, 9):
-            assert (await client.request(PutGroup(group=group(i, version=2)))).accepted
+            assert await put_group(client, group(i, version=2))
         before = await stats(client)
         assert before["dropped"] == {"stale": 8} and balance(before) == 0
 
@@ -276,11 +271,12 @@ def test_killed_queue_comes_back_at_its_address_with_its_groups_and_counters(tmp
         after = await stats(client)  # the same client, the same address
         assert mq.process.pid != pid and mq.restarts == 1
         assert durable_view(after) == durable_view(before) and after["replayed_records"] > 0
-        new = await get(client, step=2, committed=1, n=3, version=2)
+        new = await get(trainer, step=2, committed=1, n=3, version=2)
         assert ids(new.groups) == ["g-00006", "g-00007", "g-00008"] and not new.redelivered
         assert new.groups[2].trajectories[0].token_ids.tolist() == \
             group(8).trajectories[0].token_ids.tolist()
         end = await stats(client)
+        trainer.close()
         client.close()
         return handed, end
 
@@ -298,21 +294,25 @@ def test_a_restarted_trainer_gets_the_same_batch_for_the_same_step(tmp_path):
         address = (await sup.wait_ready(mq, 60))["rpc"]
         producer = RpcClient(t, address, timeout_s=5, retries=3)
         for i in range(8):
-            assert (await producer.request(PutGroup(group=group(i)))).accepted
-        trainer = RpcClient(t, address, timeout_s=5)
+            assert await put_group(producer, group(i))
+        client = RpcClient(t, address, timeout_s=5)
+        trainer = Trainer(client)
         first = [await get(trainer, step=s, committed=s - 1) for s in (1, 2)]
         # steps 1 and 2 handed out, checkpoint at step 1 ... then step 2 is lost with the
         # trainer (its checkpoint never written) and the queue is killed as well
         third = await get(trainer, step=3, committed=1)
         trainer.close()
+        client.close()
         mq = await kill_and_respawn(sup, mq)
-        resumed = RpcClient(t, address, timeout_s=5)  # a new trainer process, from step 1
+        client = RpcClient(t, address, timeout_s=5)  # a new trainer process, from step 1
+        resumed = Trainer(client)
         again = [await get(resumed, step=s, committed=1) for s in (2, 3)]
         s = await stats(producer)
         # its checkpoint at step 3 is written: the next request commits steps 2 and 3
         fourth = await get(resumed, step=4, committed=3)
         end = await stats(producer)
         resumed.close()
+        client.close()
         producer.close()
         await sup.stop([mq], grace_s=10)  # the log is left for the offline look below
         return first, third, again, s, fourth, end
@@ -362,8 +362,8 @@ def test_a_real_trainer_after_a_dead_one_trains_on_the_batch_it_was_handed(tmp_p
         address = (await sup.wait_ready(mq, 60))["rpc"]
         client = RpcClient(t, address, timeout_s=30)
         for g in batches[0] + batches[1]:
-            assert (await client.request(PutGroup(group=g))).accepted
-        dead = await get(client, step=1, committed=0)  # the trainer that died with it
+            assert await put_group(client, g)
+        dead = await get(Trainer(client), step=1, committed=0)  # the trainer that died with it
         trainers = spawn_trainers(sup, exp, {"message_queue": address,
                                              "metrics_path": str(tmp_path / "metrics.jsonl"),
                                              "checkpoint_dir": str(tmp_path / "ckpt")})

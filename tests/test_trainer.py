@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from rollmesh.algorithms import aggregate, gae_advantages, grpo_advantages, kl_estimate
 from rollmesh.config import ConfigError, ExperimentConfig, apply_overrides, parse_config, to_dict
 from rollmesh.models.loading import build_tiny
-from rollmesh.wire.messages import Group, PutGroup, StatsRequest, Trajectory
+from rollmesh.wire.messages import Group, StatsRequest, Trajectory
 from rollmesh.launcher.supervisor import Child, Supervisor
 from rollmesh.training import batching
 from rollmesh.training.batching import BatchData, from_groups
@@ -28,6 +28,7 @@ from rollmesh.training.step import (
     step_metrics, update_policy,
 )
 from rollmesh.wire.transport import RpcClient, Transport, free_port
+from tests.helpers.queue import put_group
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -158,7 +159,7 @@ async def put_groups(t: Transport, mq_rpc: str, groups: list[Group]) -> None:
     client = RpcClient(t, mq_rpc, timeout_s=30)
     try:
         for g in groups:
-            assert (await client.request(PutGroup(group=g))).accepted
+            assert await put_group(client, g)
     finally:
         client.close()
 

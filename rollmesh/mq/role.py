@@ -4,7 +4,9 @@ The queue's state and rules (`MessageQueue`: its groups, the staleness bound, it
 live in `rollmesh.mq.store`, its clients (the rollouter's `put_ready`, the trainer's `BatchFeed`)
 in `rollmesh.mq.client`. This module is the process around them: `QueueRole` holds one handler
 per request (a method each, built from a `MessageQueue` without sockets, so that a test can call
-one alone), `main` binds them to the role's RPC server.
+one alone), `main` binds them to the role's RPC server. Groups come in one way (PutGroups, what
+the rollouter's `put_ready` sends) and batches go out one way (the stream a trainer's
+`BatchFeed` opens: OpenBatchStream, BatchCredit).
 
 The queue's state lives in one thread of its own (every MessageQueue call goes there, in order):
 its log writes, checksums and compactions never hold up the event loop, which meanwhile
@@ -29,22 +31,17 @@ from rollmesh.runtime.process import RoleContext
 from rollmesh.wire.messages import (
     Batch,
     BatchCredit,
-    GetBatch,
     Group,
     Metrics,
     Ok,
     OpenBatchStream,
-    PutGroup,
     PutGroups,
     PutGroupsReply,
-    PutReply,
     StatsRequest,
     StreamState,
     WeightVersion,
 )
 from rollmesh.wire.transport import RpcServer
-
-MAX_WAIT_S = 300.0  # the longest a GetBatch may wait for groups (the trainer asks for seconds)
 
 
 @dataclass
@@ -63,8 +60,8 @@ class _Stream:
 class QueueRole:
     """The role's request handlers, one method each, around one `MessageQueue`.
 
-    Every call to the queue goes to its own thread (`call`); `changed` wakes the requests and
-    the stream waiting for groups; `consumer` is the open stream, if any. Built without sockets
+    Every call to the queue goes to its own thread (`call`); `changed` wakes the stream
+    waiting for groups (or for credit); `consumer` is the open stream, if any. Built without sockets
     (`main` binds `handlers()` to an `RpcServer` and sets `server`, whose protocol error count
     the stats report), so a test can build one and call a handler alone."""
 
@@ -77,9 +74,8 @@ class QueueRole:
         self.server: RpcServer | None = None
 
     def handlers(self) -> dict[type, Callable[..., Any]]:
-        return {PutGroups: self.put_groups, PutGroup: self.put, OpenBatchStream: self.open_stream,
-                BatchCredit: self.credit, GetBatch: self.get, WeightVersion: self.version,
-                StatsRequest: self.stats}
+        return {PutGroups: self.put_groups, OpenBatchStream: self.open_stream,
+                BatchCredit: self.credit, WeightVersion: self.version, StatsRequest: self.stats}
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call `fn` (a MessageQueue method) in the queue's thread."""
@@ -90,14 +86,6 @@ class QueueRole:
         self.state.shutdown(wait=True)
 
     # -- puts --------------------------------------------------------------------------------
-
-    async def put(self, msg: PutGroup, peer: bytes) -> PutReply:
-        queue = self.queue
-        accepted, depth = await self.call(lambda: (queue.put(msg.group), queue.depth_groups))
-        if accepted:
-            async with self.changed:
-                self.changed.notify_all()
-        return PutReply(accepted=accepted, depth=depth)
 
     async def put_groups(self, msg: PutGroups, peer: bytes) -> PutGroupsReply:
         queue = self.queue
@@ -130,30 +118,8 @@ class QueueRole:
         if redelivered:  # a restarted trainer, or a retry: the very same batch
             self.log.info("batch_redelivered", step=step, groups=len(groups))
         elif step > 0:
-            self.changed.notify_all()  # another request for this step returns it too
+            self.changed.notify_all()  # whatever else waits on `changed` sees it handed out
         return Batch(groups=groups, version=version, step=step, redelivered=redelivered)
-
-    async def get(self, msg: GetBatch, peer: bytes) -> Batch:
-        if msg.groups < 1 or msg.step < 0 or msg.committed_step < 0:
-            raise ValueError(f"GetBatch: groups must be >= 1 and steps >= 0, got groups="
-                             f"{msg.groups}, step={msg.step}, committed_step={msg.committed_step}")
-        if not 0 <= msg.timeout_s <= MAX_WAIT_S:  # a waiting request holds a server slot
-            raise ValueError(f"GetBatch: timeout_s must be in [0, {MAX_WAIT_S:g}], "
-                             f"got {msg.timeout_s}")
-        if msg.committed_step > self.queue.committed_step:
-            await self.call(self.queue.commit, msg.committed_step)
-        deadline = time.monotonic() + msg.timeout_s
-        async with self.changed:
-            while True:
-                batch = await self.hand_out(msg.step, msg.groups, msg.version)
-                remaining = deadline - time.monotonic()
-                if batch is not None or remaining <= 0:
-                    return batch or Batch(groups=[], step=msg.step,
-                                          version=max(msg.version, self.queue.version))
-                try:
-                    await asyncio.wait_for(self.changed.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
 
     # -- the stream ---------------------------------------------------------------------------
 
@@ -270,8 +236,8 @@ class QueueRole:
 
 
 async def main(ctx: RoleContext) -> None:
-    """Role entry: serve PutGroups / PutGroup / OpenBatchStream / BatchCredit / GetBatch /
-    WeightVersion / StatsRequest (`QueueRole`).
+    """Role entry: serve PutGroups / OpenBatchStream / BatchCredit / WeightVersion /
+    StatsRequest (`QueueRole`).
 
     settings: rollmesh.config.MessageQueueSettings (a durable queue with a state_dir)."""
     settings = parse_config(MessageQueueSettings, ctx.config, "MessageQueue spec")

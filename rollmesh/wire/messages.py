@@ -324,17 +324,6 @@ class SyncDone:
 
 
 @record
-class PutGroup:
-    group: Group
-
-
-@record
-class PutReply:
-    accepted: bool  # False: the queue is full, keep the group and try again (back-pressure)
-    depth: int
-
-
-@record
 class PutGroups:
     """Several groups in one put (the rollouter sends what is ready). Answered with
     PutGroupsReply once every group it accepts is in the queue's log, in one write."""
@@ -354,27 +343,10 @@ class PutGroupsReply:
 
 
 @record
-class GetBatch:
-    """Trainer at `version` asks for `groups` groups, waiting up to `timeout_s`.
-
-    `step` is the trainer step the batch is for (1, 2, ...; 0: untracked, the batch is gone
-    once handed out) and `committed_step` the step of the trainer's latest checkpoint. The queue
-    keeps a batch handed out for a step until a GetBatch with committed_step >= that step, and
-    answers a GetBatch for a step it already handed out (a resumed trainer, a retry) with the
-    same groups again."""
-
-    groups: int
-    version: int
-    timeout_s: float = 10.0
-    step: int = 0
-    committed_step: int = 0
-
-
-@record
 class Batch:
     groups: list[Group]
     version: int
-    step: int = 0  # the GetBatch's step
+    step: int = 0  # the step it is for (OpenBatchStream)
     redelivered: bool = False  # the batch already handed out for this step, sent again
 
 
@@ -384,9 +356,10 @@ class OpenBatchStream:
     up to `through_step` (each `groups` groups at `version`), pushed as groups become available:
     answered by one Batch per step, in step order, under this request's correlation id, for as
     long as the stream is open. A stream is the queue's one consumer: opening one ends the one
-    before (a restarted trainer, or one that lost a push). Steps are kept and handed out again
-    as for GetBatch (until a `committed_step` covers them), so a new stream from a step already
-    handed out gets the same groups again."""
+    before (a restarted trainer, or one that lost a push). The queue keeps the batch it handed
+    out for a step until a `committed_step` (the step of the trainer's latest checkpoint, here
+    or in a BatchCredit) covers it, so a new stream from a step already handed out (a resumed
+    trainer, a lost push) gets the same groups again."""
 
     stream: int  # the consumer's id for it: BatchCredit names it
     groups: int

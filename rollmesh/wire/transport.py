@@ -293,7 +293,7 @@ Handler = Callable[[Any, bytes], Awaitable[Any]]
 #
 # pyzmq's asyncio socket sends and receives through its blocking-API "sugar" layer, which pays
 # for flag enums and type checks on every frame, and through a Future per call. A message of
-# the data plane has 6 frames and more (a GetBatch reply has 4 per sample), so the two helpers
+# the data plane has 6 frames and more (a Batch has 4 per sample), so the two helpers
 # below do what pyzmq's own fast paths do, frame by frame with plain int flags:
 # - `_send_now`: pyzmq's "short-circuit" send, attempted when no send waits on the socket;
 # - `_drain`: non-blocking reads of what is already queued, for the reader loops.

@@ -1,6 +1,7 @@
 """A real rollout side for the tests: one built-in engine, the MessageQueue, the rollouter, agent
 and reward workers, each its own process started through the role runtime. The test itself
-plays trainer and synchronizer over the real protocol (`Driver`)."""
+plays trainer and synchronizer over the real protocol (`Driver`): it takes batches through the
+queue's stream as the trainer does (`tests.helpers.queue.Trainer`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from rollmesh.core.accounting import QueueStatus, RolloutStatus, identity
 from rollmesh.config import ExperimentConfig, load_experiment, to_dict
 from rollmesh.engine.client import EngineClient
 from rollmesh.wire.messages import (
-    Batch,
-    GetBatch,
     Group,
     Pause,
     Paused,
@@ -26,6 +25,7 @@ from rollmesh.wire.messages import (
 from rollmesh.launcher.supervisor import Child, Supervisor
 from rollmesh.wire.transport import RpcClient, Transport, free_port
 from tests.engine.engine_harness import Engine
+from tests.helpers.queue import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -65,6 +65,8 @@ class Driver:
         self.mq = RpcClient(t, mq_rpc, timeout_s=120, name="message queue")
         self.engine_url = engine_url
         self.version = 0
+        self.trainer = Trainer(self.mq)  # the trainer's stream of batches
+        self.step = 0  # the last step taken (each taken is committed by the next take)
 
     async def rollouter_stats(self) -> dict[str, Any]:
         return (await self.rollouter.request(StatsRequest())).values
@@ -88,9 +90,14 @@ class Driver:
         return paused
 
     async def take(self, groups: int, timeout_s: float = 60) -> list[Group]:
-        batch: Batch = await self.mq.request(GetBatch(groups=groups, version=self.version,
-                                                      timeout_s=timeout_s),
-                                             timeout_s=timeout_s + 30)
+        """What the trainer does for its next step (the one before committed, as by a
+        checkpoint after every step): the batch of `groups` groups at the driver's version
+        from the queue's stream; none ([]) if it did not come within `timeout_s`."""
+        batch = await self.trainer.take(self.step + 1, self.step, groups=groups,
+                                        version=self.version, timeout_s=timeout_s)
+        if batch is None:
+            return []
+        self.step += 1
         return batch.groups
 
     async def wait_for(self, predicate, timeout_s: float = 120, what: str = "") -> dict[str, Any]:
@@ -104,6 +111,7 @@ class Driver:
             await asyncio.sleep(0.2)
 
     def close(self) -> None:
+        self.trainer.close()
         self.rollouter.close()
         self.mq.close()
 
