@@ -35,7 +35,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: Scored carries only what the reward worker adds; PutGroupsReply.dropped_stale
+PROTOCOL_VERSION = 2  # 2: Scored carries only what the reward worker adds, PutGroupsReply.dropped_stale, no PutGroup/GetBatch
 
 _ARRAY_EXT = 1
 _RECORD_EXT = 2  # a Framed record nested as its own frames: [first frame, frame count]
