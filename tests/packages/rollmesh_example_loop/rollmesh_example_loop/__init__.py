@@ -8,9 +8,7 @@ trajectory interrupted by a weight sync resumes exactly where it stopped, on any
 
 from __future__ import annotations
 
-from rollmesh.agents.loops import LoopContext, next_turn_ids
-from rollmesh.wire.messages import Trajectory
-from rollmesh.core.trajectory import append_observation
+from rollmesh.agents import LoopContext, Trajectory, append_observation, next_turn_ids
 
 CHECK = [{"role": "user", "content": "Check your answer and give it again."}]
 
