@@ -40,7 +40,9 @@ import msgpack
 
 from rollmesh.config import RolloutConfig
 from rollmesh.agents.tools import calculator
-from rollmesh.engine.client import EngineClient, GenerateOutput, GenerationCancelled
+from rollmesh.engine.client import (
+    EngineClient, GenerateOutput, GenerationCancelled, version_number,
+)
 from rollmesh.wire.protocol import Trajectory
 from rollmesh.core.trajectory import append_observation, append_tokens
 
@@ -73,11 +75,13 @@ def token_stamps(out: GenerateOutput, start: int | None) -> int | list[int]:
 
 
 def parse_version(weight_version: str) -> int:
-    try:
-        return int(weight_version)
-    except ValueError:
+    """An engine's reported version as the stamping needs it: the client's rule
+    (`rollmesh.engine.client.version_number`), a version it cannot read refused (ValueError)."""
+    version = version_number(weight_version)
+    if version is None:
         raise ValueError(f"engine reports weight_version {weight_version!r}: rollmesh needs "
-                         "integer versions (start engines with --weight-version 0)") from None
+                         "integer versions (start engines with --weight-version 0)")
+    return version
 
 
 class LoopContext:
