@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollmesh.agents.loops import calculator  # noqa: E402 - after the path
+from rollmesh.agents.tools import calculator  # noqa: E402 - after the path
 
 OPERATORS = ("+", "-", "*")
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from rollmesh.agents.loops import (
-    calculator, load_agent_loops, parse_tool_calls, parse_version, run_tool,
+    load_agent_loops, parse_tool_agent_calls, parse_version, run_tool,
 )
+from rollmesh.agents.tools import calculator
 from rollmesh.core.trajectory import append_observation, append_tokens, new_trajectory
 
 
@@ -35,12 +36,12 @@ def test_tool_calls_are_parsed_in_order_and_malformed_ones_reported():
     text = ('think <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}'
             '</tool_call> and <tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}'
             '</tool_call> <tool_call>{not json}</tool_call> <tool_call>{"arguments": {}}</tool_call>')
-    calls = parse_tool_calls(text)
+    calls = parse_tool_agent_calls(text)
     assert calls[0] == {"name": "calculator", "arguments": {"expression": "2+3"}}
     assert calls[1] == {"name": "search", "arguments": {"q": "x"}}
     assert calls[2]["error"].startswith("malformed tool call:")
     assert calls[3]["error"] == 'malformed tool call: expected {"name": str, "arguments": {...}}'
-    assert parse_tool_calls("no calls here") == []
+    assert parse_tool_agent_calls("no calls here") == []
 
 
 def test_every_tool_failure_is_a_message_for_the_model():

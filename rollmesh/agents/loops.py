@@ -28,12 +28,10 @@ its tokens may come from several versions:
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import importlib.metadata
 import inspect
 import json
-import operator
 import re
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol
@@ -41,7 +39,10 @@ from typing import Any, Callable, Protocol
 import msgpack
 
 from rollmesh.config import RolloutConfig
-from rollmesh.engine.client import EngineClient, GenerateOutput, GenerationCancelled
+from rollmesh.agents.tools import calculator
+from rollmesh.engine.client import (
+    EngineClient, GenerateOutput, GenerationCancelled, version_number,
+)
 from rollmesh.wire.messages import Trajectory
 from rollmesh.core.trajectory import append_observation, append_tokens
 
@@ -74,11 +75,13 @@ def token_stamps(out: GenerateOutput, start: int | None) -> int | list[int]:
 
 
 def parse_version(weight_version: str) -> int:
-    try:
-        return int(weight_version)
-    except ValueError:
+    """An engine's reported version as the stamping needs it: the client's rule
+    (`rollmesh.engine.client.version_number`), a version it cannot read refused (ValueError)."""
+    version = version_number(weight_version)
+    if version is None:
         raise ValueError(f"engine reports weight_version {weight_version!r}: rollmesh needs "
-                         "integer versions (start engines with --weight-version 0)") from None
+                         "integer versions (start engines with --weight-version 0)")
+    return version
 
 
 class LoopContext:
@@ -291,10 +294,15 @@ def next_turn_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """Every <tool_call>{"name": ..., "arguments": ...}</tool_call> in `text`, in order.
+def parse_tool_agent_calls(text: str) -> list[dict[str, Any]]:
+    """Every <tool_call>{"name": ..., "arguments": ...}</tool_call> in `text`, in order: the
+    `tool_agent` loop's own grammar (any whitespace inside the markers, arguments an object or
+    its JSON text, returned as an object; every tool name taken).
 
     A call that does not parse becomes {"error": why} so the model is told, not ignored.
+    Not SGLang's named parsers (qwen25/qwen/hermes, which the built-in engine's
+    /v1/chat/completions and the `openai_agent` endpoint use): those are
+    `rollmesh.engine.openai_common.parse_sglang_tool_calls`.
     """
     calls = []
     for raw in _TOOL_CALL.findall(text):
@@ -383,7 +391,7 @@ class ToolAgent:
             state["turn"] += 1
             text = ctx.tokenizer.decode(traj.token_ids[state["turn_start"]:].tolist(),
                                         skip_special_tokens=True)
-            calls = parse_tool_calls(text)
+            calls = parse_tool_agent_calls(text)
             if not calls or traj.finish_reason == "length":
                 break
             results = await asyncio.gather(*(run_tool(tools, c, ctx.rollout.tool_timeout_s)
@@ -402,35 +410,8 @@ class ToolAgent:
 
 
 # --------------------------------------------------------------------------------------------
-# Tools and the registry
+# The tool registry
 # --------------------------------------------------------------------------------------------
-
-_OPS: dict[type, Callable[..., Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-    ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos,
-}
-
-
-def calculator(expression: str) -> str:
-    """Evaluate arithmetic (+ - * / // % ** and parentheses) without eval."""
-
-    def ev(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            if isinstance(node.op, ast.Pow) and abs(ev(node.right)) > 100:
-                raise ValueError("exponent too large")
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.operand))
-        raise ValueError(f"unsupported expression: {ast.dump(node)[:60]}")
-
-    if len(expression) > 200:
-        raise ValueError("expression too long")
-    value = ev(ast.parse(expression, mode="eval").body)
-    return str(int(value) if isinstance(value, float) and value.is_integer() else value)
-
 
 def builtin_tools() -> dict[str, Callable[..., Any]]:
     """Built-in tools plus those registered under the entry-point group `rollmesh.tools`."""

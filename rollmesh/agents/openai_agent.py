@@ -71,9 +71,9 @@ from aiohttp import web
 from rollmesh.agents.loops import (
     ChatTemplateError, ContextFull, Interrupted, LoopContext, next_turn_ids, recorded_call,
 )
-from rollmesh.engine.builtin.openai_api import (
-    _NO_EFFECT, OpenAIError, TokenBytes, _template_message, _tool_choice, _tools, chat_logprobs,
-    parse_tool_calls, tool_call_entries,
+from rollmesh.engine.openai_common import (
+    NO_EFFECT, OpenAIError, TokenBytes, chat_logprobs, parse_sglang_tool_calls,
+    parse_tool_choice, parse_tools, template_message, tool_call_entries,
 )
 from rollmesh.runtime.log import get_logger
 from rollmesh.wire.messages import Trajectory
@@ -212,7 +212,7 @@ def normalize_message(i: int, m: Any) -> dict[str, Any]:
             if key in m and m[key] in (None, "", [], {}):
                 m = {k: v for k, v in m.items() if k != key}
     try:
-        return _template_message(i, m)
+        return template_message(i, m)
     except OpenAIError as e:
         raise CallError(e.message) from None
 
@@ -472,7 +472,7 @@ class OpenAIEndpoint:
         if not isinstance(body, dict):
             raise CallError("the request body must be a JSON object")
         for key, value in body.items():
-            if key not in _ACCEPTED and key not in _NO_EFFECT:
+            if key not in _ACCEPTED and key not in NO_EFFECT:
                 raise CallError(f"{key} is not supported by rollmesh's openai_agent endpoint")
         if body.get("stream"):
             raise CallError("stream: true is not supported by rollmesh's openai_agent endpoint: "
@@ -490,8 +490,8 @@ class OpenAIEndpoint:
             raise CallError("messages must be a non-empty list of message objects")
         msgs = [normalize_message(i, m) for i, m in enumerate(messages)]
         try:
-            tools = _tools(body.get("tools"))
-            use_tools = bool(tools) and _tool_choice(body, tools) != "none"
+            tools = parse_tools(body.get("tools"))
+            use_tools = bool(tools) and parse_tool_choice(body, tools) != "none"
         except OpenAIError as e:
             raise CallError(e.message) from None
         max_tokens = body.get("max_completion_tokens")
@@ -614,7 +614,7 @@ class OpenAIEndpoint:
             text = text[:-len(matched)]  # a stop string is not part of the content
         tool_calls = None
         if req.tools:
-            parsed = parse_tool_calls(text, req.tools, "hermes")
+            parsed = parse_sglang_tool_calls(text, req.tools, "hermes")
             if parsed.calls:
                 text, tool_calls = parsed.text, tool_call_entries(parsed.calls)
                 if finish == "stop":

@@ -1,4 +1,9 @@
-"""Tools for multi-turn agent loops, registered under the entry-point group `rollmesh.tools`.
+"""Tools for multi-turn agent loops: `calculator`, always there
+(`rollmesh.agents.loops.builtin_tools`), and `python`, registered under the entry-point group
+`rollmesh.tools` like a user's own tools.
+
+`calculator(expression)` evaluates arithmetic (+ - * / // % ** and parentheses) by walking the
+expression's syntax tree, never with eval; a bad expression raises, and the loop tells the model.
 
 `python(code)` runs the model's code in a separate, limited process and returns what it printed
 (stdout and stderr together), a traceback when it raised, and one line per limit it hit
@@ -21,9 +26,11 @@ times memory_mb in all) and disk use only per file.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import json
+import operator
 import os
 import shutil
 import signal
@@ -33,14 +40,14 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rollmesh.config import PythonToolConfig, RolloutConfig
 from rollmesh.runtime import isolation
 from rollmesh.runtime.isolation import SANDBOX_UIDS
 from rollmesh.runtime.log import get_logger
 
-__all__ = ["PythonRun", "PythonTool", "python"]
+__all__ = ["PythonRun", "PythonTool", "calculator", "python"]
 
 log = get_logger("rollmesh.agents.tools")
 
@@ -289,3 +296,31 @@ def _remove_tree(path: str) -> None:
 
 
 python = PythonTool()
+
+
+# ---- calculator ----------------------------------------------------------------------------
+_OPS: dict[type, Callable[..., Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate arithmetic (+ - * / // % ** and parentheses) without eval."""
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            if isinstance(node.op, ast.Pow) and abs(ev(node.right)) > 100:
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported expression: {ast.dump(node)[:60]}")
+
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+    value = ev(ast.parse(expression, mode="eval").body)
+    return str(int(value) if isinstance(value, float) and value.is_integer() else value)

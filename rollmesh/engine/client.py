@@ -20,7 +20,10 @@ Nothing above this module knows whether a server is real SGLang or rollmesh's bu
   retries;
 - the weight-update calls, fired without waiting as the contract requires (they block inside
   the collective): `start_*` returns a task, the caller joins the group or broadcasts, then
-  awaits it.
+  awaits it;
+- the one rule for an engine's weight version (`version_number`, `engine_version`,
+  `serves_other_version`), which the trainer's and the synchronizer's checks, this client's
+  own and the agent loops' stamping all apply.
 """
 
 from __future__ import annotations
@@ -43,14 +46,32 @@ log = get_logger("rollmesh.engine.client")
 RID_WIDTH = 24  # "r" + 23 hex digits: unique per client process and never a prefix of another
 
 
-def engine_version(info: dict[str, Any]) -> int | None:
-    """The weight version an engine's /get_server_info reports; None when it reports none or
-    not an integer (an SGLang started without --weight-version says "default"): such an engine
-    is not judged by its version (rollmesh starts its engines with --weight-version 0)."""
+# ---- the engine's weight version: the one rule every role judges an engine by ---------------
+def version_number(reported: Any) -> int | None:
+    """A weight version as an engine reports it (/generate's `weight_version` and per-token
+    versions, /get_server_info's and /get_model_info's `weight_version`) read as the integer
+    rollmesh counts in (`int()`: 7 or "7"); None when there is none or it is not an integer (an
+    SGLang started without --weight-version says "default"). An engine whose version is None is
+    not judged by it (rollmesh starts its engines with --weight-version 0); a caller that needs
+    the number refuses it (`rollmesh.agents.loops.parse_version`)."""
     try:
-        return int(info.get("weight_version"))  # type: ignore[arg-type]
+        return int(reported)
     except (TypeError, ValueError):
         return None
+
+
+def engine_version(info: dict[str, Any]) -> int | None:
+    """The weight version an engine's /get_server_info or /get_model_info answer reports:
+    `version_number` of its `weight_version`."""
+    return version_number(info.get("weight_version"))
+
+
+def serves_other_version(info: dict[str, Any], *versions: int) -> bool:
+    """Whether an engine's /get_server_info answer reports a version, and not one of
+    `versions`: the engine holds other weights. An engine that reports no integer version is
+    never judged so."""
+    version = engine_version(info)
+    return version is not None and version not in versions
 
 
 class EngineError(RuntimeError):
@@ -162,10 +183,8 @@ def _token_versions(meta: dict[str, Any], n: int) -> list[int] | None:
         got = len(versions) if isinstance(versions, list) else type(versions).__name__
         raise ValueError(f"output_token_weight_versions: expected a list of {n} versions, "
                          f"got {got}")
-    try:
-        return [int(v) for v in versions]
-    except (TypeError, ValueError):
-        return None
+    numbers = [version_number(v) for v in versions]
+    return None if None in numbers else numbers  # type: ignore[return-value]
 
 
 def _expand_spans(spans: Any, n: int) -> list[Any] | None:
@@ -332,8 +351,10 @@ class EngineClient:
         try:
             info = await self._call(server, "GET", "/get_model_info",
                                     timeout_s=self.connect_timeout_s + 5)
-            version = int(info.get("weight_version"))
+            version = engine_version(info)
         except (EngineError, AttributeError, TypeError, ValueError):
+            version = None
+        if version is None:
             return False  # cannot tell: serve
         if version >= self.version_floor:
             return False
@@ -499,11 +520,9 @@ class EngineClient:
             "/generate", body, timeout_s, rid=rid,
             wait_s=self.wait_s if wait_s is None else wait_s, cancel=cancel)
         result = GenerateOutput.from_response(rid, server.url, out)
-        try:
-            version = int(result.weight_version)
+        version = version_number(result.weight_version)
+        if version is not None:
             self.version_floor = max(self.version_floor or 0, version)
-        except ValueError:
-            pass
         return result
 
     async def abort(self, rid: str) -> bool:

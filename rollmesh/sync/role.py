@@ -65,7 +65,7 @@ from rollmesh.wire.messages import (
     SyncRequest,
     WeightVersion,
 )
-from rollmesh.engine.client import EngineClient, engine_version, run_api_key
+from rollmesh.engine.client import EngineClient, run_api_key, serves_other_version
 from rollmesh.runtime.process import RoleContext
 from rollmesh.wire.transport import RpcClient, RpcServer
 
@@ -187,7 +187,7 @@ class Synchronizer:
         infos = await self.engines.server_info_each(timeout_s=5.0)
         return [f"{s.url} at version {info.get('weight_version')}"
                 for s, info in zip(self.engines.servers, infos)
-                if info is not None and engine_version(info) not in (None, version)]
+                if info is not None and serves_other_version(info, version)]
 
     def _patient(self) -> dict[str, Any]:
         """Pause and Resume are idempotent: ask again every PAUSE_RETRY_S (a rollouter that

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from rollmesh.engine.client import EngineClient, EngineError, engine_version
+from rollmesh.engine.client import EngineClient, EngineError, serves_other_version
 from rollmesh.runtime.log import get_logger
 from rollmesh.wire.messages import SyncDone, SyncGo, SyncRequest
 from rollmesh.training.ranks import full_tensor
@@ -221,7 +221,7 @@ class WeightSender:
         infos = await self.engines.server_info_each(timeout_s=5.0)
         return [f"{s.url} at version {info.get('weight_version')}"
                 for s, info in zip(self.engines.servers, infos)
-                if info is not None and engine_version(info) not in (None, version)]
+                if info is not None and serves_other_version(info, version)]
 
     async def wait_serving(self) -> None:
         """Until at least one engine answers /health (within sync.timeout_s): the next attempt
@@ -237,7 +237,7 @@ class WeightSender:
         back with the initial weights), so the failure was the engine's death, not a fault of
         the weights or the trainer."""
         infos = await self.engines.server_info_each(timeout_s=5.0)
-        return any(info is None or engine_version(info) not in (None, old, new) for info in infos)
+        return any(info is None or serves_other_version(info, old, new) for info in infos)
 
     async def verify(self, version: int) -> None:
         """After a broadcast: every engine that serves holds `version`, else EngineError."""

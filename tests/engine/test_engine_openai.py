@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) of a real
 engine process, driven by the official `openai` client with the run's API key; and the pure
-parts of rollmesh.engine.builtin.openai_api (tool-call parsing, chat rendering with tools, streaming)."""
+parts of rollmesh.engine.builtin.openai_requests / openai_responses and
+rollmesh.engine.openai_common (tool-call parsing, chat rendering with tools, streaming)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 from engine_harness import Engine
 
 from rollmesh.engine.builtin import api
-from rollmesh.engine.builtin import openai_api
+from rollmesh.engine import openai_common
+from rollmesh.engine.builtin import openai_requests, openai_responses
 from rollmesh.models.loading import tiny_tokenizer
 from rollmesh.engine.builtin.sampling import parse_sampling_params
 from rollmesh.engine.builtin.scheduler import Request
@@ -346,13 +348,13 @@ def test_a_stream_fed_token_by_token_has_sglangs_chunks(name: str):
 
     fx = load(name)
     tok = tiny_tokenizer()
-    served = openai_api.ServedModel("default", api.ModelLimits(context_length=4096,
-                                                               vocab_size=len(tok)))
-    parse = openai_api.parse_completion if "messages" not in fx["request"] \
-        else openai_api.parse_chat
+    served = openai_requests.ServedModel("default", api.ModelLimits(context_length=4096,
+                                                                    vocab_size=len(tok)))
+    parse = openai_requests.parse_completion if "messages" not in fx["request"] \
+        else openai_requests.parse_chat
     call = parse({**fx["request"], "ignore_eos": True}, served, tok)
     (live,) = call.requests
-    streamer = openai_api._Streamer(call, tok, openai_api.TokenBytes(tok), None)
+    streamer = openai_responses.Streamer(call, tok, openai_common.TokenBytes(tok), None)
     tokens = tok.encode(" Paris is the capital", add_special_tokens=False)[:live.max_new_tokens]
     assert len(tokens) == live.max_new_tokens >= 2
     chunks = []
@@ -387,8 +389,8 @@ def test_tools_reach_the_chat_template_as_sglang_dumps_them():
     tok = tiny_tokenizer()
     tok.chat_template = TOOL_TEMPLATE
     msgs = [{"role": "user", "content": "2+3?"}]
-    tools = openai_api._tools(TOOLS)
-    ids = openai_api.render_chat(tok, msgs, tools, {}, False)
+    tools = openai_common.parse_tools(TOOLS)
+    ids = openai_requests.render_chat(tok, msgs, tools, {}, False)
     text = tok.decode(ids)
     # Tool.model_dump(): the function's keys as sent, then the wrapper's defer_loading (null).
     assert ('{"type": "function", "function": {"name": "add", "description": "Add two '
@@ -397,32 +399,33 @@ def test_tools_reach_the_chat_template_as_sglang_dumps_them():
     assert ids == tok.encode(tok.apply_chat_template(msgs, tools=tools, tokenize=False,
                                                      add_generation_prompt=True),
                              add_special_tokens=False)
-    assert "<tools>" not in tok.decode(openai_api.render_chat(tok, msgs, None, {}, False))
+    assert "<tools>" not in tok.decode(openai_requests.render_chat(tok, msgs, None, {}, False))
 
 
 def test_a_last_assistant_message_is_continued_or_taken_as_the_users():
     tok = tiny_tokenizer()
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
-    cont = tok.decode(openai_api.render_chat(tok, msgs, None, {}, True))
+    cont = tok.decode(openai_requests.render_chat(tok, msgs, None, {}, True))
     assert cont.endswith("<|im_start|>assistant\nHello the")
-    as_user = tok.decode(openai_api.render_chat(tok, msgs, None, {}, False))
+    as_user = tok.decode(openai_requests.render_chat(tok, msgs, None, {}, False))
     assert as_user.endswith("<|im_start|>user\nHello the<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_parse_tool_calls_qwen25_and_hermes():
     out = ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
            '</tool_call>\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
-    parsed = openai_api.parse_tool_calls(out, openai_api._tools(TOOLS), "qwen25")
+    parse = openai_common.parse_sglang_tool_calls
+    parsed = parse(out, openai_common.parse_tools(TOOLS), "qwen25")
     assert parsed.text == "Let me add."
     assert parsed.calls == [{"name": "add", "arguments": '{"a": 2, "b": 3}'}]  # nope: unknown
-    bad = openai_api.parse_tool_calls("<tool_call>\n{oops}\n</tool_call>", TOOLS, "qwen25")
+    bad = parse("<tool_call>\n{oops}\n</tool_call>", TOOLS, "qwen25")
     assert bad.calls == [] and bad.text == ""
-    hermes = openai_api.parse_tool_calls('x<tool_call>{"name": "add", "arguments": {"a": 1}}'
-                                         '</tool_call>', TOOLS, "hermes")
+    hermes = parse('x<tool_call>{"name": "add", "arguments": {"a": 1}}'
+                   '</tool_call>', TOOLS, "hermes")
     assert hermes.text == "x" and hermes.calls == [{"name": "add", "arguments": '{"a": 1}'}]
-    assert openai_api.parse_tool_calls("<tool_call>{oops", TOOLS, "hermes").text == \
+    assert parse("<tool_call>{oops", TOOLS, "hermes").text == \
         "<tool_call>{oops"
-    assert openai_api.parse_tool_calls("plain", TOOLS, "qwen25").calls == []
+    assert parse("plain", TOOLS, "qwen25").calls == []
 
 
 def _finished_request(tok: Any, text: str, rid: str = "r") -> Request:
@@ -437,10 +440,10 @@ def _finished_request(tok: Any, text: str, rid: str = "r") -> Request:
 def test_chat_answer_with_a_tool_call_streamed_or_not():
     tok = tiny_tokenizer()
     text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    call = openai_api.OpenAICall("chat", "m", [_finished_request(tok, text)], 1, False,
-                                 tools=openai_api._tools(TOOLS))
-    tb = openai_api.TokenBytes(tok)
-    body = openai_api.chat_response(call, tok, tb, "qwen25")
+    call = openai_requests.OpenAICall("chat", "m", [_finished_request(tok, text)], 1, False,
+                                      tools=openai_common.parse_tools(TOOLS))
+    tb = openai_common.TokenBytes(tok)
+    body = openai_responses.chat_response(call, tok, tb, "qwen25")
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["matched_stop"] is None
     assert choice["message"]["content"] == "Sure."
@@ -452,8 +455,8 @@ def test_chat_answer_with_a_tool_call_streamed_or_not():
     full = _finished_request(tok, text)
     live = Request(rid="r", input_ids=[1, 2, 3], params=full.params, max_new_tokens=64,
                    on_progress=lambda _: None)
-    scall = openai_api.OpenAICall("chat", "m", [live], 1, True, tools=call.tools)
-    streamer = openai_api._Streamer(scall, tok, tb, "qwen25")
+    scall = openai_requests.OpenAICall("chat", "m", [live], 1, True, tools=call.tools)
+    streamer = openai_responses.Streamer(scall, tok, tb, "qwen25")
     events = []
     for k, token in enumerate(full.output_ids):
         live.output_ids.append(token)
@@ -469,25 +472,25 @@ def test_chat_answer_with_a_tool_call_streamed_or_not():
 
 
 def test_stream_safe_holds_back_a_possible_stop_string_and_broken_utf8():
-    assert openai_api.stream_safe("hello wor", ["world"]) == "hello "
-    assert openai_api.stream_safe("hello", ["xyz"]) == "hello"
-    assert openai_api.stream_safe("abc\ufffd", []) == "abc"
+    assert openai_responses.stream_safe("hello wor", ["world"]) == "hello "
+    assert openai_responses.stream_safe("hello", ["xyz"]) == "hello"
+    assert openai_responses.stream_safe("abc\ufffd", []) == "abc"
 
 
 def test_tools_and_fields_are_validated():
-    served = openai_api.ServedModel("m", api.ModelLimits(context_length=64, vocab_size=2048))
+    served = openai_requests.ServedModel("m", api.ModelLimits(context_length=64, vocab_size=2048))
     tok = tiny_tokenizer()
-    with pytest.raises(openai_api.OpenAIError, match="tools\\[0\\]"):
-        openai_api.parse_chat({"messages": MESSAGES, "tools": [{"type": "function"}]},
-                              served, tok)
-    with pytest.raises(openai_api.OpenAIError, match="content part 'image_url'"):
-        openai_api.parse_chat({"messages": [{"role": "user", "content": [
+    with pytest.raises(openai_common.OpenAIError, match="tools\\[0\\]"):
+        openai_requests.parse_chat({"messages": MESSAGES, "tools": [{"type": "function"}]},
+                                   served, tok)
+    with pytest.raises(openai_common.OpenAIError, match="content part 'image_url'"):
+        openai_requests.parse_chat({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, served, tok)
-    with pytest.raises(openai_api.OpenAIError, match="context length"):
-        openai_api.parse_chat({"messages": MESSAGES, "max_tokens": 60}, served, tok)
-    with pytest.raises(openai_api.OpenAIError, match="seed must be an integer"):
-        openai_api.parse_completion({"prompt": "Hi", "seed": "x"}, served, tok)
-    ok = openai_api.parse_chat({"messages": [{"role": "user", "content": [
+    with pytest.raises(openai_common.OpenAIError, match="context length"):
+        openai_requests.parse_chat({"messages": MESSAGES, "max_tokens": 60}, served, tok)
+    with pytest.raises(openai_common.OpenAIError, match="seed must be an integer"):
+        openai_requests.parse_completion({"prompt": "Hi", "seed": "x"}, served, tok)
+    ok = openai_requests.parse_chat({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 2},
         served, tok)
     assert tok.decode(ok.requests[0].input_ids).endswith("user\na b<|im_end|>\n"
@@ -497,16 +500,17 @@ def test_tools_and_fields_are_validated():
 def test_chat_sampling_defaults_come_from_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True}))
-    defaults = openai_api.generation_defaults(str(tmp_path))
+    defaults = openai_requests.generation_defaults(str(tmp_path))
     assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
-    served = openai_api.ServedModel("m", api.ModelLimits(context_length=512, vocab_size=2048),
-                                    chat_defaults=defaults)
+    served = openai_requests.ServedModel("m", api.ModelLimits(context_length=512,
+                                                              vocab_size=2048),
+                                         chat_defaults=defaults)
     tok = tiny_tokenizer()
-    p = openai_api.parse_chat({"messages": MESSAGES, "max_tokens": 2, "top_p": 0.5},
-                              served, tok).requests[0].params
+    p = openai_requests.parse_chat({"messages": MESSAGES, "max_tokens": 2, "top_p": 0.5},
+                                   served, tok).requests[0].params
     assert (p.temperature, p.top_p, p.top_k) == (0.7, 0.5, 20)  # the request's value wins
     # completions keep the OpenAI defaults, as SGLang's
-    c = openai_api.parse_completion({"prompt": "Hi"}, served, tok).requests[0]
+    c = openai_requests.parse_completion({"prompt": "Hi"}, served, tok).requests[0]
     assert (c.params.temperature, c.params.top_p, c.params.top_k, c.max_new_tokens) == \
         (1.0, 1.0, -1, 16)
-    assert openai_api.generation_defaults(str(tmp_path / "none")) == {}
+    assert openai_requests.generation_defaults(str(tmp_path / "none")) == {}

@@ -6,7 +6,8 @@
         [--disable-radix-cache] [--prefix-cache-max-tokens 65536]
 
 This module owns the HTTP side and the process lifecycle: the aiohttp routes of
-docs/sglang-api.md, start-up (load, warm up, serve) and graceful shutdown on SIGTERM/SIGINT.
+docs/sglang-api.md (the weight routes in weight_routes.py, the OpenAI ones in openai_api.py),
+start-up (load, warm up, serve) and graceful shutdown on SIGTERM/SIGINT.
 The model itself belongs to the scheduler thread (scheduler.py); handlers only submit work to it
 and await the answer, so the event loop stays responsive even while a weight broadcast blocks
 the scheduler inside a collective.
@@ -42,25 +43,12 @@ from rollmesh import __version__
 from rollmesh.engine.builtin import api
 from rollmesh.models import loading as models
 from rollmesh.engine.builtin import openai_api
+from rollmesh.engine.builtin.bodies import MalformedBody, error_reply, read_body
 from rollmesh.engine.builtin.sampling import BadRequest
 from rollmesh.config import engine_args
 from rollmesh.engine.builtin.scheduler import Request, Scheduler
+from rollmesh.engine.builtin.weight_routes import WeightRoutes
 from rollmesh.runtime.log import configure_logging
-from rollmesh.weight_sync.buckets import (
-    LOAD_FORMATS,
-    WeightSpec,
-    receive_bucket,
-    receive_bucket_into,
-    receive_weights,
-)
-from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
-from rollmesh.weight_sync.tensors import (
-    WeightUpdateError,
-    check_update,
-    dtype_from_name,
-    load_weights,
-    model_tensors,
-)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # SGLang's /flush_cache text (http_server.py `flush_cache`).
@@ -70,40 +58,9 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When th
 LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-    """SGLang's error body for a request its tokenizer manager refuses (a ValueError:
-    http_server.py `_create_error_response`): `{"error": {"message": ...}}`."""
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-class MalformedBody(BadRequest):
-    """The body is not a JSON object: FastAPI's RequestValidationError in SGLang, answered in
-    the OpenAI ErrorResponse shape (http_server.py, the RequestValidationError handler)."""
-
-
 def _validation_error(message: str) -> web.Response:
     return web.json_response({"object": "error", "message": message, "type": "Bad Request",
                               "param": None, "code": 400}, status=400)
-
-
-def _result(success: bool, message: str, **extra: Any) -> web.Response:
-    """SGLang's weight-route body: `{"success", "message"}` (+ `num_paused_requests` from
-    /update_weights_from_disk), 200 or 400."""
-    return web.json_response({"success": success, "message": message, **extra},
-                             status=200 if success else 400)
-
-
-async def _body(request: web.Request, *, optional: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip() and optional:
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MalformedBody(f"malformed JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise MalformedBody("the request body must be a JSON object")
-    return body
 
 
 @web.middleware
@@ -113,7 +70,7 @@ async def _bad_requests(request: web.Request, handler: Any) -> web.StreamRespons
     except MalformedBody as e:
         return _validation_error(str(e))
     except BadRequest as e:
-        return _error(str(e))
+        return error_reply(str(e))
 
 
 # Paths SGLang lets through without a key (utils/auth.py `decide_request_auth`: matched by
@@ -170,10 +127,7 @@ class EngineServer:
             max_running_requests=args.max_running_requests, seed=args.seed,
             prefix_cache_tokens=None if args.disable_radix_cache
             else args.prefix_cache_max_tokens)
-        self.groups: dict[str, tuple[Any, str]] = {}  # group_name -> (process group, backend)
-        # Receive buffer for flattened buckets that cannot land in the model directly (another
-        # dtype than the model's) or are drained; kept while a weight-update group exists.
-        self._recv_buffer: torch.Tensor | None = None
+        self.weights = WeightRoutes(self)  # the weight routes and the groups they joined
         # /generate requests by rid until they finish: a second request with a live rid is
         # refused, as SGLang's tokenizer manager refuses it (its rid_to_state).
         self._live: dict[str, Request] = {}
@@ -202,13 +156,7 @@ class EngineServer:
         r.add_get("/v1/loads", self.loads)
         for path in ("/tokenize", "/v1/tokenize"):
             r.add_post(path, self.tokenize)
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_post("/update_weight_version", self.update_weight_version)
-        r.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
-        r.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
+        self.weights.register(r)  # /init_weights_update_group, /update_weights_from_..., ...
         openai_api.OpenAIRoutes(self).register(r)  # /v1/models, /v1/completions, /v1/chat/...
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
@@ -241,11 +189,11 @@ class EngineServer:
             except TimeoutError:
                 self.log.warning("scheduler_did_not_stop", busy_loading=self.scheduler.busy_loading)
                 return
-        for group, _ in self.groups.values():
-            destroy_weight_update_group(group)
-        self.groups.clear()
+        self.weights.destroy_groups()
 
-    async def _scheduler_call(self, kind: str, *args: Any) -> Any:
+    async def scheduler_call(self, kind: str, *args: Any) -> Any:
+        """Run `kind` on the scheduler thread (its `submit`) and await the result; 503 when
+        the scheduler is not running."""
         if not self.scheduler.alive():
             raise web.HTTPServiceUnavailable(text="engine scheduler is not running")
         return await asyncio.wrap_future(self.scheduler.submit(kind, *args))
@@ -303,10 +251,10 @@ class EngineServer:
             raise
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
+        body = await read_body(request)
         call = api.parse_generate_call(body, self.limits, self.tokenizer)
         if not self.scheduler.alive():
-            return _error("engine scheduler is not running", 503)
+            return error_reply("engine scheduler is not running", 503)
         progress = self.submit(call.requests)
         with self.abort_if_gone(call.requests):
             if call.stream:
@@ -343,7 +291,7 @@ class EngineServer:
         return resp
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _body(request, optional=True)
+        body = await read_body(request, optional=True)
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
             raise MalformedBody("abort_request takes {'rid': str, 'abort_all': bool}")
@@ -351,20 +299,20 @@ class EngineServer:
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await _body(request, optional=True)
+        body = await read_body(request, optional=True)
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise MalformedBody(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-        await self._scheduler_call("pause", mode)
+        await self.scheduler_call("pause", mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await self._scheduler_call("continue")
+        await self.scheduler_call("continue")
         return web.json_response({"message": "Generation continued successfully.",
                                   "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if await self._scheduler_call("flush"):
+        if await self.scheduler_call("flush"):
             return web.Response(text=FLUSHED)
         return web.Response(status=400,
                             text="Cache not flushed: requests are running or waiting.\n")
@@ -445,7 +393,7 @@ class EngineServer:
             "random_seed": a.seed, "context_length": self.limits.context_length,
             "vocab_size": self.limits.vocab_size, "skip_tokenizer_init": False,
             "weight_version": self.scheduler.weight_version,
-            "weight_update_groups": sorted(self.groups),
+            "weight_update_groups": sorted(self.weights.groups),
             # SGLang's scheduler_info (scheduler.py `get_init_info`)
             "status": "ready", "max_total_num_tokens": self._token_capacity(),
             "max_req_input_len": self.limits.context_length - 1,
@@ -471,13 +419,13 @@ class EngineServer:
         include = {s.strip() for s in q.get("include", "").split(",") if s.strip()}
         bad = include - LOAD_SECTIONS
         if bad:
-            return _error(f"Invalid include sections: {sorted(bad)}. "
+            return error_reply(f"Invalid include sections: {sorted(bad)}. "
                           f"Valid options: {sorted(LOAD_SECTIONS)}")
         if q.get("dp_rank") not in (None, "0"):
-            return _error(f"dp_rank {q.get('dp_rank')!r}: this engine has one rank, 0")
+            return error_reply(f"dp_rank {q.get('dp_rank')!r}: this engine has one rank, 0")
         fmt = q.get("format", "json")
         if fmt not in ("json", "prometheus"):
-            return _error(f"format must be json or prometheus, got {fmt!r}")
+            return error_reply(f"format must be json or prometheus, got {fmt!r}")
         s = self.scheduler
         running, waiting = list(s.running), list(s.waiting)
         used = sum(len(r.input_ids) + len(r.output_ids) for r in running)
@@ -515,7 +463,7 @@ class EngineServer:
         them) or chat `messages` -> `{"tokens", "count", "max_model_len"}`."""
         if request.content_type != "application/json":  # SGLang's validate_json_request
             raise MalformedBody("Unsupported Media Type: Only 'application/json' is allowed")
-        b = await _body(request)
+        b = await read_body(request)
         prompt, messages = b.get("prompt"), b.get("messages")
         if (prompt is None) == (messages is None):
             raise MalformedBody("Exactly one of 'prompt' or 'messages' must be provided.")
@@ -545,221 +493,6 @@ class EngineServer:
             return web.json_response({"tokens": ids_list, "count": [len(i) for i in ids_list],
                                       "max_model_len": max_len})
         raise MalformedBody("prompt must be a string or a list of strings")
-
-    # ---- weight updates ----
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        b = await _body(request)
-        try:
-            address, port = str(b["master_address"]), int(b["master_port"])
-            rank, world = int(b.get("rank_offset", 1)), int(b["world_size"])
-        except (KeyError, TypeError, ValueError) as e:
-            return _result(False, f"init_weights_update_group: bad or missing field: {e}")
-        name, backend = b.get("group_name", "weight_update_group"), b.get("backend", "nccl")
-        if name in self.groups:
-            return _result(False, f"weight update group {name!r} already exists")
-        if backend == "nccl" and self.device.type != "cuda":
-            return _result(False, "backend nccl needs a CUDA engine; this engine runs on "
-                                  f"{self.device.type}: use backend gloo")
-        timeout = float(b.get("timeout", 600))
-        self.log.info("weight_group_joining", group=name, rank=rank, world_size=world,
-                      backend=backend, master=f"{address}:{port}")
-        try:
-            # A thread, not the scheduler: the rendezvous waits for the trainer, generation goes on.
-            group = await asyncio.to_thread(init_weight_update_group, address, port, rank, world,
-                                            name, backend, timeout)
-        except Exception as e:
-            self.log.warning("weight_group_failed", group=name, error=str(e))
-            return _result(False, f"failed to join weight update group {name!r}: {e}")
-        self.groups[name] = (group, backend)
-        self.log.info("weight_group_joined", group=name, rank=rank)
-        return _result(True, "Succeeded to initialize custom process group.")
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        b = await _body(request)
-        names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
-        if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
-            return _result(False, "names, dtypes and shapes must be lists")
-        name = b.get("group_name", "weight_update_group")
-        if name not in self.groups:
-            return _result(False, f"no weight update group {name!r}: call "
-                                  "/init_weights_update_group first")
-        group, backend = self.groups[name]
-        version = b.get("weight_version")
-        load_format = b.get("load_format") or "tensor"
-        if load_format not in LOAD_FORMATS:
-            # Refused before the broadcast, which it cannot take part in: the sender is then
-            # stuck until its group's timeout. Only a sender ignoring the contract gets here.
-            return _result(False, f"load_format must be one of {list(LOAD_FORMATS)}, "
-                                  f"got {load_format!r}")
-        recv_device = self.device if backend == "nccl" else torch.device("cpu")
-
-        def receive(s: Scheduler) -> int:
-            start = time.perf_counter()
-            s.weights_changing()
-            try:
-                check_update(self.model, names, shapes, dtypes)
-            except WeightUpdateError:
-                # The trainer broadcasts everything regardless: take part (drain), then refuse,
-                # model intact. Only an unknown dtype name, or lists of different lengths,
-                # leave the byte count unknown; then nothing can be drained.
-                if load_format == "flattened_bucket":
-                    self._recv_buffer = self._drain_buffer(names, dtypes, shapes, recv_device)
-                    receive_bucket(group, names, dtypes, shapes, load_format, recv_device,
-                                   self._recv_buffer)
-                else:
-                    for _ in receive_weights(group, names, dtypes, shapes, recv_device):
-                        pass
-                raise
-            if load_format == "flattened_bucket":
-                targets = model_tensors(self.model)
-                if all(targets[n].dtype != dtype_from_name(d) for n, d in zip(names, dtypes)):
-                    # cast into the model (another dtype on the wire): a reused buffer
-                    self._recv_buffer = self._drain_buffer(names, dtypes, shapes, recv_device)
-                n = receive_bucket_into(group, targets, names, dtypes, shapes, load_format,
-                                        recv_device, self._recv_buffer)
-            else:
-                n = load_weights(self.model,
-                                 receive_weights(group, names, dtypes, shapes, recv_device))
-            if version is not None:
-                s.weight_version = str(version)
-            self.log.info("weights_updated", source="distributed", tensors=n,
-                          load_format=load_format, weight_version=s.weight_version,
-                          seconds=time.perf_counter() - start)
-            return n
-
-        if b.get("abort_all_requests", False):
-            self.scheduler.abort(abort_all=True)
-        self._warn_unflushable(b, "distributed")
-        try:
-            n = await self._scheduler_call("call", receive)
-        except (WeightUpdateError, RuntimeError, ValueError) as e:
-            self.log.warning("weights_update_failed", source="distributed", error=str(e))
-            return _result(False, f"update_weights_from_distributed failed: {e}")
-        return _result(True, f"Succeeded to update parameter online ({n} tensors).")
-
-    def _warn_unflushable(self, body: dict[str, Any], source: str) -> None:
-        """An update asking `flush_cache` (the default) while requests are kept (an in-place
-        pause, or none): this engine clears its prefix cache and goes on, but SGLang flushes after
-        loading and asserts that it is idle, so its scheduler would die here. A sender meant for
-        both engines must send `flush_cache: false` while requests are kept in place."""
-        s = self.scheduler
-        kept = len(s.running) + len(s.waiting)
-        if body.get("flush_cache", True) and kept:
-            self.log.warning("flush_cache_with_requests_kept", source=source, requests=kept,
-                             paused=s.paused,
-                             hint="SGLang would fail this update (its cache flush needs an "
-                                  "idle engine): send flush_cache false during in-place syncs")
-
-    def _drain_buffer(self, names: list, dtypes: list, shapes: list,
-                      device: torch.device) -> torch.Tensor | None:
-        """The receive buffer, grown to hold this bucket (scheduler thread)."""
-        nbytes = sum(WeightSpec(str(n), dtype_from_name(d), tuple(int(x) for x in s)).nbytes
-                     for n, d, s in zip(names, dtypes, shapes, strict=True))
-        buf = self._recv_buffer
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        b = await _body(request, optional=True)
-        name = b.get("group_name", "weight_update_group")
-        if name not in self.groups:
-            return _result(False, f"no weight update group {name!r}")
-        group, _ = self.groups.pop(name)
-        if not self.groups:
-            self._recv_buffer = None
-        await self._scheduler_call("call", lambda _s: destroy_weight_update_group(group))
-        self.log.info("weight_group_destroyed", group=name)
-        return _result(True, "Succeeded to destroy custom process group.")
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        b = await _body(request)
-        path = b.get("model_path")
-        if not isinstance(path, str):
-            raise MalformedBody("model_path (a checkpoint directory) is required")
-        version = b.get("weight_version")
-
-        def load(s: Scheduler) -> int:
-            s.weights_changing()
-            tensors = _read_checkpoint(Path(path))
-            check_update(self.model, list(tensors), [t.shape for t in tensors.values()])
-            missing = set(dict(self.model.named_parameters())) - set(tensors)
-            if missing:
-                raise WeightUpdateError(f"checkpoint {path} lacks {sorted(missing)[:5]}")
-            n = load_weights(self.model, tensors.items())
-            if version is not None:
-                s.weight_version = str(version)
-            self.log.info("weights_updated", source="disk", path=path, tensors=n,
-                          weight_version=s.weight_version)
-            return n
-
-        if b.get("abort_all_requests", False):
-            self.scheduler.abort(abort_all=True)
-        self._warn_unflushable(b, "disk")
-        try:
-            n = await self._scheduler_call("call", load)
-        except (WeightUpdateError, OSError, RuntimeError, ValueError) as e:
-            self.log.warning("weights_update_failed", source="disk", path=path, error=str(e))
-            return _result(False, f"update_weights_from_disk failed: {e}",
-                           num_paused_requests=0)
-        return _result(True, f"Succeeded to update model weights ({n} tensors).",
-                       num_paused_requests=0)
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        b = await _body(request)
-        version = b.get("new_version")
-        if not isinstance(version, str):
-            raise MalformedBody(f"new_version is required: a string, got {version!r}")
-        if b.get("abort_all_requests", True):
-            self.scheduler.abort(abort_all=True)
-
-        def set_version(s: Scheduler) -> None:
-            s.weight_version = str(version)
-
-        await self._scheduler_call("call", set_version)
-        self.log.info("weight_version_updated", weight_version=str(version))
-        return web.json_response({"success": True,
-                                  "message": f"Weight version updated to {version}",
-                                  "new_version": version})
-
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        """SGLang's test route: the first `truncate_size` rows (or elements) of a parameter, as
-        float32 numbers (`models/llama.py` get_weights_by_name: a tied lm_head answers with the
-        embedding). Exact for float32 and bfloat16 weights, so a test can check a sync bit for
-        bit; an unknown name is SGLang's 400 "Get parameter by name failed"."""
-        b = await _body(request)
-        name, truncate = b.get("name"), b.get("truncate_size", 100)
-        if not isinstance(name, str):
-            raise MalformedBody(f"name is required: a string, got {name!r}")
-        if not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 0:
-            raise MalformedBody(f"truncate_size must be an integer >= 0, got {truncate!r}")
-
-        def read(s: Scheduler) -> list | None:
-            params = dict(s.model.named_parameters(remove_duplicate=False))
-            tensor = params.get(name)
-            if tensor is None:
-                return None
-            return tensor.detach()[:truncate].to("cpu", torch.float32).tolist()
-
-        values = await self._scheduler_call("call", read)
-        if values is None:
-            self.log.warning("get_weights_by_name_unknown", name=name)
-            return _error("Get parameter by name failed")
-        return web.json_response(values)
-
-
-def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightUpdateError(f"no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(f))
-    return tensors
-
 
 def _parser() -> argparse.ArgumentParser:
     return engine_args.parser(description=__doc__)
