@@ -1,4 +1,4 @@
-"""Training: what the trainer role (`rollmesh.training.role`) and `rollmesh sft` compute with.
+"""Training: the trainer role (`role`) and what it and `rollmesh sft` (`sft`) compute with.
 
 - `state`: the trainer's state (`TrainState`) and how it is built: the policy, the reference,
   the critic (`Critic`), their FSDP2 sharding, optimizers and schedules (`build_state`).
@@ -7,4 +7,8 @@
   optimizer updates (`update_policy`), the step's metrics.
 - `batching`: a batch of groups as right-padded tensors (`BatchData`, `from_groups`), how its
   sequences are dealt to ranks and cut into micro-batches (`plan`), and per-sample staleness.
+- `weight_sender`: the trainer's side of a weight sync (`WeightSender`, `sync_weights`,
+  `finish_sync`; what both ends share is `rollmesh.weight_sync`).
+- `ranks`: the ranks among themselves (`Ranks`: rank 0's orders, sums, gathers); `checkpoint`:
+  checkpoints and policy exports; `metrics_sink`: metrics rows to TensorBoard and W&B.
 """

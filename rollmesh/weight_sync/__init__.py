@@ -1,8 +1,9 @@
-"""Weight sync: the trainer's weights to the engines, and the code both ends of it share.
+"""Weight sync: the code both ends of the trainer's weights to the engines share.
 
-- `sender`: the trainer's side (rank 0 talks, every rank gathers): the synchronizer handshake,
-  the broadcast and its retries, overlapped syncs from a snapshot (`WeightSender`,
-  `sync_weights`, `finish_sync`).
+The trainer's side (rank 0 talks, every rank gathers: the synchronizer handshake, the broadcast
+and its retries, overlapped syncs from a snapshot: `WeightSender`, `sync_weights`,
+`finish_sync`) is `rollmesh.training.weight_sender`.
+
 - `buckets`: the parameters cut into buckets, sent (`BucketSender`, `Snapshot`) and received by
   an engine (`receive_weights`, `receive_bucket`, `receive_bucket_into`); the HTTP body that
   announces each bucket (`update_body`).
