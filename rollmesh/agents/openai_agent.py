@@ -18,7 +18,7 @@ Each POST /v1/chat/completions of the agent becomes part of ONE token row:
 - a later call must send the conversation the trajectory holds (every earlier message and the
   assistant replies it got, unchanged: compared message by message, field by field) and may
   append messages after the last reply (tool results, a user turn). Only those new messages are
-  rendered (`agent_loops.next_turn_ids`, the template's own rendering of a turn after an
+  rendered (`agents.loops.next_turn_ids`, the template's own rendering of a turn after an
   assistant one) and appended as observation tokens (mask 0, version -1); nothing already
   recorded is rendered or tokenised again, so there is no re-tokenisation drift (a template that
   re-renders history, e.g. Qwen3 dropping earlier <think> blocks, cannot make the recorded
@@ -244,7 +244,7 @@ def message_difference(held: dict[str, Any], sent: dict[str, Any]) -> str | None
 def recorded_tool_calls(history: list[dict[str, Any]],
                         new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The tool messages among `new` as loop_state["calls"] keeps them for the reward
-    (`agent_loops.recorded_call`): the message's name, else that of the assistant's call it
+    (`agents.loops.recorded_call`): the message's name, else that of the assistant's call it
     answers (matched in `history` by tool_call_id), that call's arguments ({} if none matches),
     the message's content as the result."""
     asked = {c["id"]: c["function"] for m in history for c in m.get("tool_calls") or []

@@ -94,7 +94,7 @@ def exact_match_reward(response: str, label: Any, metadata: dict) -> float:
 # -- tool_answer -------------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"(?<![\d.])-?\d+(?:,\d{3})*(?:\.\d+)?")  # 42, -12, 1,363, 1363.0
-# What a failed call's result starts with: rollmesh's tool errors (agent_loops.run_tool), the
+# What a failed call's result starts with: rollmesh's tool errors (agents.loops.run_tool), the
 # python tool's "error: ..." lines, a traceback.
 _FAILED_CALL = re.compile(r"\s*(error|traceback|unknown tool|malformed tool call|"
                           r"tool \S+ (failed|timed out))", re.IGNORECASE)

@@ -4,7 +4,7 @@ The algorithm (`train`), on every rank: get the step's batch (`next_batch`: rank
 MessageQueue and shares it) -> `training.step.prepare` (old and reference log-probs, the
 critic's old values for GAE, advantages) -> `training.step.update_policy`
 (`trainer.mini_batches` optimizer updates) -> the step's metrics row -> every `sync.sync_every`
-steps a weight sync (`weight_sync.sender.sync_weights`: blocking, or with `sync.overlap` sent
+steps a weight sync (`training.weight_sender.sync_weights`: blocking, or with `sync.overlap` sent
 from a snapshot while the next step computes) -> every `trainer.checkpoint_every` steps a
 checkpoint (`rollmesh.training.checkpoint`). The state and how it is built: `rollmesh.training.state`;
 the step's math: `rollmesh.training.step`.
