@@ -3,7 +3,7 @@
 SGLang pins an exact torch (and transformers, tokenizers, openai, ...). bootstrap.sh installs
 torch before everything else, so with --sglang it must install SGLang's torch, or the install
 cannot resolve. The requirements of the SGLang release pyproject.toml pins are recorded in
-launch/sglang-requirements.txt; tests/test_bootstrap_pins.py holds bootstrap.sh and
+launch/sglang-requirements.txt; tests/unit/test_bootstrap_pins.py holds bootstrap.sh and
 pyproject.toml to that file without the network.
 
     .venv/bin/python launch/sglang_pins.py record    # rewrite sglang-requirements.txt from the

@@ -1,4 +1,4 @@
-"""Reward functions that misbehave, for tests/test_rewards.py (loaded by "module:function")."""
+"""Reward functions that misbehave, for tests/unit/test_rewards.py (loaded by "module:function")."""
 
 from __future__ import annotations
 

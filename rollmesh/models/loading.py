@@ -4,7 +4,7 @@ A checkpoint directory (config.json, safetensors, tokenizer files with a chat te
 with the attention kernel its architecture supports (`attention_implementation`: SDPA, or eager
 for Gemma2 and others without it), its tokenizer from `model.tokenizer_path` when given, and its
 own modelling code only with `model.trust_remote_code`. Tested on Qwen2.5, Qwen3, Llama-3.1
-and Gemma2 checkpoints (tests/test_architectures.py).
+and Gemma2 checkpoints (tests/unit/test_architectures.py).
 
 `tiny` is a small random-initialised Qwen2-architecture causal LM with a byte-level BPE
 tokenizer (trained once on GSM8K text and shipped as `assets/tokenizer.json`) and a

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.test_launcher import check_accounting, finish, free_ports_base, launch, metrics
+from tests.e2e.test_launcher import check_accounting, finish, free_ports_base, launch, metrics
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from rollmesh.training.state import build_state
 from rollmesh.training.step import prepare, update_policy
 from rollmesh.wire.transport import Transport
 from tests.engine.engine_harness import Engine
-from tests.test_trainer import experiment, make_groups
+from tests.unit.test_trainer import experiment, make_groups
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import torch
 from rollmesh.training.batching import from_groups
 from rollmesh.training.state import build_state
 from rollmesh.training.step import prepare, update_policy
-from tests.test_trainer import experiment, make_groups
+from tests.unit.test_trainer import experiment, make_groups
 
 CUDA = torch.device("cuda")
 

@@ -1,0 +1,1 @@
+"""End-to-end tests: they start processes (roles, launches, engines)."""

@@ -1,0 +1,113 @@
+"""End-to-end tests of security (they start processes); the unit tests and the
+helpers they share are in tests/unit/test_security.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollmesh.launcher.supervisor import Supervisor
+from rollmesh.wire.messages import Metrics
+from rollmesh.wire.transport import (
+    CurveKeys,
+    RpcClient,
+    Transport,
+    free_port,
+)
+from tests.unit.test_security import ENV, first_handshake, launcher_keys
+
+
+@pytest.mark.slow
+def test_a_role_refuses_clients_without_the_runs_keys(tmp_path, monkeypatch):
+    run_dir, keys = launcher_keys(tmp_path, monkeypatch)
+    _, other = launcher_keys(tmp_path / "other", monkeypatch)
+    # Knows the server's public key (it is no secret) but has a key pair of its own.
+    impostor = CurveKeys(keys.server_public, b"", other.client_public, other.client_secret,
+                         other.directory)
+
+    async def main():
+        with Transport() as t:
+            sup = Supervisor(t, heartbeat_s=0.5, liveness=6, log_dir=tmp_path / "logs",
+                             keys_dir=str(keys.directory))
+            # "*": every interface, so not loopback: the role's transport must make it CURVE.
+            child = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV,
+                              config={"bind": f"tcp://*:{free_port('0.0.0.0')}"})
+            try:
+                address = (await sup.wait_ready(child, 60))["rpc"]
+                assert address.startswith("tcp://0.0.0.0:")
+                target = address.replace("0.0.0.0", "127.0.0.1")
+                # Each client's handshake must fail: without keys (a plain client), with a key
+                # pair of its own and another server key, and the impostor's (ZAP says 400).
+                outcomes = {}
+                for who, transport in (("no keys", Transport()),
+                                       ("wrong client key", Transport(other)),
+                                       ("impostor", Transport(impostor))):
+                    with transport:
+                        outcomes[who] = await first_handshake(transport, target,
+                                                              secure=who != "no keys")
+                assert all(o.startswith("failed") for o in outcomes.values()), outcomes
+                assert outcomes["impostor"] == "failed (auth)", outcomes  # its key, by ZAP
+                with Transport(keys) as good:
+                    client = RpcClient(good, target, timeout_s=10, secure=True)
+                    try:
+                        reply = await client.request(Metrics(role="t", host="h", values={}))
+                    finally:
+                        client.close()
+                # The echo role answers Metrics with its server's counters: it saw the one
+                # request that got through the handshake, and nothing from the three refused.
+                assert isinstance(reply, Metrics) and reply.values["requests"] == 1
+            finally:
+                await sup.close(grace_s=5)
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_engine_http_needs_the_runs_api_key(tmp_path):
+    """Every route but /health needs `Authorization: Bearer <key>`: without it anyone who
+    reaches the port could point the engine at their own weight-update group."""
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    from tests.engine.engine_harness import Engine
+
+    key_file = tmp_path / "engine.key"
+    key_file.write_text("s3cret-run-key\n")
+    key_file.chmod(0o600)
+    engine = Engine(tmp_path / "engine.log", "--api-key-file", str(key_file))
+    try:
+        def call(path: str, token: str | None, body: dict | None = None) -> int:
+            headers = {"Content-Type": "application/json"}
+            if token is not None:
+                headers["Authorization"] = f"Bearer {token}"
+            data = None if body is None else _json.dumps(body).encode()
+            req = urllib.request.Request(engine.url + path, data=data, headers=headers,
+                                         method="GET" if body is None else "POST")
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        # liveness probes stay open: every /health* path, as SGLang's decide_request_auth
+        assert call("/health", None) == 200
+        assert call("/health_generate", None) == 200
+        for path, body in (("/get_model_info", None), ("/generate", {"input_ids": [1, 2],
+                           "sampling_params": {"max_new_tokens": 2}}),
+                           ("/init_weights_update_group", {"master_address": "10.0.0.1",
+                            "master_port": 1, "rank_offset": 1, "world_size": 2,
+                            "group_name": "evil", "backend": "gloo"})):
+            assert call(path, None, body) == 401, path
+            assert call(path, "wrong-key", body) == 401, path
+        assert call("/get_model_info", "s3cret-run-key") == 200
+        assert call("/generate", "s3cret-run-key",
+                    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}) == 200
+    finally:
+        engine.stop()
+
+    # a key file others can read is refused at start, naming the file and the fix
+    key_file.chmod(0o644)
+    with pytest.raises(RuntimeError, match="must not be readable by group or others"):
+        Engine(tmp_path / "engine2.log", "--api-key-file", str(key_file))

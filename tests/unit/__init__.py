@@ -1,0 +1,1 @@
+"""Unit tests: no process stack (the quick loop: `pytest tests/unit`)."""

@@ -1,0 +1,368 @@
+"""Security rules, checked on the real thing.
+
+(a) CURVE: a role's socket on a non-loopback address refuses a client without the run's keys
+    (no keys, or a key pair of its own that knows the server's public key) and serves one with
+    them; which addresses get CURVE is decided by `transport.is_loopback`.
+(b) The launcher writes the run's keys private: key directory 0700, key files 0600.
+(c) No pickle-family deserialisation anywhere in the package (an AST scan, file:line).
+(d) The monitor only subscribes: its one socket is a SUB, and nothing a subscriber of the hub
+    sends reaches the other subscribers or the roles.
+(e) SSH keeps host-key checking on and never prompts (BatchMode), whatever ssh_options say.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from rollmesh import config as C
+from rollmesh.config import ConfigError, HostConfig, load_cluster, parse_config
+from rollmesh.launcher.hosts import SshHost
+from rollmesh.wire.protocol import encode
+from rollmesh.wire.messages import Metrics, StatsRequest
+from rollmesh.wire.transport import (
+    CurveKeys,
+    Transport,
+    TransportError,
+    is_loopback,
+)
+from rollmesh.wire.channels import Publisher, StatusProxy
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def launcher_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, CurveKeys]:
+    """A run directory made by the launcher itself (launch/local.toml), and its keys."""
+    from rollmesh.launcher.launcher import Launcher
+
+    monkeypatch.chdir(ROOT)  # the cluster file's paths are relative to the repo root
+    cluster = load_cluster(ROOT / "launch/local.toml")
+    run_dir = tmp_path / "run"
+    keys = Launcher(cluster, run_dir, echo=False).prepare_run_dir()
+    return run_dir, keys
+
+
+# -- (a) CURVE -------------------------------------------------------------------------------
+
+
+HANDSHAKE_EVENTS = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded",
+                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed (protocol)",
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "failed (auth)"}
+
+
+async def first_handshake(transport: Transport, target: str, secure: bool,
+                          timeout_s: float = 60) -> str:
+    """How the first handshake of a client on `transport` with `target` ends, a request sent
+    on it meanwhile: "succeeded" or "failed ...", as the client's socket reports it. Waited for
+    as long as it takes (a loaded machine), not judged by a reply missing after a while."""
+    sock = transport.socket(zmq.DEALER, connect=target, secure=secure, linger_ms=0)
+    events = sock.get_monitor_socket(sum(HANDSHAKE_EVENTS))
+    try:
+        await sock.send_multipart([b"\x00" * 7 + b"\x01", *encode(StatsRequest())])
+        event = parse_monitor_message(await asyncio.wait_for(events.recv_multipart(), timeout_s))
+        return HANDSHAKE_EVENTS[event["event"]]
+    finally:
+        sock.disable_monitor()
+        events.close(0)
+        sock.close(0)
+
+
+@pytest.mark.parametrize("address,curve", [
+    ("tcp://127.0.0.1:0", False), ("tcp://localhost:0", False), ("tcp://[::1]:0", False),
+    ("ipc:///tmp/rollmesh-x", False), ("tcp://*:0", True), ("tcp://0.0.0.0:0", True),
+    ("tcp://192.0.2.2:0", True), ("tcp://gpu-node-3:0", True), ("tcp://eth0:0", True),
+])
+def test_non_loopback_is_curve_by_default(tmp_path, address, curve):
+    assert is_loopback(address) is not curve
+    keys = CurveKeys.generate(tmp_path / "keys")
+    # Wildcards can only be bound; the others are connected (no peer or network needed).
+    how = "bind" if address.startswith(("tcp://*", "tcp://0.0.0.0")) else "connect"
+    target = address if how == "bind" else address.replace(":0", ":9")
+    with Transport(keys) as t:
+        sock = t.socket(zmq.ROUTER, **{how: target})
+        assert sock.getsockopt(zmq.MECHANISM) == (zmq.CURVE if curve else zmq.NULL)
+        if curve:
+            assert bool(sock.curve_server) is (how == "bind")
+        sock.close(0)
+    with Transport() as t:  # no keys: refused where CURVE is due, plain TCP otherwise
+        if curve:
+            with pytest.raises(TransportError, match="CURVE keys are required"):
+                t.socket(zmq.ROUTER, **{how: target})
+        else:
+            t.socket(zmq.ROUTER, **{how: target}).close(0)
+
+
+def test_the_launcher_binds_remote_roles_and_the_hub_with_curve():
+    """The plan's bind addresses: loopback only on a single-host run; otherwise CURVE."""
+    from rollmesh.launcher.plan import _bind
+    from rollmesh.launcher.host_kinds import make_host
+
+    local = make_host("a", HostConfig(address="127.0.0.1"))
+    remote = make_host("b", HostConfig(address="10.1.2.3"))
+    named = make_host("c", HostConfig(address="gpu-node-3", launch="ssh"))
+    assert is_loopback(_bind(local, 5000))
+    assert not is_loopback(_bind(remote, 5000)) and not is_loopback(_bind(named, 5000))
+    src = (ROOT / "rollmesh/launcher/launcher.py").read_text()
+    assert "StatusProxy(t, " in src and "secure=True)" in src.split("StatusProxy(t, ")[1][:120]
+
+
+# -- (b) key files ----------------------------------------------------------------------------
+
+
+def test_launcher_writes_private_keys(tmp_path, monkeypatch):
+    run_dir, keys = launcher_keys(tmp_path, monkeypatch)
+    key_dir = run_dir / "keys"
+    assert keys.directory == key_dir
+    assert stat.S_IMODE(key_dir.stat().st_mode) == 0o700
+    files = sorted(p.name for p in key_dir.iterdir())
+    assert files == ["client.key", "client.key_secret", "engine.token", "server.key",
+                     "server.key_secret"]
+    for p in key_dir.iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    # and a key directory that existed with loose modes is tightened
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    CurveKeys.generate(loose)
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+
+
+# -- (c) no pickle -----------------------------------------------------------------------------
+
+BANNED_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "jsonpickle",
+                  "multiprocessing", "concurrent.futures.process"}
+BANNED_CALLS = {
+    "marshal.load", "marshal.loads", "joblib.load", "pandas.read_pickle", "pd.read_pickle",
+    "yaml.unsafe_load", "yaml.full_load", "yaml.unsafe_load_all",
+}
+BANNED_METHODS = {  # on any object: pyzmq's pickle helpers, torch.distributed's object collectives
+    "recv_pyobj", "send_pyobj", "recv_serialized", "send_serialized", "broadcast_object_list",
+    "all_gather_object", "gather_object", "scatter_object_list", "recv_object_list",
+    "send_object_list", "ProcessPoolExecutor",
+}
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return "?"
+
+
+def _kw(call: ast.Call, name: str) -> ast.AST | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def pickle_uses(source: str, filename: str) -> list[str]:
+    """Every pickle-family deserialisation in `source`, as 'file:line: what'."""
+    found = []
+    tree = ast.parse(source, filename)
+    aliases: dict[str, str] = {}  # local name -> module (import numpy as np)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                aliases[a.asname or a.name] = a.name
+                if a.name in BANNED_MODULES or a.name.split(".")[0] in BANNED_MODULES:
+                    found.append(f"{filename}:{node.lineno}: import {a.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            root = node.module.split(".")[0]
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                aliases[a.asname or a.name] = full
+                if (node.module in BANNED_MODULES or root in BANNED_MODULES
+                        or full in BANNED_MODULES or a.name in BANNED_METHODS
+                        or full in BANNED_CALLS):
+                    found.append(f"{filename}:{node.lineno}: from {node.module} import {a.name}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _dotted(node.func)
+        head, _, rest = name.partition(".")
+        full = f"{aliases.get(head, head)}.{rest}" if rest else aliases.get(head, head)
+        last = name.rsplit(".", 1)[-1]
+        where = f"{filename}:{node.lineno}"
+        if (full in BANNED_CALLS or name in BANNED_CALLS or last in BANNED_METHODS
+                or full.split(".")[0] in BANNED_MODULES):
+            found.append(f"{where}: {name}()")
+        elif full in ("torch.load",):
+            wo = _kw(node, "weights_only")
+            if not (isinstance(wo, ast.Constant) and wo.value is True):
+                found.append(f"{where}: torch.load() without weights_only=True")
+        elif full in ("numpy.load",):
+            ap = _kw(node, "allow_pickle")
+            if ap is not None and not (isinstance(ap, ast.Constant) and ap.value is False):
+                found.append(f"{where}: numpy.load(allow_pickle=...)")
+        elif full in ("yaml.load", "yaml.load_all"):
+            loader = _kw(node, "Loader") or (node.args[1] if len(node.args) > 1 else None)
+            if loader is None or _dotted(loader).rsplit(".", 1)[-1] not in ("SafeLoader",
+                                                                            "CSafeLoader"):
+                found.append(f"{where}: {name}() without SafeLoader")
+    return found
+
+
+def test_the_scanner_finds_each_banned_use():
+    bad = """
+import pickle
+import numpy as np, torch, yaml, marshal, joblib
+from cloudpickle import loads
+import zmq
+pickle.loads(b"")
+np.load("x.npy", allow_pickle=True)
+torch.load("x.pt")
+torch.load("x.pt", weights_only=False)
+yaml.load(text)
+marshal.loads(b"")
+joblib.load("x")
+sock.recv_pyobj()
+sock.send_pyobj(1)
+torch.distributed.broadcast_object_list(objs)
+"""
+    hits = pickle_uses(bad, "bad.py")
+    assert [h.split(":")[1] for h in hits] == [
+        "2", "4", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15"]
+    ok = """
+import numpy as np, torch, yaml
+np.load("x.npy")
+np.load("x.npy", allow_pickle=False)
+torch.load("x.pt", weights_only=True)
+yaml.load(text, Loader=yaml.SafeLoader)
+yaml.safe_load(text)
+"""
+    assert pickle_uses(ok, "ok.py") == []
+
+
+def test_no_pickle_family_deserialisation_in_the_package():
+    files = sorted((ROOT / "rollmesh").rglob("*.py"))
+    assert len(files) > 30
+    found = []
+    for path in files:
+        found += pickle_uses(path.read_text(), str(path.relative_to(ROOT)))
+    assert found == [], "pickle-family deserialisation:\n" + "\n".join(found)
+
+
+# -- (d) the monitor is read-only ---------------------------------------------------------------
+
+SENDING = {"PUB", "PUSH", "DEALER", "ROUTER", "REQ", "REP", "PAIR", "XPUB", "XSUB", "STREAM"}
+
+
+def test_the_monitor_only_subscribes_in_its_source():
+    tree = ast.parse((ROOT / "rollmesh/observe/monitor.py").read_text())
+    zmq_types = {n.attr for n in ast.walk(tree)
+                 if isinstance(n, ast.Attribute) and _dotted(n.value) == "zmq"}
+    assert not zmq_types & SENDING, zmq_types & SENDING
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    from rollmesh.wire import channels as transport
+    senders = {"Publisher", "Pusher", "RpcClient", "RpcServer", "Channel", "ChannelClient",
+               "StatusProxy", "Puller"}
+    assert hasattr(transport, "Subscriber") and not names & senders, names & senders
+    assert ".socket(" not in (ROOT / "rollmesh/observe/monitor.py").read_text()
+
+
+def test_the_hub_passes_nothing_from_a_subscriber_to_the_run(tmp_path):
+    """The monitor's HubLink holds one SUB socket. Whatever a hostile subscriber with the keys
+    sends into the hub's XPUB side (raw messages from an XSUB, or any frames from a socket type
+    the XPUB does not pair with) reaches neither the monitor nor the publishing roles; the hub
+    keeps forwarding the roles' status."""
+    from rollmesh.observe.monitor import HubLink, Run, StatusBoard
+
+    keys = CurveKeys.generate(tmp_path / "keys")
+
+    async def main():
+        with Transport(keys) as t:
+            hub = StatusProxy(t, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secure=True)
+            run = Run(name="t", run_dir=tmp_path, hub=hub.backend, keys_dir=keys.directory,
+                      launcher_pid=None)
+            board = StatusBoard(run)
+            link = HubLink(run, keys, board)
+            assert link.sub.sock.type == zmq.SUB
+            role = Transport(keys)
+            pub = Publisher(role, hub.frontend, secure=True)
+            # What the role's PUB socket receives from upstream: only subscriptions may arrive.
+            hostile = Transport(keys)
+            xsub = hostile.socket(zmq.XSUB, connect=hub.backend, secure=True, sync=True)
+            dealer = hostile.socket(zmq.DEALER, connect=hub.backend, secure=True, sync=True)
+            try:
+                deadline = time.monotonic() + 20
+                while not board.received and time.monotonic() < deadline:
+                    await pub.publish("metrics.rollouter.0",
+                                      Metrics(role="rollouter", host="h", values={"seq": 1}))
+                    await asyncio.sleep(0.1)
+                assert board.received, "no status through the hub"
+                forged = [b"metrics.trainer.0",
+                          *encode(Metrics(role="trainer", host="evil", values={"step": 666}))]
+                for _ in range(20):
+                    xsub.send_multipart(forged)  # not a subscription: must go nowhere useful
+                    xsub.send(b"\x02garbage")
+                    dealer.send_multipart(forged, flags=zmq.NOBLOCK) if dealer.poll(
+                        0, zmq.POLLOUT) else None
+                for i in range(10):
+                    await pub.publish("metrics.rollouter.0",
+                                      Metrics(role="rollouter", host="h", values={"seq": 2 + i}))
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                snap = board.snapshot()
+                text = repr(snap)
+                assert "evil" not in text and "666" not in text
+                assert link.sub.protocol_errors == 0
+                assert board._values("rollouter")["seq"] >= 2  # the hub still forwards status
+            finally:
+                xsub.close(0)
+                dealer.close(0)
+                pub.close()
+                role.close()
+                hostile.close()
+                await link.close()
+                hub.close()
+
+    asyncio.run(main())
+
+
+# -- (e) SSH -----------------------------------------------------------------------------------
+
+
+def test_ssh_keeps_host_key_checking_and_batch_mode(tmp_path):
+    cfg = parse_config(HostConfig, {"address": "gpu-node-3", "user": "rl", "port": 2222,
+                                    "ssh_options": ["UserKnownHostsFile=/etc/rl/known_hosts",
+                                                    "BatchMode=no"]}, "test")
+    argv = SshHost("gpu", cfg, control_dir=tmp_path).ssh()
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert argv[0] == "ssh" and argv[-1] == "gpu-node-3"
+    # ssh takes the first value it reads for an option: BatchMode=yes comes before the user's.
+    assert opts[0] == "BatchMode=yes" and opts.index("BatchMode=yes") < opts.index("BatchMode=no")
+    assert not [o for o in opts if o.lower().replace(" ", "").startswith(
+        ("stricthostkeychecking=no", "stricthostkeychecking=off", "stricthostkeychecking=accept"))]
+    assert not any("StrictHostKeyChecking" in a for a in argv)  # left as ssh_config has it: on
+    assert "UserKnownHostsFile=/dev/null" not in opts
+
+
+@pytest.mark.parametrize("opt", ["StrictHostKeyChecking=no", "stricthostkeychecking no",
+                                 " StrictHostKeyChecking = accept-new", "StrictHostKeyChecking\tno"])
+def test_ssh_options_cannot_turn_host_key_checking_off(opt):
+    with pytest.raises(ConfigError) as err:
+        parse_config(HostConfig, {"address": "gpu-node-3", "ssh_options": ["Compression=yes", opt]},
+                     "c.toml")
+    assert str(err.value) == ("c.toml: ssh_options[1]: host-key checking stays on: add the host's "
+                              "key to a known_hosts file instead")
+
+
+def test_engine_http_binds_loopback_by_default():
+    from rollmesh.engine.builtin.server import _parser
+
+    assert _parser().parse_args(["--model", "tiny", "--port", "1"]).host == "127.0.0.1"
+    assert C.HostConfig  # the config module is the one the launcher uses
+    assert os.environ.get("ROLLMESH_ENGINE_HOST") is None
+
+
+# -- the engines' HTTP: the run's API key ----------------------------------------------------
+
+
