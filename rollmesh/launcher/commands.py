@@ -136,7 +136,12 @@ def main(argv: list[str]) -> int:
     console = Console(cluster.experiment_config.trainer.total_steps,  # type: ignore[union-attr]
                       verbose=args.verbose, quiet=args.quiet)
     console.info(f"rollmesh: run directory {run_dir}")
-    launcher = Launcher(cluster, run_dir, resume=bool(args.resume), console=console)
+    try:
+        launcher = Launcher(cluster, run_dir, resume=bool(args.resume), console=console)
+    except FileNotFoundError as e:  # a host's python that is not there (before bootstrap.sh)
+        console.stop()
+        print(f"rollmesh launch: {e}", file=sys.stderr)
+        return 2
     try:
         pin_launcher(cluster, args.cluster or str(run_dir / "cluster.toml"))
         return asyncio.run(launcher.run())

@@ -62,7 +62,6 @@ def test_gpu_example_dry_run_plans_sglang_engines_and_fsdp_ranks_over_ssh(tmp_pa
     assert not (tmp_path / "r").exists()
 
 
-
 def test_8gpu_example_dry_run_warns_of_the_missing_model_where_a_launch_refuses(tmp_path):
     """The command the example's header suggests, on a machine without its model: the dry run
     prints the plan and warns; a launch refuses with the same message, starting nothing."""
@@ -97,6 +96,17 @@ def test_dry_run_warns_of_a_host_python_this_machine_lacks(tmp_path):
         f"rollmesh launch: warning: hosts.local.python: {ROOT}/.not-made-yet/bin/python does not "
         "exist (run launch/bootstrap.sh, or set python) (a launch on this machine would stop "
         "here)")
+
+def test_a_launch_with_a_host_python_this_machine_lacks_refuses_in_one_line(tmp_path):
+    """The real launch of the case above: one line naming the key, no traceback, no run."""
+    out = rollmesh("launch", "launch/local.toml", "--run-dir", str(tmp_path / "r"),
+                   "--set", "hosts.local.python=.not-made-yet/bin/python")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"rollmesh launch: hosts.local.python: {ROOT}/.not-made-yet/bin/python does not exist "
+        "(run launch/bootstrap.sh, or set python)")
+    assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()
+
 
 def test_readme_configuration_reference_is_in_step_with_the_dataclasses():
     readme = (ROOT / "README.md").read_text()
