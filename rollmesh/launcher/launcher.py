@@ -50,7 +50,7 @@ from rollmesh.config import (
 from rollmesh.core.accounting import (
     QueueStatus, RolloutStatus, TrainerStatus, dropped_by_reason, identity,
 )
-from rollmesh.engine.client import API_KEY_FILE, EngineClient
+from rollmesh.engine.client import API_KEY_FILE, EngineClient, version_number
 from rollmesh.launcher.console import Console, LogStream
 from rollmesh.launcher.hosts import Host, SshHost
 from rollmesh.launcher.plan import Planned, _connect, _make_hosts, build_plan, launcher_affinity
@@ -504,10 +504,7 @@ class Launcher:
                 for info in await client.server_info_each(timeout_s=5):
                     state = ((info or {}).get("internal_states") or [{}])[0]
                     v = (info or {}).get("weight_version", state.get("weight_version"))
-                    try:
-                        versions.append(None if info is None else int(v))
-                    except (TypeError, ValueError):
-                        versions.append(None)
+                    versions.append(None if info is None else version_number(v))
         trainer_status = TrainerStatus.parse(tr) if tr else None
         rollout = RolloutStatus.parse(r) if r else None
         queue = QueueStatus.parse(q) if q else None
