@@ -318,7 +318,7 @@ async def main(ctx: RoleContext) -> None:
         coros.append(r.watch_engines(settings.engines, run_api_key(ctx.spec.keys_dir)))
     tasks = [asyncio.create_task(c) for c in coros]
     backstop = (asyncio.create_task(r.resume_if_forgotten(exp.sync.timeout_s + 10))
-                if r.core.paused else None)
+                if r.paused else None)
     r.core.start_eval()  # version 0: the policy before any training
     r.changed.set()
     ctx.set_status(lambda: {k: v for k, v in r.stats().items() if k != "cursor"})
