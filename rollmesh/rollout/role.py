@@ -30,6 +30,7 @@ first, then new prompts. A rollouter restarted between a Pause and its Resume co
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ from rollmesh.wire.messages import (
 from rollmesh.rollout.core import RolloutCore, Send
 from rollmesh.rollout.eval_round import EvalRounds
 from rollmesh.rollout.journal import Journal
-from rollmesh.rollout.workers import Worker
+from rollmesh.rollout.workers import Worker, WorkerPool
 from rollmesh.runtime.process import RoleContext
 from rollmesh.core.trajectory import load_tokenizer
 from rollmesh.wire.transport import RpcClient, RpcServer
@@ -83,6 +84,34 @@ class Rollouter:
         self.queue_unreachable_since: float | None = None  # the queue stopped answering
 
     # -- the core's state, read through ----------------------------------------------------
+
+    @property
+    def workers(self) -> WorkerPool:
+        return self.core.workers
+
+    @property
+    def loops(self) -> dict[str, type | None]:
+        return self.core.loops
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        return self.core.counters
+
+    @property
+    def dropped(self) -> collections.Counter[str]:
+        return self.core.dropped
+
+    @property
+    def cancel_queue(self) -> collections.deque[Trajectory]:
+        return self.core.cancel_queue
+
+    @property
+    def to_score(self) -> collections.deque[Trajectory]:
+        return self.core.to_score
+
+    @property
+    def paused(self) -> bool:
+        return self.core.paused
 
     def in_flight(self) -> int:
         return self.core.in_flight()
@@ -135,17 +164,16 @@ class Rollouter:
             # under the new weights: no Cancel, nothing to drain. Dispatching stops; what is
             # out with workers stays there and comes back as it finishes.
             self.log.info("paused", mode=mode, in_flight=self.core.agent_out(),
-                          cancel_queue=len(self.core.cancel_queue))
-            return Paused(in_flight=self.core.agent_out(),
-                          cancel_queue=len(self.core.cancel_queue))
+                          cancel_queue=len(self.cancel_queue))
+            return Paused(in_flight=self.core.agent_out(), cancel_queue=len(self.cancel_queue))
         started = time.monotonic()
         for action in cancels:
             await self.send(action)
         self._check_drained()
         await self.drained.wait()
-        self.log.info("paused", mode=mode, cancel_queue=len(self.core.cancel_queue),
+        self.log.info("paused", mode=mode, cancel_queue=len(self.cancel_queue),
                       held=self.core.agent_out(), drain_s=round(time.monotonic() - started, 3))
-        return Paused(in_flight=self.core.agent_out(), cancel_queue=len(self.core.cancel_queue))
+        return Paused(in_flight=self.core.agent_out(), cancel_queue=len(self.cancel_queue))
 
     def resume(self, version: int) -> None:
         self.core.resume(version)
@@ -199,7 +227,7 @@ class Rollouter:
         while True:
             peer, msg = await self.channel.recv()
             self.liveness.beat(peer.hex())
-            worker = self.core.workers.get(peer)
+            worker = self.workers.get(peer)
             if isinstance(msg, WorkerHello):
                 if worker is not None:
                     await self.worker_lost(worker, "re-registered")
@@ -232,7 +260,7 @@ class Rollouter:
             # re-queued as dispatched when the worker is dropped
             self.core.events["bad_records"] += 1
             if dispatched is not None:  # back as it was sent, to be re-queued
-                self.core.workers.give(worker, dispatched)
+                self.workers.give(worker, dispatched)
             self.log.error("bad_record", worker=worker.name, type=type(msg).__name__,
                            error=f"{type(e).__name__}: {e}")
             await self.worker_lost(worker, f"sent a bad record: {e}")
@@ -248,7 +276,7 @@ class Rollouter:
         while True:
             await asyncio.sleep(self.liveness.interval_s)
             seq += 1
-            for w in list(self.core.workers.values()):
+            for w in list(self.workers.values()):
                 if not self.liveness.is_alive(w.peer.hex()):
                     await self.worker_lost(w, "silent")
                 elif not await self.channel.send(w.peer, Heartbeat(sender="rollouter", seq=seq)):

@@ -450,7 +450,7 @@ def _rollouter(tmp_path: Path, agent: str):
     r = Rollouter(SimpleNamespace(log=get_logger("rollouter"), spec=SPEC), exp,
                   PromptSource.from_config(exp.data), load_tokenizer(exp.model), channel,
                   RpcClient(t, "tcp://127.0.0.1:9", name="unused"), None)
-    r.core.loops.update(LOOPS)
+    r.loops.update(LOOPS)
     return t, r, exp
 
 
@@ -469,9 +469,8 @@ async def _stack(engine_url: str, tmp_path: Path, agent: str):
 
 def accounted(r) -> bool:
     """The accounting identity: admitted = queued + dropped + in flight."""
-    c = r.core.counters
-    return (c["admitted_samples"]
-            == c["queued_samples"] + sum(r.core.dropped.values()) + r.in_flight())
+    c = r.counters
+    return c["admitted_samples"] == c["queued_samples"] + sum(r.dropped.values()) + r.in_flight()
 
 
 def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
@@ -506,7 +505,7 @@ def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
             r.changed.set()
             first = r.exp.data.group_size
             for _ in range(3000):
-                done = [x for x in r.core.to_score if x.group_id == r.core.to_score[0].group_id]
+                done = [x for x in r.to_score if x.group_id == r.to_score[0].group_id]
                 if len(done) == first:
                     break
                 await asyncio.sleep(0.01)
@@ -528,7 +527,7 @@ def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
     assert seen["stats"]["held"] == 2 and seen["stats"]["held_through_sync"] == 2
     assert seen["stats"]["in_flight"] == 2 and seen["accounted"] and seen["accounted_after"]
     assert seen["worker"]["held"] == 2 and seen["worker"]["interrupted"] == 0
-    assert r.core.counters["interrupted"] == 0 and r.core.counters["unexpected_returns"] == 0
+    assert r.counters["interrupted"] == 0 and r.counters["unexpected_returns"] == 0
     assert len(done) == 2
     for traj in done:
         assert traj.status == "finished" and traj.num_turns == 1
@@ -566,7 +565,7 @@ def test_held_trajectories_are_counted_once_whatever_happens_to_them(tmp_path):
             await peer.send(WorkerHello(worker="agent-a", kind="agent", credits=4))
             who, _ = await asyncio.wait_for(r.channel.recv(), 10)  # connected: routable
             w = Worker(who, "agent-a", "agent", 4)
-            r.core.workers.add(w)
+            r.workers.add(w)
             await r.dispatch()
             out = sorted(w.out)
             assert len(out) == 2 and accounted(r)
@@ -580,13 +579,13 @@ def test_held_trajectories_are_counted_once_whatever_happens_to_them(tmp_path):
             traj = w.out[out[0]]
             traj.status = "finished"
             r.returned(w, traj)  # a held agent that finished during the sync
-            assert r.stats()["held"] == 1 and list(r.core.to_score) == [traj] and accounted(r)
+            assert r.stats()["held"] == 1 and list(r.to_score) == [traj] and accounted(r)
             await r.worker_lost(w, "silent")  # the worker died holding the other
-            assert r.stats()["held"] == 0 and len(r.core.cancel_queue) == 1 and accounted(r)
-            assert r.in_flight() == 2 and r.core.counters["held_through_sync"] == 2
+            assert r.stats()["held"] == 0 and len(r.cancel_queue) == 1 and accounted(r)
+            assert r.in_flight() == 2 and r.counters["held_through_sync"] == 2
             r.resume(1)
             r.held(w, out)  # a Held that crossed the Resume changes nothing
-            assert r.core.counters["late_holds"] == 1 and r.stats()["held"] == 0
+            assert r.counters["late_holds"] == 1 and r.stats()["held"] == 0
             return messages
         finally:
             t.close()
