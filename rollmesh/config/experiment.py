@@ -342,10 +342,15 @@ class TrainerConfig:
     )
     mini_batches: int = _field("optimizer updates per trainer step (PPO mini-batches)", 1, ge=1)
     micro_batch_tokens: int = _field(
-        "tokens per forward/backward pass, padding included: sequences are sorted by length and "
-        "cut into micro-batches of at most this many (rows x longest row) tokens",
+        "tokens per forward/backward pass: with packing, real tokens (a longer sequence runs "
+        "alone); without, rows x longest row of length-sorted padded rows",
         16384,
         gt=0,
+    )
+    packing: bool = _field(
+        "run each micro-batch as one row of its sequences back to back (no padding, attention "
+        "confined to each sequence); false: right-padded rows",
+        True,
     )
     gradient_checkpointing: bool = _field("recompute activations in backward to save memory", False)
     ranks: int = _field("trainer processes (data parallel)", 1, ge=1)

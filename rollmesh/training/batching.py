@@ -5,17 +5,19 @@ of every [B, T] tensor is about token t (its loss mask, behaviour log-prob, vers
 the old/reference log-probs and advantage). Work never runs on that padded block; it runs on
 micro-batches:
 
-- `split_across_ranks`: each rank gets a share of the sequences, balanced by tokens;
-- `micro_batches`: a rank's share sorted by length and cut greedily so that rows x longest row
-  stays within the token budget (the padding left is what sorting by length cannot remove);
+- `split_across_ranks`: each rank gets a share of the sequences, balanced by real tokens;
+- `packed_micro_batches` (`trainer.packing`, the default): a rank's share cut into micro-batches
+  of at most `trainer.micro_batch_tokens` real tokens (first-fit, longest first; a longer
+  sequence alone), each run as one row of its sequences back to back, no padding
+  (`model_inputs`; attention kernels in `rollmesh.models.varlen`);
+- `micro_batches` (packing off): a rank's share sorted by length and cut greedily so that rows x
+  longest row stays within the budget, run as right-padded rows;
 - `plan`: both, with every rank given the same number of micro-batches (empty ones where a rank
   has less work), because FSDP's collectives need every rank in every forward and backward.
 
-Why padding and not packing: true packing on CPU (one row, position ids restarting at each
-sequence, a block-diagonal 4-D mask for SDPA) costs O(total^2) attention per micro-batch and
-measured 3-5x slower than length-sorted padded micro-batches for the tiny model (64 sequences
-of 50-400 tokens, budget 4096). Varlen flash-attention would make packing the better choice on
-GPUs; it is not used here.
+Packing and CPU: a packed row attends sequence by sequence (torch's causal SDPA kernel on each
+slice), so its attention costs what the sequences cost alone; an earlier packed path through one
+block-diagonal [N, N] mask cost O(N^2) and measured 3-5x slower than padded micro-batches.
 """
 
 from __future__ import annotations
@@ -150,10 +152,57 @@ def micro_batches(lengths: list[int], index: list[int], budget_tokens: int) -> l
     return out
 
 
-def plan(lengths: list[int], index: list[int], ranks: int,
-         budget_tokens: int) -> list[list[list[int]]]:
+def packed_micro_batches(lengths: list[int], index: list[int],
+                         budget_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: longest first, each into the first micro-batch with room for it
+    (sum of lengths <= budget; a longer sequence alone). Rows of each in index order."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(index, key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget_tokens - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def plan(lengths: list[int], index: list[int], ranks: int, budget_tokens: int,
+         packed: bool = False) -> list[list[list[int]]]:
     """Per rank, its micro-batches; every rank gets as many (padded with empty micro-batches)."""
-    per_rank = [micro_batches(lengths, share, budget_tokens)
+    cut = packed_micro_batches if packed else micro_batches
+    per_rank = [cut(lengths, share, budget_tokens)
                 for share in split_across_ranks(lengths, index, ranks)]
     count = max(1, max(len(mbs) for mbs in per_rank))
     return [mbs + [[] for _ in range(count - len(mbs))] for mbs in per_rank]
+
+
+def model_inputs(mb: dict[str, Tensor], packed: bool) -> dict[str, object]:
+    """Adds to a micro-batch (`BatchData.rows`) what the model and the LM head take:
+    - `head_pos` [M]: the input positions whose next token is a loss token (mask > 0), in the
+      flattened input; `head_tgt` [M]: those tokens; `head_out` [M]: where their log-probs go
+      in the flattened [B, W] micro-batch;
+    - packed: `input_ids` and `position_ids` [1, N] (the real tokens of the rows back to back,
+      positions restarting per sequence) and `segments` (each sequence's (start, end)).
+    Built on the host, so none of it costs the device a synchronisation."""
+    tokens, mask = mb["tokens"], mb["mask"]
+    width = tokens.shape[1]
+    lengths = mb["attention_mask"].sum(dim=1)
+    b, t = (mask > 0).nonzero(as_tuple=True)
+    out: dict[str, object] = dict(mb)
+    out["head_out"] = b * width + t
+    out["head_tgt"] = tokens[b, t]
+    if not packed:
+        out["head_pos"] = b * width + t - 1
+        return out
+    starts = torch.cumsum(lengths, 0) - lengths
+    out["head_pos"] = starts[b] + t - 1
+    real = mb["attention_mask"].bool()
+    out["input_ids"] = tokens[real][None]
+    out["position_ids"] = (torch.arange(width).expand_as(tokens))[real][None]
+    bounds = torch.cumsum(lengths, 0).tolist()
+    out["segments"] = list(zip([0] + bounds[:-1], bounds))
+    return out

@@ -33,6 +33,7 @@ from rollmesh.models.loading import is_tiny, load_model, load_tokenizer
 from rollmesh.runtime.log import get_logger
 from rollmesh.training.ranks import Ranks
 from rollmesh.models.sharded import UnsupportedCheckpoint, load_causal_lm
+from rollmesh.models.varlen import use_packed_attention
 from rollmesh.weight_sync.tensors import dtype_from_name
 
 log = get_logger("rollmesh.training")
@@ -206,6 +207,11 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
     ref_model = None
     if exp.algorithm.use_reference:
         ref_model, _ = load_models(exp, ranks, device, _frozen, whole=whole)
+    if t.packing:
+        for m in (model, ref_model):
+            if m is not None:
+                kernel = use_packed_attention(m, device)
+        log.info("packed_micro_batches", attention=kernel, device=str(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
                                   weight_decay=t.weight_decay)
     # The schedule is in trainer steps: every mini-batch update of one step has the same rate.

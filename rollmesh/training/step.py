@@ -41,14 +41,14 @@ import torch
 from torch import Tensor
 
 from rollmesh.algorithms import (
-    aggregate, compute_advantages, entropy_from_logits, kl_estimate, policy_loss, token_logprobs,
-    value_loss,
+    aggregate, compute_advantages, kl_estimate, policy_loss, value_loss,
 )
 from rollmesh.algorithms.registry import policy_losses, reward_shapings
 from rollmesh.config import AlgorithmConfig
 from rollmesh.training.ranks import full_tensor
 from rollmesh.training import batching
 from rollmesh.training.batching import BatchData
+from rollmesh.training.forward import token_logprobs_of
 from rollmesh.training.state import TrainState
 
 
@@ -79,8 +79,9 @@ class StepBatch(BatchData):
         return out
 
 
-def _to(mb: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+def _to(mb: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v
+            for k, v in mb.items()}
 
 
 def _idle_micro_batch(data: BatchData) -> dict[str, Tensor]:
@@ -92,13 +93,6 @@ def _idle_micro_batch(data: BatchData) -> dict[str, Tensor]:
               versions=torch.full((1, 2), -1, dtype=torch.long),
               attention_mask=torch.ones(1, 2, dtype=torch.long))
     return mb
-
-
-def _forward(state: TrainState, model: torch.nn.Module, mb: dict[str, Tensor]) -> Tensor:
-    autocast = (torch.autocast(state.device.type, dtype=state.compute_dtype) if state.autocast
-                else contextlib.nullcontext())
-    with autocast:
-        return model(input_ids=mb["tokens"], attention_mask=mb["attention_mask"]).logits
 
 
 def _values(state: TrainState, critic: torch.nn.Module, mb: dict[str, Tensor], *,
@@ -118,10 +112,12 @@ def micro_batches(state: TrainState, data: BatchData, index: list[int] | None = 
     with less work yields idle ones (rows [], `_idle_micro_batch`) so that it still joins every
     collective. The one loop of every pass over a batch (log-probs, values, updates)."""
     index = list(range(data.size)) if index is None else index
+    packed = state.exp.trainer.packing
     plan = batching.plan(data.lengths.tolist(), index, state.ranks.world,
-                         state.exp.trainer.micro_batch_tokens)
+                         state.exp.trainer.micro_batch_tokens, packed)
     for rows in plan[state.ranks.rank]:
-        yield rows, _to(data.rows(rows) if rows else _idle_micro_batch(data), state.device)
+        mb = data.rows(rows) if rows else _idle_micro_batch(data)
+        yield rows, _to(batching.model_inputs(mb, packed), state.device)
 
 
 @torch.no_grad()
@@ -129,16 +125,29 @@ def batch_logprobs(state: TrainState, data: BatchData, model: torch.nn.Module) -
     """log p(token) under `model` for the whole batch [B, T]: each rank its share, then summed."""
     out = torch.zeros(data.tokens.shape, dtype=torch.float32)
     for rows, mb in micro_batches(state, data):
-        logits = _forward(state, model, mb)
-        logp = token_logprobs(logits, mb["tokens"], state.temperature, shift=True)
+        logp, _ = token_logprobs_of(state, model, mb)
         if rows:
-            out[rows, :logp.shape[1]] = logp.float().cpu() * data.mask[rows, :logp.shape[1]]
+            out[rows, :logp.shape[1]] = logp.cpu()
     return state.ranks.sum_(out)
 
 
-def old_logprobs(state: TrainState, data: BatchData) -> Tensor:
+def old_from_training_forward(state: TrainState) -> bool:
+    """Whether the proximal ("old") log-probs are the training forward's own, detached: with one
+    optimizer update per batch they are the policy's log-probs before any update, which that
+    forward computes anyway; a separate pass would compute the same numbers. Not when the
+    advantages need them first (a KL penalty in the reward)."""
+    algo = state.exp.algorithm
+    return (algo.old_logprobs == "recompute" and state.exp.trainer.mini_batches == 1
+            and not (algo.kl_in_reward and algo.kl_coef > 0))
+
+
+def old_logprobs(state: TrainState, data: BatchData) -> Tensor | None:
+    """The batch's proximal log-probs [B, T]; None where the training forward supplies them
+    (`old_from_training_forward`)."""
     if state.exp.algorithm.old_logprobs == "bypass":
         return data.behaviour.clone()
+    if old_from_training_forward(state):
+        return None
     return batch_logprobs(state, data, state.model)
 
 
@@ -201,42 +210,40 @@ PARTS = ("loss", "pg_loss", "kl_loss", "tokens", "clip_frac", "approx_kl", "appr
 CRITIC_PARTS = ("value_loss", "value_clip_frac", "value_error")
 
 
-def micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, float],
-                     ) -> tuple[Tensor, dict[str, float]]:
-    """This micro-batch's share of its mini-batch's loss, and its metric partial sums."""
+def micro_batch_loss(state: TrainState, mb: dict[str, Any], norm: dict[str, float],
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of its mini-batch's loss, and its metric partial sums (0-dim
+    tensors on the device: nothing here waits for the device)."""
     algo = state.exp.algorithm
-    logits = _forward(state, state.model, mb)
-    logp = token_logprobs(logits, mb["tokens"], state.temperature, shift=True)
+    logp, entropy = token_logprobs_of(state, state.model, mb,
+                                      entropy="grad" if algo.entropy_coef > 0 else "metric")
     mask = mb["mask"]
+    old = mb["old"] if "old" in mb else logp.detach()
     norm = {**norm, "norm_tokens": algo.loss_norm_tokens}
     pg, stats = policy_loss(
-        algo.loss, logp, mb["old"], mb["advantages"], mask,
+        algo.loss, logp, old, mb["advantages"], mask,
         policy_losses.get(algo.loss).make_config(algo), behaviour_logprobs=mb["behaviour"],
         agg=algo.loss_agg, **norm)
-    # Position t predicts token t + 1: shift the entropy to align it with the tokens.
-    entropy = entropy_from_logits(logits if algo.entropy_coef > 0 else logits.detach(),
-                                  state.temperature)
-    entropy = torch.cat([entropy.new_zeros(entropy.shape[0], 1), entropy[:, :-1]], dim=1)
     loss = pg
     if algo.entropy_coef > 0:
         loss = loss - algo.entropy_coef * aggregate(entropy, mask, algo.loss_agg, **norm)
-    kl_loss = torch.zeros(())
+    kl_loss = torch.zeros((), device=logp.device)
     if algo.kl_coef > 0 and not algo.kl_in_reward:
         kl_loss = aggregate(kl_estimate(logp, mb["ref"], algo.kl_estimator, clamp=algo.kl_clamp),
                             mask, algo.loss_agg, **norm)
         loss = loss + algo.kl_coef * kl_loss
-    n = float(mask.sum())
-    parts = {"loss": float(loss.detach()), "pg_loss": float(pg.detach()),
-             "kl_loss": float(kl_loss.detach()), "tokens": n,
-             "clip_frac": float(stats["clip_frac"]) * n, "approx_kl": float(stats["approx_kl"]) * n,
-             "approx_kl_k1": float(stats["approx_kl_k1"]) * n,
-             "entropy": float((entropy.detach() * mask).sum()),
-             "behaviour_weight_mean": float(stats.get("behaviour_weight_mean", 1.0)) * n}
+    n = mask.sum()
+    weight = stats.get("behaviour_weight_mean")
+    parts = {"loss": loss.detach(), "pg_loss": pg.detach(), "kl_loss": kl_loss.detach(),
+             "tokens": n, "clip_frac": stats["clip_frac"] * n,
+             "approx_kl": stats["approx_kl"] * n, "approx_kl_k1": stats["approx_kl_k1"] * n,
+             "entropy": (entropy.detach() * mask).sum(),
+             "behaviour_weight_mean": (n if weight is None else weight * n)}
     return loss, parts
 
 
-def critic_micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict[str, float],
-                            ) -> tuple[Tensor, dict[str, float]]:
+def critic_micro_batch_loss(state: TrainState, mb: dict[str, Any], norm: dict[str, float],
+                            ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of its mini-batch's clipped value loss (token-mean over the
     mini-batch's tokens, as verl's critic), and its metric partial sums."""
     values = _values(state, state.critic, mb)
@@ -244,21 +251,21 @@ def critic_micro_batch_loss(state: TrainState, mb: dict[str, Tensor], norm: dict
     loss, stats = value_loss(values, mb["values"], mb["returns"], mask,
                              clip=state.exp.algorithm.value_clip, agg="token-mean",
                              global_tokens=norm["global_tokens"])
-    n = float(mask.sum())
-    return loss, {"value_loss": float(loss.detach()),
-                  "value_clip_frac": float(stats["clip_frac"]) * n,
-                  "value_error": float(stats["value_error"]) * n}
+    n = mask.sum()
+    return loss, {"value_loss": loss.detach(), "value_clip_frac": stats["clip_frac"] * n,
+                  "value_error": stats["value_error"] * n}
 
 
 def _optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    grad_clip: float) -> tuple[float, float]:
-    """Clip, step, advance the schedule; returns (grad norm before clipping, lr used)."""
+                    grad_clip: float) -> tuple[Tensor, float]:
+    """Clip, step, advance the schedule; returns (grad norm before clipping, a 0-dim tensor on
+    the device; lr used)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(full_tensor(grad_norm)), lr
+    return full_tensor(grad_norm).detach().float(), lr
 
 
 def value_metrics(data: StepBatch) -> dict[str, float]:
@@ -287,7 +294,8 @@ def update_policy(state: TrainState, data: BatchData) -> dict[str, float]:
         critic.train()
     order = torch.randperm(data.size, generator=torch.Generator().manual_seed(
         (t.seed or 0) * 1_000_003 + state.step))  # the same on every rank and after a resume
-    totals = torch.zeros(len(parts_of), dtype=torch.float64)
+    # Partial sums stay on the device until the end: one host synchronisation per step.
+    totals = torch.zeros(len(parts_of), dtype=torch.float64, device=state.device)
     grad_norms, lrs, critic_norms, critic_lrs = [], [], [], []
     minis = [m.tolist() for m in torch.tensor_split(order, min(t.mini_batches, data.size))]
     for mini in minis:
@@ -301,7 +309,7 @@ def update_policy(state: TrainState, data: BatchData) -> dict[str, float]:
                 loss, critic_parts = critic_micro_batch_loss(state, mb, norm)
                 (loss * ranks.world).backward()
                 parts.update(critic_parts)
-            totals += torch.tensor([parts[k] for k in parts_of], dtype=torch.float64)
+            totals += torch.stack([parts[k].to(torch.float64) for k in parts_of])
         grad_norm, lr = _optimizer_step(state.model, state.optimizer, state.scheduler,
                                         t.grad_clip)
         grad_norms.append(grad_norm)
@@ -311,14 +319,17 @@ def update_policy(state: TrainState, data: BatchData) -> dict[str, float]:
                                             t.grad_clip)
             critic_norms.append(grad_norm)
             critic_lrs.append(lr)
+    norms = torch.stack(grad_norms + critic_norms).to(torch.float64)
+    host = torch.cat([totals, norms]).cpu()  # the step's one wait for the device
+    totals, norms = host[:len(parts_of)], host[len(parts_of):].numpy()
     ranks.sum_(totals)
     tokens = max(float(totals[PARTS.index("tokens")]), 1.0)
     out = {k: float(totals[i]) / (len(minis) if k.endswith("loss") else tokens)
            for i, k in enumerate(parts_of) if k != "tokens"}
-    out.update(grad_norm=float(np.mean(grad_norms)), lr=lrs[-1], loss_tokens=tokens)
+    out.update(grad_norm=float(np.mean(norms[:len(grad_norms)])), lr=lrs[-1], loss_tokens=tokens)
     if critic is not None:
-        out.update(critic_grad_norm=float(np.mean(critic_norms)), critic_lr=critic_lrs[-1],
-                   **value_metrics(data))
+        out.update(critic_grad_norm=float(np.mean(norms[len(grad_norms):])),
+                   critic_lr=critic_lrs[-1], **value_metrics(data))
     return out
 
 

@@ -20,7 +20,7 @@ from rollmesh.config import ConfigError
 from rollmesh.training.batching import from_groups
 from rollmesh.training.state import build_state
 from rollmesh.training.step import prepare, update_policy
-from tests.unit.test_trainer import experiment, make_groups, torch_threads
+from tests.unit.test_trainer import experiment, make_groups, torch_threads, with_old
 
 
 @dataclass
@@ -62,7 +62,7 @@ def test_a_registered_loss_is_accepted_by_the_config_and_trains(scaled_pg_loss):
     assert cfg == ScaledPGConfig(clip_high=0.25, scale=3.0)
     with torch_threads(2):
         state = build_state(exp)
-        data = prepare(state, from_groups(make_groups(3)))
+        data = with_old(state, prepare(state, from_groups(make_groups(3))))
         stats = update_policy(state, data)
     # First update: the policy is the one that computed data.old, so logp == old.
     expected = float((-3.0 * data.advantages * data.old * data.mask).sum() / data.mask.sum())

@@ -70,7 +70,9 @@ def test_one_rank_loads_what_from_pretrained_loads(checkpoints, name):
     assert state.model.config.to_dict() == {**want.config.to_dict(),
                                             "architectures": ["Qwen2ForCausalLM"]}
     assert state.model.generation_config.to_dict() == want.generation_config.to_dict()
-    assert state.model.config._attn_implementation == "sdpa"
+    # the loader's kernel is SDPA; the trainer switches to its packed-row kernel
+    assert want.config._attn_implementation == "sdpa"
+    assert state.model.config._attn_implementation == "rollmesh_varlen"
     tied = state.model.lm_head.weight is state.model.model.embed_tokens.weight
     assert tied == CHECKPOINTS[name]["tied"]
     assert state.model.training and all(p.requires_grad for p in state.model.parameters())
@@ -108,8 +110,8 @@ def test_other_architectures_load_as_from_pretrained_loads(tmp_path, arch):
     want, _ = load_model(str(tmp_path), torch.device("cpu"), torch.float32)  # the engine's load
     assert_same(dict(state.model.named_parameters()), dict(want.named_parameters()), arch)
     assert_same(dict(state.model.named_buffers()), dict(want.named_buffers()), arch)
-    assert state.model.config._attn_implementation == want.config._attn_implementation == (
-        "eager" if arch == "gemma2_tied" else "sdpa")
+    assert want.config._attn_implementation == ("eager" if arch == "gemma2_tied" else "sdpa")
+    assert state.model.config._attn_implementation == "rollmesh_varlen"  # trainer.packing
     assert (state.model.lm_head.weight is state.model.model.embed_tokens.weight) == (
         arch != "qwen3_untied")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ from rollmesh.training import batching
 from rollmesh.training.batching import BatchData, from_groups
 from rollmesh.training.state import TrainState, build_state
 from rollmesh.training.step import (
-    StepBatch, critic_micro_batch_loss, critic_values, micro_batch_loss, micro_batches, prepare,
+    StepBatch, batch_logprobs, critic_micro_batch_loss, critic_values, micro_batch_loss,
+    micro_batches, prepare,
     step_metrics, update_policy,
 )
 from rollmesh.wire.transport import RpcClient, Transport, free_port
@@ -112,6 +114,15 @@ def reference_run(exp: ExperimentConfig, batches: list[list[Group]]) -> tuple[An
 
 
 @torch.no_grad()
+def with_old(state: TrainState, data: StepBatch) -> StepBatch:
+    """`data` with its proximal log-probs filled in: the default step (one update per batch)
+    takes them from its training forward and leaves `data.old` None; these are the same
+    numbers, the policy's log-probs before the update. Call it before `update_policy`."""
+    if data.old is not None:
+        return data
+    return dataclasses.replace(data, old=batch_logprobs(state, data, state.model))
+
+
 def evaluate_loss(state: TrainState, data: BatchData) -> float:
     """The step's objective on `data` with the current parameters (no update)."""
     norm = {"global_tokens": max(float(data.mask.sum()), 1.0),
@@ -223,9 +234,10 @@ def test_one_optimisation_step_lowers_the_loss_on_a_fixed_batch(overrides):
     with torch_threads(2):
         state = build_state(exp)
         data = prepare(state, from_groups(make_groups(1)))
-        before = evaluate_loss(state, data)
+        fixed = with_old(state, data)
+        before = evaluate_loss(state, fixed)
         stats = update_policy(state, data)
-        after = evaluate_loss(state, data)
+        after = evaluate_loss(state, fixed)
     assert stats["loss"] == pytest.approx(before, abs=1e-6)  # micro-batches sum to the batch loss
     assert after < before - 1e-3, (before, after)
     assert stats["grad_norm"] > 0 and stats["lr"] == pytest.approx(1e-3)
@@ -285,8 +297,9 @@ def test_policy_loss_options_reach_the_loss(case):
     with torch_threads(2):
         state = build_state(experiment(*overrides))
         data = prepare(state, from_groups(behaviour_noise(make_groups(3), seed=3)))
+        fixed = with_old(state, data)
         stats = update_policy(state, data)
-    assert stats["pg_loss"] == pytest.approx(expected(data), abs=2e-5)
+    assert stats["pg_loss"] == pytest.approx(expected(fixed), abs=2e-5)
     if case.startswith("decoupled"):
         assert 0.2 < stats["behaviour_weight_mean"] and stats["grad_norm"] > 0
 
@@ -306,8 +319,9 @@ def test_straight_through_k3_has_k2s_gradient_and_k3s_clamped_value():
                 for p in state.ref_model.parameters():
                     p.add_(0.05 * torch.randn(p.shape, generator=gen))
             data = prepare(state, from_groups(groups))
+            fixed = with_old(state, data)
             stats = update_policy(state, data)
-        runs[estimator] = (stats, params_of(state), data)
+        runs[estimator] = (stats, params_of(state), fixed)
     stats, params, data = runs["k3+"]
     k3 = kl_estimate(data.old, data.ref, "k3", clamp=0.3)
     assert float(k3.max()) == pytest.approx(0.3) and float(k3.min()) < 0.3  # the clamp binds
@@ -388,8 +402,11 @@ def test_micro_batches_accumulate_to_exactly_one_big_batch(overrides):
     for a, b in zip(small, big):
         scale = max(float(g.abs().max()) for g in b.values())
         assert max_diff(a, b) < 1e-5 * scale
-    # float32 sums in another order (transformers 5.24's kernels): 1e-5 relative, as the grads
-    assert small_loss == pytest.approx(big_loss, rel=1e-5, abs=1e-6)
+    # float32 sums in another order (transformers 5.24's kernels, the chunked LM head): the
+    # first update's gradients agree to 1e-5 relative (above); the second mini-batch's loss is
+    # taken after an AdamW step, whose first step is lr * sign(g), so a gradient entry near 0
+    # that changes sign moves its parameter by 2 lr: 5e-5 relative.
+    assert small_loss == pytest.approx(big_loss, rel=5e-5, abs=1e-6)
     if overrides:
         assert small_value == pytest.approx(big_value, rel=1e-5, abs=1e-6) and small_value > 0
 

@@ -1,0 +1,137 @@
+"""Log-probs and entropy straight from the last hidden states: the LM head, chunk by chunk.
+
+    z = softcap(h @ W^T + b) / temperature        (softcap(x) = c tanh(x / c), Gemma2; else x)
+    logp[i] = log softmax(z_i)[target_i],   H[i] = -sum_v p_iv log p_iv
+
+`head_logprobs` computes both for M rows of hidden states, `chunk` rows at a time: one chunk's
+logits [chunk, V] exist at a time, in the forward and again in the backward (recomputed), so
+neither the [M, V] logits nor their gradient ever exist whole (the approach of Liger's fused
+linear cross-entropy and of cut-cross-entropy). Each chunk is one vocabulary pass: the matmul,
+log_softmax in float32, the gather, and, when asked, exp and the entropy sum; the backward is
+one more, with the two matmuls for the hidden states' and the head's gradients.
+
+Precision: the matmul runs in the compute dtype (autocast's when enabled, else the weight's), as
+`lm_head` would; the softmax in float32; the head's gradient accumulates over chunks in float32.
+
+Entropy: `entropy="none"` skips it, `"metric"` computes it without a graph (no backward work),
+`"grad"` makes it differentiable (the entropy bonus): dH/dz = -p (log p + H).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["head_logprobs", "default_chunk"]
+
+EntropyMode = Literal["none", "metric", "grad"]
+
+
+def default_chunk(vocab: int) -> int:
+    """Rows per chunk: about 64 MiB of float32 logits (441 rows at Qwen's 151,936)."""
+    return max(32, min(4096, (1 << 24) // max(vocab, 1)))
+
+
+def _compute_dtype(device: torch.device, weight: Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return weight.dtype
+
+
+def _chunk_log_p(h: Tensor, w: Tensor, b: Tensor | None, temperature: float,
+                 softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """(log softmax of one chunk's z, float32 [c, V]; tanh(x / c) when soft-capped)."""
+    logits = h @ w.t()
+    if b is not None:
+        logits = logits + b
+    z = logits.float()
+    capped = None
+    if softcap:
+        capped = torch.tanh(z / softcap)
+        z = capped * softcap
+    if temperature != 1.0:
+        z = z / temperature
+    return torch.log_softmax(z, dim=-1), capped
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                temperature: float, softcap: float | None, chunk: int,
+                entropy: str) -> tuple[Tensor, Tensor]:
+        dtype = _compute_dtype(hidden.device, weight)
+        m = hidden.shape[0]
+        logp = hidden.new_empty(m, dtype=torch.float32)
+        ent = hidden.new_zeros(m if entropy != "none" else 0, dtype=torch.float32)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            for s in range(0, m, chunk):
+                e = min(s + chunk, m)
+                log_p, _ = _chunk_log_p(hidden[s:e].to(dtype), w, b, temperature, softcap)
+                logp[s:e] = log_p.gather(-1, targets[s:e, None]).squeeze(-1)
+                if entropy != "none":
+                    ent[s:e] = -(log_p.exp() * log_p).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, ent)
+        ctx.settings = (temperature, softcap, chunk, entropy == "grad", dtype)
+        if entropy != "grad":
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_ent: Tensor | None):
+        hidden, weight, bias, targets, ent = ctx.saved_tensors
+        temperature, softcap, chunk, entropy_grad, dtype = ctx.settings
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if want_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if want_b and bias is not None else None
+        use_ent = entropy_grad and grad_ent is not None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            for s in range(0, hidden.shape[0], chunk):
+                e = min(s + chunk, hidden.shape[0])
+                h = hidden[s:e].to(dtype)
+                log_p, capped = _chunk_log_p(h, w, b, temperature, softcap)
+                p = log_p.exp()
+                g = grad_logp[s:e, None].float()
+                gz = (-g * p).scatter_add_(-1, targets[s:e, None], g)
+                if use_ent:
+                    gz -= grad_ent[s:e, None].float() * p * (log_p + ent[s:e, None])
+                if temperature != 1.0:
+                    gz = gz / temperature
+                if capped is not None:
+                    gz = gz * (1 - capped * capped)
+                gl = gz.to(dtype)
+                if grad_h is not None:
+                    grad_h[s:e] = (gl @ w).to(hidden.dtype)
+                if grad_w is not None:
+                    grad_w += (gl.t() @ h).float()
+                if grad_b is not None:
+                    grad_b += gz.sum(dim=0)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
+                  temperature: float = 1.0, softcap: float | None = None,
+                  entropy: EntropyMode = "none", chunk: int | None = None,
+                  ) -> tuple[Tensor, Tensor | None]:
+    """(log p(targets) [M], entropy [M] or None) for hidden states [M, H] under the LM head
+    `weight` [V, H] (and `bias` [V]); float32 results. See the module docstring."""
+    if temperature <= 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature}")
+    if entropy not in ("none", "metric", "grad"):
+        raise ValueError(f"entropy: expected 'none', 'metric' or 'grad', got {entropy!r}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"expected hidden [M, H] and targets [M], got {tuple(hidden.shape)} "
+                         f"and {tuple(targets.shape)}")
+    chunk = chunk or default_chunk(weight.shape[0])
+    logp, ent = _HeadLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature),
+                                    softcap, int(chunk), entropy)
+    return logp, (ent if entropy != "none" else None)
