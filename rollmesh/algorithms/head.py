@@ -13,18 +13,27 @@ one more, with the two matmuls for the hidden states' and the head's gradients.
 Precision: the matmul runs in the compute dtype (autocast's when enabled, else the weight's), as
 `lm_head` would; the softmax in float32; the head's gradient accumulates over chunks in float32.
 
+Compiling: `set_compile(True)` runs each chunk's forward and backward through torch.compile,
+which fuses the softmax, the gather and the entropy into one loop over the vocabulary (the
+trainer's `trainer.compile`; on by default on CUDA); a failure to compile falls back to eager.
+
 Entropy: `entropy="none"` skips it, `"metric"` computes it without a graph (no backward work),
 `"grad"` makes it differentiable (the entropy bonus): dH/dz = -p (log p + H).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["head_logprobs", "default_chunk"]
+from rollmesh.runtime.log import get_logger
+
+__all__ = ["head_logprobs", "default_chunk", "set_compile"]
+
+log = get_logger("rollmesh.algorithms.head")
 
 EntropyMode = Literal["none", "metric", "grad"]
 
@@ -56,6 +65,62 @@ def _chunk_log_p(h: Tensor, w: Tensor, b: Tensor | None, temperature: float,
     return torch.log_softmax(z, dim=-1), capped
 
 
+def _forward_chunk(h: Tensor, w: Tensor, b: Tensor | None, targets: Tensor, temperature: float,
+                   softcap: float | None, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """One chunk's log-probs [c] and entropy [c] (None unless asked), float32."""
+    log_p, _ = _chunk_log_p(h, w, b, temperature, softcap)
+    logp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    ent = -(log_p.exp() * log_p).sum(dim=-1) if want_entropy else None
+    return logp, ent
+
+
+def _backward_chunk(h: Tensor, w: Tensor, b: Tensor | None, targets: Tensor, grad_logp: Tensor,
+                    grad_ent: Tensor | None, ent: Tensor | None, temperature: float,
+                    softcap: float | None) -> Tensor:
+    """The gradient with respect to one chunk's logits [c, V], float32."""
+    log_p, capped = _chunk_log_p(h, w, b, temperature, softcap)
+    p = log_p.exp()
+    g = grad_logp[:, None].float()
+    gz = (-g * p).scatter_add(-1, targets[:, None], g)
+    if grad_ent is not None:
+        gz = gz - grad_ent[:, None].float() * p * (log_p + ent[:, None])
+    if temperature != 1.0:
+        gz = gz / temperature
+    if capped is not None:
+        gz = gz * (1 - capped * capped)
+    return gz
+
+
+# The chunk functions as run: eager, or compiled by `set_compile(True)` (one fused loop over
+# the vocabulary per chunk instead of a kernel per operation), falling back to eager for good
+# if compiling fails.
+_impl: dict[str, Callable] = {"forward": _forward_chunk, "backward": _backward_chunk}
+
+
+def set_compile(on: bool) -> None:
+    """Run the chunk functions through torch.compile (on) or eagerly (off)."""
+    if not on:
+        _impl.update(forward=_forward_chunk, backward=_backward_chunk)
+        return
+    _impl.update(forward=_compiled(_forward_chunk, "forward"),
+                 backward=_compiled(_backward_chunk, "backward"))
+
+
+def _compiled(fn: Callable, name: str) -> Callable:
+    compiled = torch.compile(fn, dynamic=None)
+    eager = {"forward": _forward_chunk, "backward": _backward_chunk}[name]
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except Exception as e:  # noqa: BLE001 - a compiler missing or failing: eager is right
+            log.warning("head_compile_failed", part=name, error=repr(e)[:300],
+                        fallback="eager")
+            _impl[name] = eager
+            return eager(*args)
+    return run
+
+
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
@@ -68,12 +133,14 @@ class _HeadLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
+            forward = _impl["forward"]
             for s in range(0, m, chunk):
                 e = min(s + chunk, m)
-                log_p, _ = _chunk_log_p(hidden[s:e].to(dtype), w, b, temperature, softcap)
-                logp[s:e] = log_p.gather(-1, targets[s:e, None]).squeeze(-1)
-                if entropy != "none":
-                    ent[s:e] = -(log_p.exp() * log_p).sum(dim=-1)
+                lp, h_ent = forward(hidden[s:e].to(dtype), w, b, targets[s:e], temperature,
+                                    softcap, entropy != "none")
+                logp[s:e] = lp
+                if h_ent is not None:
+                    ent[s:e] = h_ent
         ctx.save_for_backward(hidden, weight, bias, targets, ent)
         ctx.settings = (temperature, softcap, chunk, entropy == "grad", dtype)
         if entropy != "grad":
@@ -94,19 +161,13 @@ class _HeadLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
+            backward = _impl["backward"]
             for s in range(0, hidden.shape[0], chunk):
                 e = min(s + chunk, hidden.shape[0])
                 h = hidden[s:e].to(dtype)
-                log_p, capped = _chunk_log_p(h, w, b, temperature, softcap)
-                p = log_p.exp()
-                g = grad_logp[s:e, None].float()
-                gz = (-g * p).scatter_add_(-1, targets[s:e, None], g)
-                if use_ent:
-                    gz -= grad_ent[s:e, None].float() * p * (log_p + ent[s:e, None])
-                if temperature != 1.0:
-                    gz = gz / temperature
-                if capped is not None:
-                    gz = gz * (1 - capped * capped)
+                gz = backward(h, w, b, targets[s:e], grad_logp[s:e],
+                              grad_ent[s:e] if use_ent else None,
+                              ent[s:e] if use_ent else None, temperature, softcap)
                 gl = gz.to(dtype)
                 if grad_h is not None:
                     grad_h[s:e] = (gl @ w).to(hidden.dtype)

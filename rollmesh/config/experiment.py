@@ -347,12 +347,22 @@ class TrainerConfig:
         16384,
         gt=0,
     )
+    compile: Literal["auto", "on", "off"] = _field(
+        "torch.compile the LM head's chunked log-prob and entropy pass (auto: on CUDA; a "
+        "failure to compile falls back to eager)",
+        "auto",
+    )
     packing: bool = _field(
         "run each micro-batch as one row of its sequences back to back (no padding, attention "
         "confined to each sequence); false: right-padded rows",
         True,
     )
-    gradient_checkpointing: bool = _field("recompute activations in backward to save memory", False)
+    gradient_checkpointing: bool | str = _field(
+        "recompute activations in backward to save memory: true, false, or 'auto' (on when the "
+        "trainer runs on CUDA with micro_batch_tokens >= 8192, where activations rather than "
+        "weights fill a step's memory; off on CPU)",
+        "auto",
+    )
     ranks: int = _field("trainer processes (data parallel)", 1, ge=1)
     backend: DistBackend = _field(
         "torch.distributed backend between ranks (auto: nccl on GPU)", "auto"
@@ -373,9 +383,19 @@ class TrainerConfig:
         "stop the run with an error naming the cause when the trainer makes no step for this "
         "long while samples are dropped or nothing is generated (seconds; 0: never)", 600.0, ge=0)
 
+    def checkpoints_activations(self, device_type: str) -> bool:
+        """`gradient_checkpointing` resolved for a trainer on `device_type` ('auto': see the
+        field)."""
+        if self.gradient_checkpointing == "auto":
+            return device_type == "cuda" and self.micro_batch_tokens >= 8192
+        return bool(self.gradient_checkpointing)
+
     def validate(self) -> None:
         if len(self.betas) != 2:
             raise _Invalid("betas", f"expected a list of 2 floats, got {_show(self.betas)}")
+        if isinstance(self.gradient_checkpointing, str) and self.gradient_checkpointing != "auto":
+            raise _Invalid("gradient_checkpointing", "expected true, false or 'auto', got "
+                           f"{self.gradient_checkpointing!r}")
         if self.warmup_steps > self.total_steps:
             raise _Invalid(
                 "warmup_steps",

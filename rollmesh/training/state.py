@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollmesh.algorithms import lr_lambda
+from rollmesh.algorithms import head, lr_lambda
 from rollmesh.config import ExperimentConfig
 from rollmesh.models.loading import is_tiny, load_model, load_tokenizer
 from rollmesh.runtime.log import get_logger
@@ -201,12 +201,13 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
-    model, tokenizer = load_models(exp, ranks, device, _policy_prepare(t.gradient_checkpointing),
+    model, tokenizer = load_models(exp, ranks, device, _policy_prepare(t.checkpoints_activations(device.type)),
                                    whole=whole)
     compute_dtype = dtype_from_name(exp.model.dtype)
     ref_model = None
     if exp.algorithm.use_reference:
         ref_model, _ = load_models(exp, ranks, device, _frozen, whole=whole)
+    head.set_compile(t.compile == "on" or (t.compile == "auto" and device.type == "cuda"))
     if t.packing:
         for m in (model, ref_model):
             if m is not None:
@@ -227,7 +228,7 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
             raise ValueError("algorithm.critic_lr: missing required value (expected float > 0, "
                              f"as advantage = '{exp.algorithm.advantage}' trains a critic)")
         # the value head is drawn the same on every rank
-        state.critic, _ = load_models(exp, ranks, device, _trainable(t.gradient_checkpointing),
+        state.critic, _ = load_models(exp, ranks, device, _trainable(t.checkpoints_activations(device.type)),
                                       critic_seed=seed - ranks.rank, whole=whole)
         state.critic_optimizer = torch.optim.AdamW(
             state.critic.parameters(), lr=exp.algorithm.critic_lr, betas=tuple(t.betas),

@@ -278,3 +278,21 @@ def test_the_old_padded_path_is_still_there_and_agrees(monkeypatch):
     assert sa["grad_norm"] == pytest.approx(sb["grad_norm"], rel=1e-5)
     assert max_diff(params_of(a), params_of(b)) < 1e-4  # AdamW's first step: lr * g / |g|
     assert dataclasses.fields(da) == dataclasses.fields(db)
+
+
+def test_activation_checkpointing_recomputes_packed_layers_with_the_same_kernel():
+    """A layer recomputed in the backward pass attends sequence by sequence as in the forward:
+    the same gradients with activation checkpointing as without."""
+    groups = make_groups(6, n_groups=2)
+    grads = []
+    for flag in ("false", "true"):
+        with torch_threads(2):
+            state = build_state(experiment(f"trainer.gradient_checkpointing={flag}"))
+            assert state.model.is_gradient_checkpointing == (flag == "true")
+            data = prepare(state, from_groups(groups))
+            norm = {"global_tokens": float(data.mask.sum()), "global_seqs": float(data.size)}
+            for _, mb in step.micro_batches(state, data):
+                step.micro_batch_loss(state, mb, norm)[0].backward()
+        grads.append({n: p.grad.clone() for n, p in state.model.named_parameters()})
+    assert max_diff(grads[0], grads[1]) < 1e-6
+    assert max(float(g.abs().max()) for g in grads[0].values()) > 1e-4
