@@ -62,12 +62,22 @@ def _eager_one(q: Tensor, k: Tensor, v: Tensor, scaling: float, softcap: float |
 
 def _per_sequence(q: Tensor, k: Tensor, v: Tensor, segments: list[tuple[int, int]],
                   scaling: float, softcap: float | None, window: int | None) -> Tensor:
+    """Each sequence's causal attention on its own slice. The row is split (one op, whose
+    backward is one concatenation) rather than sliced per sequence (whose backward would write
+    each slice's gradient into a zero tensor of the whole row)."""
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    sizes = [e - s for s, e in segments]
+    if len(sizes) == 1:
+        parts = [(q, k, v)]
+    else:
+        if sum(sizes) != q.shape[2]:
+            raise ValueError(f"rollmesh_varlen: segments cover {sum(sizes)} of "
+                             f"{q.shape[2]} positions")
+        parts = list(zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)))
     outs = []
-    for s, e in segments:
-        qs, ks, vs = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]
-        if softcap or (window and e - s > window):
+    for (qs, ks, vs), n in zip(parts, sizes):
+        if softcap or (window and n > window):
             outs.append(_eager_one(qs, ks, vs, scaling, softcap, window))
         else:
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling))
