@@ -11,6 +11,10 @@
     # the same, rollmesh with a config override (any `section.key=value`, repeatable):
     python benchmarks/train_step.py ... --set trainer.micro_batch_tokens=4096
 
+The CPU default is one timed step per variant (--repeats 1, to stay near 10 minutes): on a
+shared machine a single step can be off by 2-3x (the load average is printed at the start and
+the end); take --repeats 3 or more, on a quiet machine, before trusting a CPU ratio.
+
 What is compared (each variant x batch in its own process, one after the other, never at once):
 
   rollmesh  `prepare(state, data)` then `update_policy(state, data)` (rollmesh/training/step.py) on
