@@ -19,7 +19,8 @@ What is compared (each variant x batch in its own process, one after the other, 
 
   rollmesh  `prepare(state, data)` then `update_policy(state, data)` (rollmesh/training/step.py) on
             a state from `build_state`: GRPO advantages, decoupled PPO (algorithm.loss =
-            "decoupled_ppo"), old log-probs recomputed, one mini-batch, every other setting the
+            "decoupled_ppo"), old_logprobs = "recompute" (with one mini-batch the trainer takes
+            them from its training forward, no separate pass), every other setting the
             config default (trainer.micro_batch_tokens included), then the `--set` overrides.
             float32 master weights; bf16 autocast on CUDA (model.dtype = "bfloat16"), float32 on
             CPU. The batch enters as `BatchData` on the host, as the trainer receives it.
@@ -76,7 +77,8 @@ What is reported, per variant and batch:
                      parameters less the input embedding, plus the LM head's matmul when tied)
                      x real tokens + attention 6 x layers x hidden x sum(len^2) (causal QK^T
                      and AV, forward and backward: 12 x layers x hidden x sum(len^2) / 2).
-                     rollmesh's recomputed old log-probs (a forward) are not in it.
+                     A separate old-log-prob forward (`--set trainer.mini_batches=2`) is not in
+                     it.
   breakdown          rollmesh: prepare vs update_policy (time, peak memory, aten ops, syncs);
                      plain: forward + loss, backward, optimizer. Both: every decoder forward's
                      rows x width (padding included), so the padding each variant computes is
@@ -222,7 +224,7 @@ def make_batch(lens: list[tuple[int, int]], group_size: int, vocab: int, seed: i
 
 def experiment(path: Path, device: str, group_size: int, max_len: int, max_new: int,
                overrides: list[str]) -> Any:
-    """GRPO + decoupled PPO, old log-probs recomputed, the trainer's defaults otherwise."""
+    """GRPO + decoupled PPO, old_logprobs "recompute", the trainer's defaults otherwise."""
     from rollmesh.config import ExperimentConfig, apply_overrides, parse_config
 
     base = {"seed": 1,
