@@ -186,7 +186,8 @@ def model_inputs(mb: dict[str, Tensor], packed: bool) -> dict[str, object]:
       flattened input; `head_tgt` [M]: those tokens; `head_out` [M]: where their log-probs go
       in the flattened [B, W] micro-batch;
     - packed: `input_ids` and `position_ids` [1, N] (the real tokens of the rows back to back,
-      positions restarting per sequence) and `segments` (each sequence's (start, end)).
+      positions restarting per sequence), `segments` (each sequence's (start, end)) and
+      `value_index` [B, W + 1] (where the critic's token-aligned values come from).
     Built on the host, so none of it costs the device a synchronisation."""
     tokens, mask = mb["tokens"], mb["mask"]
     width = tokens.shape[1]
@@ -205,4 +206,9 @@ def model_inputs(mb: dict[str, Tensor], packed: bool) -> dict[str, object]:
     out["position_ids"] = (torch.arange(width).expand_as(tokens))[real][None]
     bounds = torch.cumsum(lengths, 0).tolist()
     out["segments"] = list(zip([0] + bounds[:-1], bounds))
+    # the critic's values, token-aligned [B, W + 1]: token t's from position t - 1, column
+    # n_b (after the last token) from position n_b - 1; -1 where there is none
+    col = torch.arange(width + 1)[None, :]
+    inside = (col >= 1) & (col <= lengths[:, None])
+    out["value_index"] = torch.where(inside, starts[:, None] + col - 1, -1)
     return out

@@ -83,12 +83,21 @@ class Critic(torch.nn.Module):
         self.value_head = torch.nn.Linear(hidden_size, 1)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
-                with_next: bool = False) -> Tensor:
+                with_next: bool = False, value_index: Tensor | None = None,
+                **packed: Any) -> Tensor:
         """[B, T] values; `with_next`: [B, T + 1], column n_b the value of the state after row
-        b's last token (n_b its length; the bootstrap of a truncated response)."""
+        b's last token (n_b its length; the bootstrap of a truncated response).
+
+        A packed row (`input_ids` [1, N] with `position_ids` and the packed kwargs of
+        `rollmesh.models.varlen.packed_kwargs`) gives one value per position; `value_index`
+        [B, T + 1] says which position each token-aligned entry reads (-1: none, 0)."""
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                            use_cache=False).last_hidden_state
+                            use_cache=False, **packed).last_hidden_state
         values = self.value_head(hidden).squeeze(-1).float()
+        if value_index is not None:
+            flat = values.reshape(-1)
+            out = torch.where(value_index >= 0, flat[value_index.clamp(min=0)], 0.0)
+            return out if with_next else out[:, :-1]
         return torch.cat([values.new_zeros(values.shape[0], 1),
                           values if with_next else values[:, :-1]], dim=1)
 
@@ -208,11 +217,7 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
     if exp.algorithm.use_reference:
         ref_model, _ = load_models(exp, ranks, device, _frozen, whole=whole)
     head.set_compile(t.compile == "on" or (t.compile == "auto" and device.type == "cuda"))
-    if t.packing:
-        for m in (model, ref_model):
-            if m is not None:
-                kernel = use_packed_attention(m, device)
-        log.info("packed_micro_batches", attention=kernel, device=str(device))
+    packed = [model, ref_model]
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
                                   weight_decay=t.weight_decay)
     # The schedule is in trainer steps: every mini-batch update of one step has the same rate.
@@ -235,6 +240,12 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
             weight_decay=t.weight_decay)
         state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(state.critic_optimizer,
                                                                    schedule)
+        packed.append(state.critic)
+    if t.packing:
+        for m in packed:
+            if m is not None:
+                kernel = use_packed_attention(m, device)
+        log.info("packed_micro_batches", attention=kernel, device=str(device))
     return state
 
 

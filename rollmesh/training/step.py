@@ -95,12 +95,18 @@ def _idle_micro_batch(data: BatchData) -> dict[str, Tensor]:
     return mb
 
 
-def _values(state: TrainState, critic: torch.nn.Module, mb: dict[str, Tensor], *,
+def _values(state: TrainState, critic: torch.nn.Module, mb: dict[str, Any], *,
             with_next: bool = False) -> Tensor:
     """The critic's token-aligned values [B, T] (`with_next`: [B, T + 1]), float32."""
     autocast = (torch.autocast(state.device.type, dtype=state.compute_dtype) if state.autocast
                 else contextlib.nullcontext())
     with autocast:
+        if "input_ids" in mb:  # one packed row
+            from rollmesh.models.varlen import packed_kwargs
+
+            return critic(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
+                          value_index=mb["value_index"], with_next=with_next,
+                          **packed_kwargs(mb["segments"], mb["input_ids"].device)).float()
         return critic(input_ids=mb["tokens"], attention_mask=mb["attention_mask"],
                       with_next=with_next).float()
 

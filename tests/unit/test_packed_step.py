@@ -296,3 +296,25 @@ def test_activation_checkpointing_recomputes_packed_layers_with_the_same_kernel(
         grads.append({n: p.grad.clone() for n, p in state.model.named_parameters()})
     assert max_diff(grads[0], grads[1]) < 1e-6
     assert max(float(g.abs().max()) for g in grads[0].values()) > 1e-4
+
+
+def test_the_critic_runs_packed_and_gives_the_padded_values():
+    """GAE: the critic's values (token-aligned, and after each sequence's last token) and its
+    update are the same from a packed row as from right-padded rows."""
+    from tests.unit.test_trainer import GAE
+
+    groups = make_groups(7, n_groups=3)
+    out = []
+    for packing in ("true", "false"):
+        with torch_threads(2):
+            state = build_state(experiment(*GAE, f"trainer.packing={packing}"))
+            data = from_groups(groups)
+            values, after = step.critic_values(state, data)
+            stats = update_policy(state, prepare(state, data))
+        out.append((values, after, stats, params_of(state, "critic")))
+    (v1, a1, s1, p1), (v2, a2, s2, p2) = out
+    assert float(v2.abs().max()) > 0 and float(a2.abs().max()) > 0
+    torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a1, a2, atol=1e-5, rtol=1e-5)
+    assert s1["value_loss"] == pytest.approx(s2["value_loss"], rel=1e-5)
+    assert max_diff(p1, p2) < 1e-4
