@@ -56,7 +56,10 @@ What is reported, per variant and batch:
                      15 in the breakdown) and by phase. On CPU these are the ops a GPU run would
                      launch, with one difference: torch's AdamW and clip_grad_norm_ loop over the
                      parameters one by one on CPU and use foreach kernels on CUDA, in both
-                     variants alike.
+                     variants alike. Also reported: the ops on the device (an input on the
+                     device: on CPU by the taint rule of host syncs below), the kernel launches
+                     of a GPU run; the rest is the host's bookkeeping (cutting the batch, the
+                     advantages), which a GPU run does on the host too.
   host syncs         calls that make the host wait for the device's result: `aten._local_scalar_
                      dense` (`.item()`, `float(t)`, `bool(t)`, `if t:`), `aten.equal`, and on
                      CUDA blocking device-to-host copies (`.cpu()`, `.tolist()` go there too).
@@ -260,6 +263,7 @@ class OpCounter:
         self.device = device
         self.phase = "step"
         self.ops: Counter[str] = Counter()
+        self.device_ops = 0  # ops on tensors that live on the device (a kernel launch on a GPU)
         self.by_phase: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()  # "device", "host", by what: "item", "equal", "d2h"
         self.sync_phase: Counter[str] = Counter()
@@ -361,6 +365,11 @@ class OpCounter:
         self.ops[name] += 1
         self.by_phase[self.phase] += 1
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if self.device == "cuda":
+            self.device_ops += any(t.device.type == "cuda" for t in inputs + outputs)
+        else:
+            self.device_ops += any(t in self.tainted for t in inputs)
         if name in ("_local_scalar_dense", "equal"):
             self._sync("item" if name != "equal" else "equal",
                        any(self._is_device(t) for t in inputs))
@@ -396,7 +405,8 @@ class OpCounter:
 
     def summary(self, optimizer_steps: int) -> dict[str, Any]:
         per_opt = max(optimizer_steps, 1)
-        return {"aten_ops": self.total, "ops_by_phase": dict(self.by_phase),
+        return {"aten_ops": self.total, "device_ops": self.device_ops,
+                "ops_by_phase": dict(self.by_phase),
                 "top_ops": self.ops.most_common(15), "syncs": dict(self.syncs),
                 "device_syncs": self.device_syncs(), "sync_phase": dict(self.sync_phase),
                 "data_dependent": dict(self.data_dependent),
@@ -778,7 +788,8 @@ def describe(r: dict[str, Any], device: str) -> list[str]:
              f"(times {', '.join(f'{t:.2f}' for t in r['times'])})  peak {mem} "
              f"{r['peak'] / GIB:6.2f} GiB ({r['peak_above'] / GIB:+.2f} over the "
              f"{r['resident'] / GIB:.2f} held between steps)",
-             f"           aten ops {c['aten_ops']}  host syncs on the device "
+             f"           aten ops {c['aten_ops']} (on the device {c['device_ops']})  "
+             "host syncs on the device "
              f"{c['device_syncs']}  data-dependent on the device "
              f"{sum(v for k, v in c['data_dependent'].items() if k.startswith('device'))}  "
              f"optimizer steps {c['optimizer_steps']}  -> "
@@ -831,7 +842,9 @@ def compare(args: argparse.Namespace, batch: str, lens: list[tuple[int, int]],
                 ours["counts"]["aten_ops"], plain["counts"]["aten_ops"], "ops",
                 baseline_name=base_name, higher_is_better=False, target=OPS_CEILING,
                 note=note + "; counted with a TorchDispatchMode over one step, backward "
-                "included"),
+                "included; of these on the device (a kernel launch on a GPU; the rest is the "
+                f"host's bookkeeping): rollmesh {ours['counts']['device_ops']}, plain "
+                f"{plain['counts']['device_ops']}"),
             row(f"train step host syncs per optimizer step, {batch} lengths ({where})",
                 ours["counts"]["syncs_per_optimizer_step"], 1.0, "syncs",
                 baseline_name="the goal: one per optimizer step (the plain step: "

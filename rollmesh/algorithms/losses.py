@@ -97,6 +97,15 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (torch.where(m > 0, x.float(), 0.0).sum() / m.sum().clamp(min=1)).detach()
 
 
+def _masked_means(values: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+    """`_masked_mean` of several same-shaped tensors at once (a handful of ops, not a handful
+    per metric)."""
+    m = mask.float()
+    stacked = torch.stack([v.detach().float() for v in values.values()])
+    sums = torch.where(m > 0, stacked, 0.0).flatten(1).sum(dim=1) / m.sum().clamp(min=1)
+    return dict(zip(values, sums.unbind()))
+
+
 def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
     m = mask > 0  # no boolean indexing: it would sync with the device
     top = torch.where(m, x.detach().float(), -torch.inf).max()
@@ -134,14 +143,9 @@ def _ratio_metrics(
     # approx_kl_k1 = k1 = -log r         (verl's ppo_kl; unbiased, can be negative)
     approx_kl = kl_estimate(old_logprobs.detach(), logprobs.detach(), "k3")
     approx_kl_k1 = old_logprobs.detach().float() - logprobs.detach().float()
-    return {
-        "clip_frac": _masked_mean(clip_active, mask),
-        "dual_clip_frac": _masked_mean(dual_active, mask),
-        "approx_kl": _masked_mean(approx_kl, mask),
-        "approx_kl_k1": _masked_mean(approx_kl_k1, mask),
-        "ratio_mean": _masked_mean(ratio, mask),
-        "ratio_max": _masked_max(ratio, mask),
-    }
+    return _masked_means({"clip_frac": clip_active, "dual_clip_frac": dual_active,
+                          "approx_kl": approx_kl, "approx_kl_k1": approx_kl_k1,
+                          "ratio_mean": ratio}, mask) | {"ratio_max": _masked_max(ratio, mask)}
 
 
 def ppo_loss(
@@ -189,11 +193,8 @@ def _behaviour_weight(
 
 
 def _weight_metrics(raw_w: Tensor, capped: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    return {
-        "behaviour_weight_mean": _masked_mean(raw_w, mask),
-        "behaviour_weight_max": _masked_max(raw_w, mask),
-        "behaviour_capped_frac": _masked_mean(capped, mask),
-    }
+    return _masked_means({"behaviour_weight_mean": raw_w, "behaviour_capped_frac": capped},
+                         mask) | {"behaviour_weight_max": _masked_max(raw_w, mask)}
 
 
 def decoupled_ppo_loss(

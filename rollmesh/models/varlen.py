@@ -66,7 +66,7 @@ def _per_sequence(q: Tensor, k: Tensor, v: Tensor, segments: list[tuple[int, int
     backward is one concatenation) rather than sliced per sequence (whose backward would write
     each slice's gradient into a zero tensor of the whole row)."""
     heads = q.shape[1]
-    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    gqa = k.shape[1] != heads  # SDPA takes fewer key/value heads as they are
     sizes = [e - s for s, e in segments]
     if len(sizes) == 1:
         parts = [(q, k, v)]
@@ -78,9 +78,11 @@ def _per_sequence(q: Tensor, k: Tensor, v: Tensor, segments: list[tuple[int, int
     outs = []
     for (qs, ks, vs), n in zip(parts, sizes):
         if softcap or (window and n > window):
-            outs.append(_eager_one(qs, ks, vs, scaling, softcap, window))
+            outs.append(_eager_one(qs, _expand_kv(ks, heads), _expand_kv(vs, heads), scaling,
+                                   softcap, window))
         else:
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling))
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
+                                                       enable_gqa=gqa))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
