@@ -10,7 +10,8 @@ transformers model to a kernel for such rows, chosen per device:
     rollmesh_varlen     everything else, registered with transformers' AttentionInterface under
                         that name; per call it runs one of
         torch varlen    CUDA: `torch.nn.attention.varlen.varlen_attn` (flash, no mask), when a
-                        probe at first use matches the loop below to 1e-2 (bf16) / 1e-5;
+                        probe at first use matches the loop below, values and gradients, to
+                        5e-2 (bf16) / 1e-4 (float32);
         per sequence    scaled_dot_product_attention(is_causal=True) on each sequence's slice
                         (on CPU this is torch's flash kernel: no N x N mask, no padding, the
                         attention FLOPs are those of the sequences alone);
@@ -106,22 +107,26 @@ def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int,
 
 
 def _torch_varlen_usable(q: Tensor) -> bool:
-    """Whether torch's varlen kernel runs here and matches the per-sequence loop (probed once
-    per device and dtype, on a small random case)."""
+    """Whether torch's varlen kernel runs here, forward and backward, and matches the
+    per-sequence loop (probed once per device and dtype, on a small random case)."""
     key = f"{q.device}:{q.dtype}"
     if key not in _torch_varlen_ok:
         ok = False
         try:
-            g = torch.Generator(device=q.device).manual_seed(0)
-            qq = torch.randn(1, 4, 24, q.shape[-1], device=q.device, dtype=q.dtype, generator=g)
-            kk = torch.randn(1, 2, 24, q.shape[-1], device=q.device, dtype=q.dtype, generator=g)
-            vv = torch.randn(1, 2, 24, q.shape[-1], device=q.device, dtype=q.dtype, generator=g)
-            cu = torch.tensor([0, 10, 24])
-            got = _torch_varlen(qq, kk, vv, cu, 14, q.shape[-1] ** -0.5)
-            want = _per_sequence(qq, kk, vv, [(0, 10), (10, 24)], q.shape[-1] ** -0.5, None,
-                                 None)
-            tol = 1e-5 if q.dtype == torch.float32 else 2e-2
-            ok = bool(torch.allclose(got.float(), want.float(), atol=tol, rtol=tol))
+            with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+                g = torch.Generator(device=q.device).manual_seed(0)
+                shapes = ((1, 4, 24, q.shape[-1]), (1, 2, 24, q.shape[-1]),
+                          (1, 2, 24, q.shape[-1]))
+                qq, kk, vv = (torch.randn(s, device=q.device, dtype=q.dtype, generator=g)
+                              .requires_grad_() for s in shapes)
+                scale = q.shape[-1] ** -0.5
+                got = _torch_varlen(qq, kk, vv, torch.tensor([0, 10, 24]), 14, scale)
+                got_grads = torch.autograd.grad(got.float().square().sum(), (qq, kk, vv))
+                want = _per_sequence(qq, kk, vv, [(0, 10), (10, 24)], scale, None, None)
+                want_grads = torch.autograd.grad(want.float().square().sum(), (qq, kk, vv))
+            tol = 1e-4 if q.dtype == torch.float32 else 5e-2
+            ok = all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+                     for a, b in zip((got, *got_grads), (want, *want_grads)))
         except Exception as e:  # noqa: BLE001 - any failure means: not here
             log.info("torch_varlen_unavailable", device=str(q.device), reason=repr(e)[:200])
         _torch_varlen_ok[key] = ok

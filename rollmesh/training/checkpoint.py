@@ -235,7 +235,11 @@ def _load_optimizer(file: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise ValueError(f"{file}: {len(groups)} optimizer param groups, the optimizer has "
                          f"{len(optimizer.param_groups)}")
     for saved, group in zip(groups, optimizer.param_groups):
-        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+        # the implementation is the optimizer's own (a checkpoint of the unfused one loads
+        # into the fused one and back): the saved flags are not applied
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()
+                      if k not in ("fused", "foreach", "capturable")})
+    fused = any(g.get("fused") for g in optimizer.param_groups)
     with safe_open(file, framework="pt") as f:
         entries: dict[str, list[str]] = {}
         for full_key in f.keys():
@@ -244,8 +248,12 @@ def _load_optimizer(file: Path, model: torch.nn.Module, optimizer: torch.optim.O
             st = {}
             for full_key in entries.get(name, []):
                 key, t = full_key.rsplit(".", 1)[1], f.get_tensor(full_key)
-                # `step` is a plain scalar tensor even for sharded parameters.
-                st[key] = t if key == "step" else _like(t, p)
+                # `step` is a plain scalar tensor even for sharded parameters, on the
+                # parameter's device for the fused kernel (as torch's own load puts it)
+                if key == "step":
+                    st[key] = t.to(p.device, torch.float32) if fused else t
+                else:
+                    st[key] = _like(t, p)
             if st:
                 optimizer.state[p] = st
 

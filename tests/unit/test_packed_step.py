@@ -318,3 +318,25 @@ def test_the_critic_runs_packed_and_gives_the_padded_values():
     torch.testing.assert_close(a1, a2, atol=1e-5, rtol=1e-5)
     assert s1["value_loss"] == pytest.approx(s2["value_loss"], rel=1e-5)
     assert max_diff(p1, p2) < 1e-4
+
+
+@pytest.mark.parametrize("entropy", ["none", "metric"])
+def test_head_gradient_without_the_entropy_term_and_with_no_rows(entropy):
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(30, 24, generator=gen, requires_grad=True)
+    weight = torch.randn(200, 24, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 200, (30,), generator=gen)
+    g = torch.randn(30, generator=gen)
+    logp, _ = head_logprobs(hidden, weight, targets, temperature=1.3, entropy=entropy, chunk=7)
+    (logp * g).sum().backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    (token_logprobs(hidden @ weight.t(), targets, 1.3) * g).sum().backward()
+    torch.testing.assert_close(got[0], hidden.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1], weight.grad, atol=1e-5, rtol=1e-4)
+    # no rows (an idle micro-batch): the head's weight still gets its (zero) gradient, so every
+    # FSDP rank reduces the same parameters
+    weight.grad = None
+    empty, _ = head_logprobs(hidden[:0], weight, targets[:0], entropy=entropy)
+    empty.sum().backward()
+    assert weight.grad is not None and not weight.grad.any()
