@@ -42,6 +42,9 @@ BENCHMARKS: dict[str, list[str]] = {
     "engine": ["benchmarks/engine.py"],
     "wire": ["benchmarks/wire.py"],
     "simulate": ["benchmarks/simulate.py"],
+    # one trainer step at Qwen2.5-0.5B's shape against a plain transformers step (~6 min)
+    "train_step": ["benchmarks/train_step.py", "--device", "cpu", "--shape", "0.5b",
+                   "--repeats", "2"],
 }
 
 
