@@ -1,11 +1,13 @@
 """One training step's math: forward passes, advantages, the loss, the optimizer updates.
 
 `prepare` turns a batch into what the updates need (every rank, the whole batch): old
-log-probs (recomputed with the current parameters, or the engine's behaviour log-probs as they
-are: "bypass"), reference log-probs, for GAE the critic's old values, then the shaped rewards
-and the advantages (and the critic's returns). `update_policy` runs `trainer.mini_batches`
-optimizer updates over it, each accumulated over micro-batches; `step_metrics` is the step's
-metrics row.
+log-probs (recomputed with the current parameters in a separate pass, or left to the training
+forward when a batch gets one update: `old_from_training_forward`; or the engine's behaviour
+log-probs as they are: "bypass"), reference log-probs, for GAE the critic's old values, then
+the shaped rewards and the advantages (and the critic's returns). `update_policy` runs
+`trainer.mini_batches` optimizer updates over it, each accumulated over micro-batches, its
+metrics summed on the device and read back once; `step_metrics` is the step's metrics row.
+Every forward goes through `rollmesh.training.forward` (packed rows, the chunked LM head).
 
 Every pass over a batch runs on this rank's micro-batches (`micro_batches`, planned by
 `rollmesh.training.batching.plan`): forward and backward passes run only on the rank's share of
