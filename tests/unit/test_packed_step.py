@@ -340,3 +340,45 @@ def test_head_gradient_without_the_entropy_term_and_with_no_rows(entropy):
     empty, _ = head_logprobs(hidden[:0], weight, targets[:0], entropy=entropy)
     empty.sum().backward()
     assert weight.grad is not None and not weight.grad.any()
+
+
+def _two_rank_step(rank: int, rendezvous: str) -> dict:
+    from rollmesh.training.ranks import close_ranks, full_tensor, init_ranks
+
+    torch.set_num_threads(1)
+    ranks = init_ranks(rendezvous, rank, 2, "gloo", timeout_s=60)
+    try:
+        state = build_state(experiment(*_IDLE_RANK, "trainer.ranks=2"), ranks)
+        stats = update_policy(state, prepare(state, from_groups(make_groups(8, n_groups=3))))
+        return {"stats": stats, "params": {n: full_tensor(p).detach().clone()
+                                           for n, p in state.model.named_parameters()}}
+    finally:
+        close_ranks(ranks)
+
+
+# a budget at which rank 1 gets an idle micro-batch (no rows: the head sees no tokens), and an
+# entropy bonus (the head's entropy gradient)
+_IDLE_RANK = ("trainer.micro_batch_tokens=80", "algorithm.entropy_coef=0.01")
+
+
+def test_two_fsdp_ranks_with_an_idle_micro_batch_train_as_one_rank():
+    """FSDP2 over two gloo ranks on the default path (packed rows, the head inside the model's
+    forward where FSDP gathers its weight): one rank's idle micro-batch still reduces every
+    gradient, and the update is the one-rank update."""
+    import multiprocessing
+
+    from rollmesh.wire.transport import free_port
+
+    data = from_groups(make_groups(8, n_groups=3))
+    plan = batching.plan(data.lengths.tolist(), list(range(data.size)), 2, 80, packed=True)
+    assert [] in plan[1] and [] not in plan[0]
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        two = pool.starmap(_two_rank_step, [(r, rendezvous) for r in range(2)], chunksize=1)
+    with torch_threads(1):
+        state = build_state(experiment(*_IDLE_RANK))
+        one = update_policy(state, prepare(state, data))
+    assert two[0]["stats"]["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert two[0]["stats"]["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert max_diff(two[0]["params"], params_of(state)) < 1e-4
+    assert max_diff(two[0]["params"], two[1]["params"]) == 0
