@@ -68,8 +68,9 @@ def available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-def write_checkpoint(path: Path) -> Path:
-    """Qwen2.5-0.5B's config with random bfloat16 weights (N(0, 0.02); norms 1), once."""
+def write_checkpoint(path: Path, shape: dict[str, Any] | None = None) -> Path:
+    """Qwen2.5-0.5B's config (or the Qwen2 `shape` given) with random bfloat16 weights
+    (N(0, 0.02); norms 1), once."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -79,7 +80,7 @@ def write_checkpoint(path: Path) -> Path:
         return path
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = tiny_tokenizer()
-    config = Qwen2Config(**QWEN25_05B, eos_token_id=tokenizer.eos_token_id,
+    config = Qwen2Config(**(shape or QWEN25_05B), eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
                          dtype="bfloat16")
     with torch.device("meta"):

@@ -146,36 +146,10 @@ def shape_config(shape: str) -> dict[str, Any]:
 
 def write_checkpoint(path: Path, shape: str) -> Path:
     """The shape's config with random bfloat16 weights (N(0, 0.02); norms 1) and the tiny
-    tokenizer, once (0.5b: real_scale's checkpoint, the same files)."""
-    if shape == "0.5b":
-        from benchmarks.real_scale import write_checkpoint as write_05b
+    tokenizer, once (real_scale's writer; 0.5b: real_scale's checkpoint, the same files)."""
+    from benchmarks.real_scale import write_checkpoint as write
 
-        return write_05b(path)
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    from rollmesh.models.loading import tiny_tokenizer
-
-    if (path / "complete").is_file():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_tokenizer()
-    config = Qwen2Config(**shape_config(shape), eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                         dtype="bfloat16")
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in Qwen2ForCausalLM(config).named_parameters()}
-    gen = torch.Generator().manual_seed(0)
-    tensors = {n: torch.ones(s, dtype=torch.bfloat16) if n.endswith("norm.weight")
-               else (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
-               for n, s in shapes.items()}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(path)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    (path / "complete").write_text("")
-    return path
+    return write(path, shape_config(shape))
 
 
 def lengths(kind: str, seqs: int, group_size: int, rl_prompt: tuple[int, int], rl_median: int,

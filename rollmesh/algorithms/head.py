@@ -51,9 +51,9 @@ def _compute_dtype(device: torch.device, weight: Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _chunk_log_p(h: Tensor, w: Tensor, b: Tensor | None, temperature: float,
-                 softcap: float | None) -> tuple[Tensor, Tensor | None]:
-    """(log softmax of one chunk's z, float32 [c, V]; tanh(x / c) when soft-capped)."""
+def _chunk_z(h: Tensor, w: Tensor, b: Tensor | None, temperature: float,
+             softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """One chunk's z, float32 [c, V], and tanh(x / c) when soft-capped (for the backward)."""
     logits = h @ w.t()
     if b is not None:
         logits = logits + b
@@ -64,22 +64,20 @@ def _chunk_log_p(h: Tensor, w: Tensor, b: Tensor | None, temperature: float,
         z = capped * softcap
     if temperature != 1.0:
         z = z / temperature
+    return z, capped
+
+
+def _chunk_log_p(h: Tensor, w: Tensor, b: Tensor | None, temperature: float,
+                 softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """(log softmax of one chunk's z, float32 [c, V]; tanh(x / c) when soft-capped)."""
+    z, capped = _chunk_z(h, w, b, temperature, softcap)
     return torch.log_softmax(z, dim=-1), capped
 
 
 def _chunk_probs(h: Tensor, w: Tensor, b: Tensor | None, temperature: float,
                  softcap: float | None) -> tuple[Tensor, Tensor | None]:
     """softmax of one chunk's z, float32 [c, V], and tanh(x / c) when soft-capped."""
-    logits = h @ w.t()
-    if b is not None:
-        logits = logits + b
-    z = logits.float()
-    capped = None
-    if softcap:
-        capped = torch.tanh(z / softcap)
-        z = capped * softcap
-    if temperature != 1.0:
-        z = z / temperature
+    z, capped = _chunk_z(h, w, b, temperature, softcap)
     return torch.softmax(z, dim=-1), capped
 
 
