@@ -158,6 +158,16 @@ class StalenessConfig:
         1,
         ge=0,
     )
+    measure: Literal["admission", "oldest_token"] = _field(
+        "where a sample's age is bounded: `admission` (AReaL's rule) bounds the version at which "
+        "its generation began, through the rollouter's admission capacity; once admitted it is "
+        "trained whatever the versions its tokens span, each token with its own behaviour "
+        "log-prob (decoupled_ppo's behaviour_cap guards very old tokens). `oldest_token` drops a "
+        "group whose oldest generated token is more than max_staleness versions old, which "
+        "drops the longest answers (README, Staleness). sync_mode always measures the oldest "
+        "token",
+        "admission",
+    )
     sync_mode: bool = _field(
         "the synchronous on-policy baseline: max_staleness is taken as 0, so the rollout "
         "generates exactly one batch per weight version and idles while the trainer steps",
@@ -170,6 +180,14 @@ class StalenessConfig:
         # names it rather than silently dropping the value the user wrote.
         if self.sync_mode and self.max_staleness in (0, 1):
             self.max_staleness = 0
+        # The baseline is on-policy: nothing generated across a sync may be trained.
+        if self.sync_mode:
+            self.measure = "oldest_token"
+
+    @property
+    def drops_in_flight(self) -> bool:
+        """Whether groups are dropped as stale after admission (the `oldest_token` rule)."""
+        return self.measure == "oldest_token"
 
     def validate(self) -> None:
         if self.sync_mode and self.max_staleness != 0:

@@ -8,7 +8,8 @@ another: `new_trajectory` (a prompt's row), `append_tokens` / `append_observatio
 and `load_tokenizer` (the experiment's tokenizer, which made the row's tokens). It also holds the
 staleness rule, once, for the rollouter, the MessageQueue and the trainer: `oldest_version` (of
 a trajectory or a group), `staleness` (how many versions old at a given version) and `is_stale`
-(past `max_staleness`).
+(past `max_staleness`); and the other age every role reports beside it, `admission_age` (how
+many versions ago its generation was admitted: what `staleness.measure = "admission"` bounds).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import numpy as np
 from rollmesh.config import ModelConfig
 from rollmesh.wire.messages import Group, Trajectory
 
-__all__ = ["append_observation", "append_tokens", "is_stale", "load_tokenizer", "new_trajectory",
-           "oldest_version", "staleness"]
+__all__ = ["admission_age", "append_observation", "append_tokens", "is_stale", "load_tokenizer",
+           "new_trajectory", "oldest_version", "staleness"]
 
 
 def new_trajectory(sample_id: str, group_id: str, index: int, prompt_ids: list[int], *,
@@ -91,6 +92,13 @@ def staleness(oldest: Any, version: Any) -> Any:
     trained at `version`; 0 when nothing was generated (`oldest` None). Works on ints and,
     elementwise, on tensors or arrays (where the caller marks "nothing generated" itself)."""
     return 0 if oldest is None else version - oldest
+
+
+def admission_age(version_admitted: Any, version: Any) -> Any:
+    """How many versions before `version` a group was admitted (its generation began at
+    `version_admitted` or later): never less than its `staleness` but for tokens an engine
+    behind the others made. Works on ints and, elementwise, on tensors or arrays."""
+    return version - version_admitted
 
 
 def is_stale(oldest: int | None, version: int, max_staleness: int) -> bool:

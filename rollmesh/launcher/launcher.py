@@ -539,7 +539,8 @@ class Launcher:
     async def collect_summary(self) -> dict[str, Any]:
         rollouter = next((p for p in self.plan if p.proc.role == "rollouter"), None)
         mq = next((p for p in self.plan if p.proc.role == "message_queue"), None)
-        summary: dict[str, Any] = {"max_staleness": self.exp.staleness.max_staleness}
+        summary: dict[str, Any] = {"max_staleness": self.exp.staleness.max_staleness,
+                                   "staleness_measure": self.exp.staleness.measure}
         if rollouter is None or mq is None or "rollouter[0]" not in self.children:
             return summary
         t = self.sup.transport

@@ -246,7 +246,7 @@ async def main(ctx: RoleContext) -> None:
     started = time.monotonic()
     queue = MessageQueue(
         settings.capacity_groups or default_capacity(exp), exp.staleness.max_staleness,
-        state_dir=settings.state_dir, fsync_interval_s=fsync_interval_s,
+        measure=exp.staleness.measure, state_dir=settings.state_dir, fsync_interval_s=fsync_interval_s,
         compact_floor_bytes=settings.compact_floor_bytes,
         max_pending_batches=settings.max_pending_batches, log=ctx.log)
     if queue.journal is not None:
@@ -260,7 +260,8 @@ async def main(ctx: RoleContext) -> None:
     server = role.server = RpcServer(ctx.transport, settings.bind, role.handlers(),
                                      name="message_queue")
     ctx.log.info("config", capacity_groups=queue.capacity, max_staleness=queue.max_staleness,
-                 state_dir=settings.state_dir, fsync_interval_s=fsync_interval_s)
+                 staleness_measure=queue.measure, state_dir=settings.state_dir,
+                 fsync_interval_s=fsync_interval_s)
     serving = asyncio.create_task(server.serve())
     syncing = (asyncio.create_task(role.fsync_loop(fsync_interval_s))
                if queue.journal is not None else None)

@@ -4,11 +4,20 @@ It owns the queued groups, the staleness bound at hand-out, and its share of the
 every sample put is eventually consumed or dropped with a reason, and until then it is counted
 in `depth` (put = consumed + dropped + depth).
 
-Staleness of a group handed to a trainer at version v: v minus the oldest weight version among
-the group's generated tokens (`rollmesh.core.trajectory.staleness`, the rule every role applies).
-A group past `max_staleness` is dropped at hand-out and counted (reason "stale"): the bound
-holds even for trajectories resumed across many syncs. Groups are kept whole (GRPO needs the n
-samples of a prompt together), so one stale sample drops its group. Hand-out order: the oldest generated first (the group's oldest token version), then put order.
+Two ages of a group handed to a trainer at version v, both counted (`staleness_hist`,
+`admission_age_hist`): its staleness, v minus the oldest weight version among the group's
+generated tokens (`rollmesh.core.trajectory.staleness`, the rule every role applies), and its age
+at admission, v minus the version at which the rollouter admitted it (`admission_age`).
+`measure` (`staleness.measure`) says which one the bound holds on:
+
+    oldest_token  a group past `max_staleness` is dropped at hand-out and counted (reason
+                  "stale"): the bound holds even for trajectories resumed across many syncs.
+                  Groups are kept whole (GRPO needs the n samples of a prompt together), so
+                  one stale sample drops its group. Hand-out order: the oldest generated first
+                  (the group's oldest token version), then put order.
+    admission     the rollouter's admission capacity was the bound: nothing is dropped here for
+                  its age (dropping the groups that spanned the most syncs drops the longest
+                  answers). Hand-out order: the earliest admitted first, then put order.
 
 Durability (role config `state_dir`; without it the queue lives in memory only). Every change
 is first appended to `<state_dir>/queue.log` (`rollmesh.runtime.durable_log`: length + crc32 framed
@@ -60,7 +69,7 @@ import msgpack
 
 from rollmesh.config import ExperimentConfig
 from rollmesh.config.settings import COMPACT_FLOOR_BYTES, MAX_PENDING_BATCHES
-from rollmesh.core.trajectory import is_stale, oldest_version, staleness
+from rollmesh.core.trajectory import admission_age, is_stale, oldest_version, staleness
 from rollmesh.runtime.durable_log import HEADER, DurableLog, record_size
 from rollmesh.runtime.log import get_logger
 from rollmesh.wire import protocol
@@ -169,11 +178,15 @@ class MessageQueue:
     by the same code that replays the log on start, so live state and replayed state agree."""
 
     def __init__(self, capacity_groups: int, max_staleness: int, *,
-                 state_dir: str | Path | None = None, fsync_interval_s: float = 1.0,
+                 measure: str = "admission", state_dir: str | Path | None = None, fsync_interval_s: float = 1.0,
                  compact_floor_bytes: int = COMPACT_FLOOR_BYTES,
                  max_pending_batches: int = MAX_PENDING_BATCHES, log: Any = None):
         self.capacity = capacity_groups
         self.max_staleness = max_staleness
+        if measure not in ("admission", "oldest_token"):
+            raise ValueError(f"staleness measure: expected 'admission' or 'oldest_token', got "
+                             f"{measure!r}")
+        self.measure = measure
         self.compact_floor_bytes = compact_floor_bytes
         self.max_pending_batches = max_pending_batches
         self.log = log if log is not None else get_logger("rollmesh.mq.store")
@@ -194,6 +207,7 @@ class MessageQueue:
         self.evicted_batches = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
+        self.admission_age_hist: collections.Counter[int] = collections.Counter()
         self._consumed_times: collections.deque[tuple[float, int]] = collections.deque()
         # seq -> the oldest version of a group being put, computed once by `put_many` (which
         # checks it before the write) for `_apply`; a replay computes it again
@@ -276,7 +290,8 @@ class MessageQueue:
             oldest = (self._put_oldest.pop(seq) if seq in self._put_oldest
                       else oldest_version(group, strict=True))
             self.queued[seq] = (oldest, group)
-            if is_stale(oldest, self._clean_at, self.max_staleness):
+            if self.measure == "oldest_token" and is_stale(oldest, self._clean_at,
+                                                           self.max_staleness):
                 self._clean_at = -1  # already past the bound at the last scan: scan again
             self._live_ids[group.group_id] = seq
             if group.group_id not in self._seen_ids:
@@ -297,6 +312,7 @@ class MessageQueue:
                 k = len(g.trajectories)
                 samples += k
                 self.staleness_hist[staleness(oldest, version)] += k
+                self.admission_age_hist[admission_age(g.version_admitted, version)] += k
             self.consumed_samples += samples
             self.depth_samples -= samples
             self._consumed_times.append((now, samples))
@@ -341,6 +357,8 @@ class MessageQueue:
             self.dropped = collections.Counter({str(k): int(v) for k, v in s["dropped"].items()})
             self.staleness_hist = collections.Counter(
                 {int(k): int(v) for k, v in s["staleness_hist"].items()})
+            self.admission_age_hist = collections.Counter(  # absent in logs before issue 30
+                {int(k): int(v) for k, v in s.get("admission_age_hist", {}).items()})
             self.depth_samples = sum(len(g.trajectories) for _, g in self.queued.values())
             for gid in s.get("seen_ids", ()):
                 if gid not in self._seen_ids:
@@ -368,6 +386,7 @@ class MessageQueue:
                 "duplicate_puts": self.duplicate_puts, "evicted_batches": self.evicted_batches,
                 "dropped": dict(self.dropped),
                 "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
+                "admission_age_hist": {str(k): v for k, v in self.admission_age_hist.items()},
                 "seen_ids": sorted(self._seen_ids)}
 
     def live_entries(self) -> list[list[Any]]:
@@ -473,15 +492,19 @@ class MessageQueue:
     def drop_stale(self, version: int) -> int:
         """Drop every group past the bound for a consumer at `version`; returns samples dropped.
         A full scan only when the version moved past the last one (or a put arrived already
-        past it): every hand-out calls this, and the queue can be long."""
+        past it): every hand-out calls this, and the queue can be long. Under the `admission`
+        measure nothing is dropped here (module docstring)."""
         if version <= self._clean_at:
             return 0
         stale = [seq for seq, (oldest, _) in self.queued.items()
-                 if is_stale(oldest, version, self.max_staleness)]
+                 if is_stale(oldest, version, self.max_staleness)] \
+            if self.measure == "oldest_token" else []
         if not stale:
             self._clean_at = version
             return 0
         before = self.dropped["stale"]
+        self.log.info("groups_dropped_stale", version=version, max_staleness=self.max_staleness,
+                      groups=[self.queued[seq][1].group_id for seq in stale])
         self._record(["drop", "stale", stale])
         self._clean_at = version  # only once recorded: a failed write scans again next time
         return self.dropped["stale"] - before
@@ -511,12 +534,16 @@ class MessageQueue:
             self.log.warning("get_batch_for_committed_step", step=step,
                              committed_step=self.committed_step)
             step = 0  # a checkpoint already covers it: nothing to keep it for
-        # The oldest generated first (then in put order): a group that finished late (resumed
-        # across an engine restart, say) is trained before the fresher ones put before it, so
-        # it meets its staleness deadline instead of being dropped at the next version.
-        seqs = [seq for _, seq in heapq.nsmallest(
-            n, ((oldest if oldest is not None else version, seq)
-                for seq, (oldest, _) in self.queued.items()))]
+        # The oldest first (then in put order): a group that finished late (resumed across an
+        # engine restart, say) is trained before the fresher ones put before it, so it meets
+        # its staleness deadline instead of being dropped at the next version; under the
+        # admission measure, the earliest admitted first (no group waits behind later ones).
+        if self.measure == "admission":
+            keys = ((g.version_admitted, seq) for seq, (_, g) in self.queued.items())
+        else:
+            keys = ((oldest if oldest is not None else version, seq)
+                    for seq, (oldest, _) in self.queued.items())
+        seqs = [seq for _, seq in heapq.nsmallest(n, keys)]
         groups = self._record(["take", step, version, seqs])
         while len(self.pending) > self.max_pending_batches:
             oldest = min(self.pending)
@@ -550,6 +577,8 @@ class MessageQueue:
             "put_samples": self.put_samples, "consumed_samples": self.consumed_samples,
             "dropped": dict(self.dropped), "rejected_puts": self.rejected_puts,
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+            "admission_age_hist": {str(k): v for k, v in sorted(self.admission_age_hist.items())},
+            "staleness_measure": self.measure,
             "consumed_per_s": recent / span if span > 0 else 0.0,
             "max_staleness": self.max_staleness,
             "pending_batches": len(self.pending),

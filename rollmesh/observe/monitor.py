@@ -43,8 +43,9 @@ HISTORY = 120  # trainer steps kept for the sparkline
 TOPICS = ("launcher", "metrics.")
 NO_STATUS_ROLES = {"engine"}  # HTTP servers: their liveness is the launcher's word
 TRAINER_KEYS = ("step", "version", "loss", "pg_loss", "reward_mean", "tokens_per_s",
-                "samples_consumed", "batch_staleness_max", "clip_frac", "approx_kl", "entropy",
-                "grad_norm", "lr", "eval_reward_mean", "eval_version")
+                "samples_consumed", "batch_staleness_max", "batch_admission_age_max",
+                "clip_frac", "approx_kl", "entropy", "grad_norm", "lr", "eval_reward_mean",
+                "eval_version")
 SYNC_KEYS = ("version", "pause_s", "broadcast_s", "resume_s", "total_s", "trainer_idle_s")
 _HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
                      zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
@@ -299,6 +300,7 @@ class StatusBoard:
             return None
         q = q or {}
         hist = dict(sorted(_counts(q.get("staleness_hist")).items(), key=_staleness_order))
+        ages = dict(sorted(_counts(q.get("admission_age_hist")).items(), key=_staleness_order))
         mq_dropped, r_dropped = _counts(q.get("dropped")), _counts((r or {}).get("dropped"))
         return {
             "depth": q.get("depth_samples"), "depth_groups": q.get("depth_groups"),
@@ -307,6 +309,7 @@ class StatusBoard:
             "put": q.get("put_samples"), "consumed": q.get("consumed_samples"),
             "consumed_per_s": q.get("consumed_per_s"), "rejected_puts": q.get("rejected_puts"),
             "max_staleness": q.get("max_staleness"), "staleness_hist": hist,
+            "admission_age_hist": ages, "staleness_measure": q.get("staleness_measure"),
             "dropped": _merge(mq_dropped, r_dropped),
             "dropped_by": {"message_queue": mq_dropped, "rollouter": r_dropped},
         }

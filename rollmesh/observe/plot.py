@@ -40,7 +40,9 @@ class Panel:
 PANELS = (
     Panel("reward", ("reward_mean", "eval_reward_mean"), ylabel="reward",
           smooth=("reward_mean",)),
-    Panel("staleness", ("batch_staleness_mean", "batch_staleness_max"), ylabel="versions"),
+    Panel("staleness", ("batch_staleness_mean", "batch_staleness_max",
+                        "batch_admission_age_mean", "batch_admission_age_max"),
+          ylabel="versions"),
     Panel("KL and entropy", ("kl_loss", "approx_kl"), ("entropy",), ylabel="KL",
           right_ylabel="entropy"),
     Panel("response length", ("response_tokens_mean",), ylabel="tokens"),

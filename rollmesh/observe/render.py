@@ -148,7 +148,8 @@ def _trainer_panel(snap: dict[str, Any]) -> Panel:
         [("step", tr.get("step")), ("weight version", tr.get("version")),
          ("loss", tr.get("loss")), ("reward mean", tr.get("reward_mean")),
          ("reward history", spark), ("tokens/s", tr.get("tokens_per_s")),
-         ("batch staleness max", tr.get("batch_staleness_max"))]
+         ("batch staleness max", tr.get("batch_staleness_max")),
+         ("age since admission max", tr.get("batch_admission_age_max"))]
         + [(k.replace("_", " "), tr[k]) for k in optional if tr.get(k) is not None]),
         title="Trainer")
 
@@ -216,14 +217,18 @@ def _admission(ro: dict[str, Any]) -> Text:
     return Text(f"{state}{engines}", "yellow" if state != "open" else "green")
 
 
-def _queue_panel(snap: dict[str, Any]) -> Panel:
-    q = snap.get("queue") or {}
-    hist = q.get("staleness_hist") or {}
+def _bars(hist: dict[str, int], colour: str) -> Table:
     most = max(hist.values(), default=0)
     bars = Table.grid(padding=(0, 1))
     for k, n in hist.items():
-        bars.add_row(f"  {k}", Text("█" * max(1, round(24 * n / most)) if n else "", "magenta"),
+        bars.add_row(f"  {k}", Text("█" * max(1, round(24 * n / most)) if n else "", colour),
                      str(n))
+    return bars
+
+
+def _queue_panel(snap: dict[str, Any]) -> Panel:
+    q = snap.get("queue") or {}
+    measure = q.get("staleness_measure")
     reasons = {reason: n for reason, n in (q.get("dropped") or {}).items() if n}
     dropped = Table.grid(padding=(0, 1))
     for reason, n in reasons.items():
@@ -232,8 +237,12 @@ def _queue_panel(snap: dict[str, Any]) -> Panel:
         ("depth", f"{_fmt(q.get('depth'))} samples ({_fmt(q.get('depth_groups'))} / "
                   f"{_fmt(q.get('capacity_groups'))} groups)"),
         ("consumed", f"{_fmt(q.get('consumed'))} ({_fmt(q.get('consumed_per_s'))}/s)"),
-        ("max staleness", q.get("max_staleness")), ("staleness", ""),
-    ]), bars, _fields([("dropped", "" if reasons else "none")]), dropped), title="MessageQueue")
+        ("max staleness", f"{_fmt(q.get('max_staleness'))}"
+                          + (f" (bound at {measure})" if measure else "")),
+        ("staleness", "(oldest token)"),
+    ]), _bars(q.get("staleness_hist") or {}, "magenta"),
+        _fields([("age", "(since admission)")]), _bars(q.get("admission_age_hist") or {}, "cyan"),
+        _fields([("dropped", "" if reasons else "none")]), dropped), title="MessageQueue")
 
 
 def _accounting_panel(snap: dict[str, Any]) -> Panel:

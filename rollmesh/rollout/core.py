@@ -20,7 +20,11 @@ filter's observed rejection rate)), so accepted groups never take more than thei
 unfiltered run never generates groups that could only end up stale. Groups the MessageQueue
 dropped as stale give their places back (`queue_stale`). A running group that can no longer be
 trained (a sample holds a token older than version - max_staleness) is dropped here as stale,
-at the resume or when such a sample comes back, instead of being generated on (`drop_stale`).
+at the resume or when such a sample comes back, instead of being generated on (`drop_stale`),
+under `staleness.measure = "oldest_token"` only: under `admission` (the default) the capacity
+above is the bound, and an admitted group is generated on across syncs and trained whatever
+the versions its tokens span (each token with its own behaviour log-prob), so the longest
+answers are not the ones dropped.
 
 Pause bookkeeping: `pause` stops dispatching and, but for `in_place`, names the agent workers
 to Cancel; the role answers Paused once `drained` (no trajectory out with an agent worker, but
@@ -384,7 +388,10 @@ class RolloutCore:
         stale at the engines' version (`core.trajectory.is_stale`): the trainer takes batches at
         that version or later, so the MessageQueue would drop it at hand-out. Generating the
         rest would only feed that drop: their places and the engines' time go to new prompts
-        instead. Returns how many groups were dropped."""
+        instead. Returns how many groups were dropped. Nothing is dropped under
+        `staleness.measure = "admission"` (the bound was applied at admission)."""
+        if not self.exp.staleness.drops_in_flight:
+            return 0
         max_staleness = self.exp.staleness.max_staleness
         if traj is not None:
             candidates: Any = (traj,)
@@ -547,6 +554,7 @@ class RolloutCore:
             "cursor": self.source.state(),
             "engines_healthy": self.engines_healthy, "engines": len(self.engines),
             "admission": self.admission, "queue_stale_groups": self.queue_stale_groups,
+            "staleness_measure": self.exp.staleness.measure,
             "journal_error": self.journal.error,
             "queue_unreachable_s": queue_unreachable_s,
             "admission_stopped_s": (round(now - self.admission_stopped_since, 1)

@@ -47,6 +47,7 @@ class BatchData:
     ref: Tensor | None = None  # float32 [B, T]: reference-model log-probs
     advantages: Tensor | None = None  # float32 [B, T]
     truncated: Tensor | None = None  # bool [B]: cut off by the length limit (finish reason length)
+    admitted: Tensor | None = None  # int64 [B]: the version its group was admitted at
     # What the batch's trajectories went through (`trajectory_counts`), for the step's metrics.
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -94,6 +95,7 @@ def from_groups(groups: list[Group]) -> BatchData:
         versions=torch.from_numpy(versions), rewards=torch.from_numpy(rewards),
         group_index=torch.tensor([gi for gi, _ in trajs]),
         truncated=torch.tensor([t.finish_reason == "length" for _, t in trajs], dtype=torch.bool),
+        admitted=torch.tensor([groups[gi].version_admitted for gi, _ in trajs]),
         counts=trajectory_counts([t for _, t in trajs]),
     )
 

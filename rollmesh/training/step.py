@@ -47,6 +47,7 @@ from rollmesh.algorithms import (
 )
 from rollmesh.algorithms.registry import policy_losses, reward_shapings
 from rollmesh.config import AlgorithmConfig
+from rollmesh.core import trajectory
 from rollmesh.training.ranks import full_tensor
 from rollmesh.training import batching
 from rollmesh.training.batching import BatchData
@@ -367,16 +368,23 @@ def prepare(state: TrainState, data: BatchData) -> StepBatch:
 def step_metrics(state: TrainState, data: BatchData, stats: dict[str, float],
                  seconds: float) -> dict[str, Any]:
     stale = batching.staleness(data.versions, data.mask, state.version).float()
+    ages = ({} if data.admitted is None else _stats_of(
+        "batch_admission_age", trajectory.admission_age(data.admitted, state.version).float()))
     tokens = int(data.lengths.sum())
     return {
         "step": state.step, "version": state.version, "time": time.time(), **stats,
         "batch_staleness_max": float(stale.max()), "batch_staleness_mean": float(stale.mean()),
+        **ages,
         "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "step_s": seconds,
         "reward_mean": float(data.rewards.mean()), "samples": data.size,
         **_shaping_metrics(data),
         "response_tokens_mean": float(data.mask.sum(dim=1).mean()),
         "samples_consumed": state.samples_consumed, **data.counts,
     }
+
+
+def _stats_of(name: str, values: Tensor) -> dict[str, float]:
+    return {f"{name}_max": float(values.max()), f"{name}_mean": float(values.mean())}
 
 
 def _shaping_metrics(data: BatchData) -> dict[str, float]:

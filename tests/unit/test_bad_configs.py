@@ -130,6 +130,9 @@ EXPERIMENTS = [
     ("sync_mode_with_staleness", exp(add="\n[staleness]\nsync_mode = true\nmax_staleness = 3\n"),
      "{file}: staleness.max_staleness: expected 0 (or no value) with sync_mode = true (the "
      "synchronous on-policy baseline), got 3"),
+    ("unknown_staleness_measure", exp(add='\n[staleness]\nmeasure = "newest_token"\n'),
+     "{file}: staleness.measure: expected one of 'admission', 'oldest_token', got "
+     "'newest_token'"),
     ("sync_every_past_staleness", exp(add="\n[sync]\nsync_every = 3\n"),
      "{file}: sync.sync_every: expected int <= 2 (staleness.max_staleness + 1, or samples go "
      "stale before the next sync), got 3"),
@@ -279,7 +282,9 @@ def test_sync_mode_alone_is_the_synchronous_baseline(tmp_path: Path) -> None:
     path = tmp_path / "x.toml"
     for extra in ("", "max_staleness = 0\n", "max_staleness = 1\n"):
         path.write_text(EXP + f"\n[staleness]\nsync_mode = true\n{extra}")
-        assert load_experiment(path).staleness.max_staleness == 0
+        staleness = load_experiment(path).staleness
+        assert staleness.max_staleness == 0
+        assert staleness.measure == "oldest_token"  # on-policy: nothing trained across a sync
 
 
 def test_at_least_thirty_broken_configs() -> None:

@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from rollmesh.core.accounting import QueueStatus
 from rollmesh.config import load_experiment, to_dict
@@ -28,7 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def group(i: int, version: int = 0, size: int = 2, tokens: int = 24) -> Group:
+def group(i: int, version: int = 0, size: int = 2, tokens: int = 24,
+          admitted: int | None = None) -> Group:
+    """Group i, its tokens made at `version`, admitted at `admitted` (default: `version`)."""
+    admitted = version if admitted is None else admitted
     rng = np.random.default_rng(i)
     prompt = tokens // 3
     trajs = [Trajectory(
@@ -39,7 +43,7 @@ def group(i: int, version: int = 0, size: int = 2, tokens: int = 24) -> Group:
         loss_mask=(np.arange(tokens) >= prompt).astype(np.uint8), prompt_len=prompt, index=j,
         status="finished", reward=float(j % 2), reward_status="ok", metadata={"row": i})
         for j in range(size)]
-    return Group(group_id=f"g-{i:05d}", trajectories=trajs)
+    return Group(group_id=f"g-{i:05d}", trajectories=trajs, version_admitted=admitted)
 
 
 def ids(groups: list[Group]) -> list[str]:
@@ -54,7 +58,8 @@ def balance(s: dict) -> int:
 def durable_view(stats: dict) -> dict:
     """What must survive a restart (rates and this process's own counters left out)."""
     keep = ("depth_groups", "depth_samples", "version", "put_samples", "consumed_samples",
-            "dropped", "rejected_puts", "staleness_hist", "pending_batches", "pending_samples",
+            "dropped", "rejected_puts", "staleness_hist", "admission_age_hist",
+            "pending_batches", "pending_samples",
             "committed_step")
     return {k: stats[k] for k in keep}
 
@@ -63,7 +68,7 @@ def durable_view(stats: dict) -> dict:
 
 
 def test_reopened_queue_has_its_groups_hand_outs_counters_and_version(tmp_path):
-    q = MessageQueue(100, 1, state_dir=tmp_path)
+    q = MessageQueue(100, 1, measure="oldest_token", state_dir=tmp_path)
     for i in range(8):
         assert q.put(group(i))
     first = q.take(2, 0, step=1)
@@ -76,7 +81,7 @@ def test_reopened_queue_has_its_groups_hand_outs_counters_and_version(tmp_path):
     assert balance(before) == 0 and before["dropped"] == {"stale": 10}
     q.close()
 
-    again = MessageQueue(100, 1, state_dir=tmp_path)
+    again = MessageQueue(100, 1, measure="oldest_token", state_dir=tmp_path)
     after = again.stats()
     assert durable_view(after) == durable_view(before)
     assert after["replayed_records"] > 0
@@ -279,3 +284,36 @@ def test_the_oldest_generated_groups_are_handed_out_first(tmp_path):
     assert ids(again.take(2, version=3)) == ["g-00001", "g-00003"]
     assert again.stats()["dropped"] == {} and balance(again.stats()) == 0
     again.close()
+
+
+def test_admission_measure_keeps_long_groups_orders_by_admission_and_counts_both_ages(tmp_path):
+    """Under `staleness.measure = "admission"` a group whose tokens are older than the bound
+    is handed out, not dropped; the earliest admitted goes first; the two ages it had when
+    handed out (staleness: of its oldest token; age since admission) are counted, and both
+    histograms survive a reopen. Under `oldest_token` the same group is dropped."""
+    q = MessageQueue(100, 1, measure="admission", state_dir=tmp_path)
+    q.put(group(0, version=4, admitted=4))  # short: admitted and made at 4
+    q.put(group(1, version=1, admitted=0))  # long: admitted at 0, oldest token from 1
+    q.set_version(4)
+    assert q.drop_stale(4) == 0
+    assert ids(q.take(1, version=4)) == ["g-00001"]  # admitted first
+    s = q.stats()
+    assert s["staleness_hist"] == {"3": 2} and s["admission_age_hist"] == {"4": 2}
+    assert s["dropped"] == {} and s["staleness_measure"] == "admission" and balance(s) == 0
+    q.close()
+    again = MessageQueue(100, 1, measure="admission", state_dir=tmp_path)
+    assert durable_view(again.stats()) == durable_view(s)
+    again.compact()  # the counters record carries both histograms
+    again.close()
+    third = MessageQueue(100, 1, measure="admission", state_dir=tmp_path)
+    assert third.stats()["admission_age_hist"] == {"4": 2}
+    third.close()
+
+    strict = MessageQueue(100, 1, measure="oldest_token")
+    strict.put(group(1, version=1, admitted=0))
+    assert strict.take(1, version=4) is None and strict.dropped["stale"] == 2
+
+
+def test_an_unknown_staleness_measure_is_refused_by_name():
+    with pytest.raises(ValueError, match="'newest'"):
+        MessageQueue(10, 1, measure="newest")

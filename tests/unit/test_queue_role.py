@@ -29,14 +29,15 @@ from tests.unit.test_message_queue import group, ids
 PEER = b"peer-1"
 
 
-def role(capacity: int = 4, max_staleness: int = 1) -> QueueRole:
-    return QueueRole(MessageQueue(capacity, max_staleness), log=get_logger("test"), host="h")
+def role(capacity: int = 4, max_staleness: int = 1, measure: str = "admission") -> QueueRole:
+    return QueueRole(MessageQueue(capacity, max_staleness, measure=measure),
+                     log=get_logger("test"), host="h")
 
 
-def run(coro_fn):
+def run(coro_fn, **kw):
     """Run `coro_fn(role)` on a fresh role in its own event loop; close the role after."""
     async def main():
-        r = role()
+        r = role(**kw)
         try:
             return r, await coro_fn(r)
         finally:
@@ -78,13 +79,26 @@ def test_weight_version_drops_the_groups_past_the_bound_and_put_replies_say_so()
         after = await r.put_groups(PutGroups(groups=[]), PEER)  # what the rollouter sends idle
         return before, after
 
-    r, (before, after) = run(body)
+    r, (before, after) = run(body, measure="oldest_token")
     assert r.queue.version == 2
     assert [g.group_id for _, g in r.queue.queued.values()] == ["g-00001"]
     assert r.queue.dropped["stale"] == 2  # the 2 samples of group 0 (2 - 0 > 1)
     assert before.dropped_stale == 0
     assert (after.accepted, after.depth, after.dropped_stale) == (0, 1, 2)
     assert r.queue.rejected_puts == 0  # an empty put is no back-pressure event
+
+
+def test_under_the_admission_measure_a_new_version_drops_nothing():
+    """The bound was applied at admission: a group whose tokens span more versions than
+    max_staleness is kept (and counted in both ages when it is handed out)."""
+    async def body(r: QueueRole):
+        await r.put_groups(PutGroups(groups=[group(0, version=0), group(1, version=2)]), PEER)
+        await r.version(WeightVersion(version=2), PEER)
+        return await r.put_groups(PutGroups(groups=[]), PEER)
+
+    r, after = run(body, measure="admission")
+    assert [g.group_id for _, g in r.queue.queued.values()] == ["g-00000", "g-00001"]
+    assert r.queue.dropped["stale"] == 0 and after.dropped_stale == 0
 
 
 def test_the_stream_hands_out_a_step_once_it_has_the_groups_and_credit_moves_it_on():

@@ -232,7 +232,7 @@ def identity_holds(core: RolloutCore) -> bool:
 
 
 def test_a_group_past_the_bound_is_dropped_at_the_resume_not_generated_on(tmp_path):
-    core = make_core(tmp_path)  # max_staleness 1
+    core = make_core(tmp_path, "staleness.measure=oldest_token")  # max_staleness 1
     old, young = dispatched_groups(list(core.dispatch()))[:2]
     core.pause("abort")
     generated(core, old, 0, "interrupted")
@@ -257,7 +257,7 @@ def test_a_group_past_the_bound_is_dropped_at_the_resume_not_generated_on(tmp_pa
 
 
 def test_a_sample_back_after_its_group_was_dropped_as_stale_is_dropped_as_stale(tmp_path):
-    core = make_core(tmp_path)
+    core = make_core(tmp_path, "staleness.measure=oldest_token")
     gid = dispatched_groups(list(core.dispatch()))[0]
     agent = worker(core, b"agent")
     first, second = [t for t in agent.out.values() if t.group_id == gid]
@@ -278,7 +278,7 @@ def test_a_sample_back_after_its_group_was_dropped_as_stale_is_dropped_as_stale(
 
 
 def test_a_sample_past_the_bound_when_it_comes_back_drops_its_group(tmp_path):
-    core = make_core(tmp_path)
+    core = make_core(tmp_path, "staleness.measure=oldest_token")
     gid = dispatched_groups(list(core.dispatch()))[0]
     core.version = 2  # two syncs while it generated (as a held sample's would go on)
     back = generated(core, gid, 0, "finished")
@@ -290,7 +290,7 @@ def test_a_sample_past_the_bound_when_it_comes_back_drops_its_group(tmp_path):
 
 
 def test_a_sample_scored_across_a_sync_past_the_bound_drops_its_group(tmp_path):
-    core = make_core(tmp_path)
+    core = make_core(tmp_path, "staleness.measure=oldest_token")
     gid = dispatched_groups(list(core.dispatch()))[0]
     generated(core, gid, 0, "finished")
     scoring = [s.msg.trajectory for s in core.dispatch() if isinstance(s.msg, Score)
@@ -304,6 +304,26 @@ def test_a_sample_scored_across_a_sync_past_the_bound_drops_its_group(tmp_path):
         core.scored(scorer, Scored(sample_id=traj.sample_id, reward=1.0, reward_status="ok"))
     assert gid not in core.groups and not core.ready
     assert dict(core.dropped) == {"stale": 2} and core.stale_out == {}
+    assert identity_holds(core)
+
+
+def test_under_the_admission_measure_a_group_spanning_syncs_is_generated_on_and_accepted(
+        tmp_path):
+    """The default rule: the bound was applied at admission, so a group whose tokens span
+    more versions than max_staleness (the longest answers) goes on through the resumes and is
+    accepted, nothing dropped, every token keeping its own version."""
+    core = make_core(tmp_path)  # max_staleness 1, staleness.measure = "admission"
+    gid = dispatched_groups(list(core.dispatch()))[0]
+    core.pause("abort")
+    generated(core, gid, 0, "interrupted")
+    core.resume(3)  # its tokens of version 0 are 3 versions old
+    assert core.events["stale_groups_dropped"] == 0 and gid in core.groups
+    assert gid in dispatched_groups(list(core.dispatch()))  # resumed, not dropped
+    finish(core, gid, [0.0, 1.0])
+    assert [g.group_id for g in core.ready] == [gid] and not core.dropped
+    assert core.ready[0].version_admitted == 0
+    versions = core.ready[0].trajectories[0].versions
+    assert 0 in set(versions.tolist())  # the version-0 tokens are kept, as they were made
     assert identity_holds(core)
 
 

@@ -432,6 +432,26 @@ def test_staleness_is_trainer_version_minus_oldest_generated_version():
     assert batching.staleness(versions, mask, 6).tolist() == [3, 1, 0]
 
 
+def test_step_metrics_report_both_ages_staleness_and_since_admission():
+    """`batch_staleness_*` from each sample's oldest token, `batch_admission_age_*` from the
+    version its group was admitted at: a group admitted at 1 whose first tokens came from 2
+    is 3 stale at version 5 and 4 versions past its admission."""
+    groups = make_groups(3, n_groups=2, size=2)
+    for g, (admitted, made) in zip(groups, [(1, 2), (4, 4)]):
+        g.version_admitted = admitted
+        for t in g.trajectories:
+            t.versions = np.where(t.versions >= 0, made, -1).astype(np.int32)
+    data = from_groups(groups)
+    assert data.admitted.tolist() == [1, 1, 4, 4]
+
+    class State:  # what step_metrics reads
+        step, version, samples_consumed = 7, 5, 28
+
+    m = step_metrics(State(), data, {}, 1.0)
+    assert (m["batch_staleness_max"], m["batch_staleness_mean"]) == (3.0, 2.0)
+    assert (m["batch_admission_age_max"], m["batch_admission_age_mean"]) == (4.0, 2.5)
+
+
 def test_gae_without_a_critic_learning_rate_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         experiment('algorithm.advantage="gae"')
