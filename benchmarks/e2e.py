@@ -1,6 +1,7 @@
 """End to end: asynchronous vs synchronous training, samples/s and the trainer's idle fraction.
 
     .venv/bin/python benchmarks/e2e.py [--settings sync,1,2] [--overlap off|on|both]
+        [--measures admission,oldest_token]
         [--steps 24] [--warmup 4] [--engine-cpus 0] [--trainer-cpus 1] [--other-cpus engine]
         [--median-len 32] [--sigma 1.3] [--max-len 512] [--min-len 4]
         [--batch-groups 4] [--group-size 8] [--keep] [--json PATH]
@@ -11,7 +12,10 @@ step), the only differences being the staleness setting:
 
     sync     staleness.sync_mode = true (max_staleness 0: one batch per weight version, the
              rollout idles while the trainer steps)
-    1, 2     staleness.max_staleness = 1 or 2 (asynchronous, partial rollouts across syncs)
+    1, 2     staleness.max_staleness = 1 or 2 (asynchronous, partial rollouts across syncs),
+             once per rule in --measures (`staleness.measure`: `admission`, the default, bounds
+             where generation began and trains what spans more syncs; `oldest_token` drops a
+             group whose oldest token is past the bound)
 
 The same in every setting: model, engine, dataset and its order (same seed), batch size, number
 of trainer steps (so the same number of samples trained) and the response lengths.
@@ -52,8 +56,15 @@ step_s, tokens):
     trainer tok/s  tokens trained per second of the trainer's own compute (step_s): the same
                 in every setting on a quiet machine; lower in async means the trainer's core was
                 shared while the engine ran (the script says so)
-Also printed: stale drops (samples generated and then dropped by the staleness bound), mean
-response length and the largest batch staleness.
+    length bias  the response lengths of the samples trained (every group a step logged, its
+                designated lengths) over those of every sample generated to its end or dropped
+                as stale (the trained groups and the groups the rollouter's and the queue's
+                logs name as dropped stale): mean and 90th percentile. Below 1: the bound
+                dropped the long answers. Also against the sync setting's trained samples
+                when it ran (the on-policy reference, whose every admitted group is trained).
+Also printed: stale drops (samples generated and then dropped by the staleness bound, and their
+share of the samples generated), mean response length, the largest batch staleness and the
+largest age since admission.
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ import sys
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -170,9 +182,54 @@ def affinity_of(pid: int) -> str:
     return "?"
 
 
+GROUP_ROW = re.compile(r"^e\d+-r(\d+)-")
+
+
+def row_of(group_id: str) -> int:
+    """The dataset row of a group id (`e<epoch>-r<row>-...`, rollmesh.rollout.data)."""
+    m = GROUP_ROW.match(group_id)
+    if m is None:
+        raise RuntimeError(f"group id {group_id!r} does not name its row")
+    return int(m.group(1))
+
+
+def stale_dropped_groups(logs: Path) -> list[str]:
+    """The groups every role's log names as dropped stale (rollouter: one `group_dropped_stale`
+    line each; MessageQueue: `groups_dropped_stale` with the list)."""
+    out: list[str] = []
+    for path in sorted(logs.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if "dropped_stale" not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "group_dropped_stale":
+                out.append(rec["group"])
+            elif rec.get("event") == "groups_dropped_stale":
+                out.extend(rec["groups"])
+    return out
+
+
+def lengths_of(groups: list[str], lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate([lengths[row_of(g)] for g in groups]) if groups else np.zeros(0)
+
+
+def bias(trained: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """(mean ratio, p90 ratio) of trained response lengths over the reference's."""
+    if not len(trained) or not len(reference):
+        return float("nan"), float("nan")
+    return (float(trained.mean() / reference.mean()),
+            float(np.percentile(trained, 90) / np.percentile(reference, 90)))
+
+
 def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
-                dataset: Path, port_base: int, overlap: bool = False) -> dict:
-    tag = f"{name}-overlap" if overlap else name
+                dataset: Path, port_base: int, overlap: bool = False,
+                lengths: np.ndarray | None = None) -> dict:
+    """One launch; `name` is "sync" or "<max_staleness>/<measure>"."""
+    staleness, _, measure = name.partition("/")
+    tag = (f"{name}-overlap" if overlap else name).replace("/", "-")
     run_dir = work / f"run-{tag}"
     cluster = work / f"cluster-{tag}.toml"
     write_cluster(cluster, work, args, port_base)
@@ -185,7 +242,8 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
         "engine.max_running_requests": args.engine_batch,
         "trainer.total_steps": args.steps, "trainer.checkpoint_every": 0,
         "staleness.sync_mode": "true" if name == "sync" else "false",
-        "staleness.max_staleness": 0 if name == "sync" else int(name),
+        "staleness.max_staleness": 0 if name == "sync" else int(staleness),
+        **({"staleness.measure": measure} if measure else {}),
         "sync.overlap": "true" if overlap else "false",
     }
     cmd = [str(PYTHON), "-m", "rollmesh", "launch", str(cluster), "--quiet",
@@ -238,6 +296,12 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
     syncs = [s["sync_idle_s"] for s in window[1:] if "sync_idle_s" in s]
     step_wall = span / max(len(window) - 1, 1)
     summary = json.loads((run_dir / "summary.json").read_text())
+    trained_groups = [g for st in steps for g in st.get("group_ids", ())]
+    dropped_groups = stale_dropped_groups(run_dir / "logs")
+    trained = lengths_of(trained_groups, lengths) if lengths is not None else np.zeros(0)
+    generated = (np.concatenate([trained, lengths_of(dropped_groups, lengths)])
+                 if lengths is not None else np.zeros(0))
+    stale = int((summary.get("dropped") or {}).get("stale", 0))
     result = {
         "setting": name, "samples_per_s": samples / span, "idle": wait / span,
         "sync_idle": sync / span, "trainer_tok_s": trained_tokens / compute, "span_s": span,
@@ -248,6 +312,10 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
         "steps": len(steps), "consumed": steps[-1]["samples_consumed"],
         "response_tokens_mean": float(np.mean([s["response_tokens_mean"] for s in steps])),
         "staleness_max": max(s["batch_staleness_max"] for s in steps),
+        "admission_age_max": max(s.get("batch_admission_age_max", float("nan")) for s in steps),
+        "trained_lengths": trained, "generated_lengths": generated,
+        "length_bias": bias(trained, generated), "stale_dropped": stale,
+        "stale_frac": stale / max(len(generated), 1),
         "dropped": summary.get("dropped", {}), "admitted": summary.get("admitted"),
         "placement": placement, "run_dir": str(run_dir),
     }
@@ -255,7 +323,9 @@ def run_setting(name: str, args: argparse.Namespace, work: Path, pkg: Path,
 
 
 def label_of(setting: str, overlap: bool) -> str:
-    label = "sync (max_staleness 0)" if setting == "sync" else f"async (max_staleness {setting})"
+    staleness, _, measure = setting.partition("/")
+    label = ("sync (max_staleness 0)" if setting == "sync"
+             else f"async (max_staleness {staleness}, {measure})")
     return label + (", overlapped syncs" if overlap else "")
 
 
@@ -264,6 +334,9 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="sync,1,2",
                    help="comma-separated: sync and/or max_staleness values")
+    p.add_argument("--measures", default="admission",
+                   help="comma-separated staleness.measure rules for every async setting: "
+                        "admission and/or oldest_token")
     p.add_argument("--overlap", choices=["off", "on", "both"], default="off",
                    help="weight syncs: blocking (off), overlapped with training (on: "
                         "sync.overlap = true), or every setting both ways, side by side")
@@ -301,6 +374,12 @@ def main() -> int:
     for s in settings:
         if s != "sync" and not s.isdigit():
             p.error(f"--settings: {s!r} is neither 'sync' nor a max_staleness")
+    measures = [m.strip() for m in args.measures.split(",") if m.strip()]
+    for m in measures:
+        if m not in ("admission", "oldest_token"):
+            p.error(f"--measures: {m!r} is neither 'admission' nor 'oldest_token'")
+    settings = [x for s in settings for x in ([s] if s == "sync" else
+                                              [f"{s}/{m}" for m in measures])]
 
     work = Path(tempfile.mkdtemp(prefix="rollmesh-e2e-"))
     pkg = work / "pkg"
@@ -325,7 +404,8 @@ def main() -> int:
     results: dict[tuple[str, bool], dict] = {}
     try:
         for i, (s, overlap) in enumerate((s, o) for s in settings for o in modes):
-            r = run_setting(s, args, work, pkg, dataset, args.port_base + 100 * i, overlap)
+            r = run_setting(s, args, work, pkg, dataset, args.port_base + 100 * i, overlap,
+                            lengths)
             results[(s, overlap)] = r
             print(f"  {label_of(s, overlap):36s} {r['samples_per_s']:7.2f} samples/s  idle "
                   f"{r['idle']:6.1%}  sync idle {r['sync_idle']:6.1%} ("
@@ -333,7 +413,8 @@ def main() -> int:
                   f"step)  trainer {r['trainer_tok_s']:6.0f} tok/s  ({r['samples']} samples in "
                   f"{r['span_s']:.1f}s steady, run {r['wall_s']:.0f}s; mean response "
                   f"{r['response_tokens_mean']:.0f} tok; staleness max "
-                  f"{r['staleness_max']:g}; dropped {r['dropped'] or 0})", flush=True)
+                  f"{r['staleness_max']:g}, since admission {r['admission_age_max']:g}; "
+                  f"dropped {r['dropped'] or 0})", flush=True)
             print("    affinity: " + ", ".join(f"{k}={v}" for k, v in
                                                sorted(r["placement"].items())), flush=True)
     finally:
@@ -349,6 +430,19 @@ def main() -> int:
         print(f"{label_of(s, overlap):36s} {r['samples_per_s']:10.2f} {ratio:>8s} "
               f"{r['idle']:7.1%} {r['sync_idle']:9.1%} {r['idle_per_sync_s']:9.3f}s "
               f"{r['idle_per_sync_of_step']:9.1%} {r['trainer_tok_s']:13.0f}")
+    print(f"\nlength bias (response lengths of the trained samples / of every sample generated "
+          f"or dropped as stale; 'vs sync': / the sync setting's trained samples):\n"
+          f"{'setting':44s} {'stale drops':>14s} {'trained mean/p90':>17s} "
+          f"{'generated':>12s} {'ratio mean':>10s} {'p90':>6s} {'vs sync':>13s}")
+    for (s, overlap), r in results.items():
+        t, g = r["trained_lengths"], r["generated_lengths"]
+        base = results.get(("sync", overlap))
+        vs = bias(t, base["trained_lengths"]) if base else (float("nan"),) * 2
+        print(f"{label_of(s, overlap):44s} {r['stale_dropped']:6d} ({r['stale_frac']:5.1%}) "
+              f"{t.mean() if len(t) else 0:8.0f}/{np.percentile(t, 90) if len(t) else 0:<8.0f} "
+              f"{g.mean() if len(g) else 0:5.0f}/{np.percentile(g, 90) if len(g) else 0:<6.0f} "
+              f"{r['length_bias'][0]:10.2f} {r['length_bias'][1]:6.2f} "
+              f"{vs[0]:6.2f}/{vs[1]:<6.2f}")
     if len(modes) == 2:
         print(f"\noverlapped vs blocking syncs (same setting, same run):\n"
               f"{'setting':26s} {'samples/s':>20s} {'ratio':>6s} {'idle per sync':>22s} "
@@ -373,14 +467,24 @@ def main() -> int:
     for (s, overlap), r in results.items():
         if s == "sync" or base is None or overlap != first:
             continue
-        rows.append(row(f"e2e samples/s, async (max_staleness {s}) vs sync{suffix}",
+        rows.append(row(f"e2e samples/s, {label_of(s, False)} vs sync{suffix}",
                         r["samples_per_s"], base["samples_per_s"], "samples/s",
                         baseline_name="sync mode", higher_is_better=True, target=1.6,
                         note=common))
     for (s, overlap), r in results.items():
         if overlap != first:
             continue
-        label = "sync" if s == "sync" else f"async (max_staleness {s})"
+        label = label_of(s, False)
+        for i, stat in enumerate(("mean", "p90")):
+            rows.append(row(f"e2e length bias ({stat} response trained / generated), {label}"
+                            f"{suffix}", r["length_bias"][i], 1.0, "ratio",
+                            baseline_name="unbiased (1.0)", higher_is_better=True, target=0.95,
+                            note=f"stale drops {r['stale_dropped']} ({r['stale_frac']:.1%} of "
+                                 f"the samples generated); " + common))
+    for (s, overlap), r in results.items():
+        if overlap != first:
+            continue
+        label = label_of(s, False)
         rows.append(row(f"e2e trainer idle fraction, {label}{suffix}", r["idle"],
                         base["idle"] if base else float("nan"), "fraction of wall",
                         baseline_name="sync mode", higher_is_better=False,
