@@ -136,8 +136,10 @@ async def main(ctx: RoleContext) -> None:
     channel = ChannelClient(ctx.transport, settings.rollouter, identity=identity)
     # a generation waits through an engine outage (and moves off a dead engine) for up to
     # rollout.engine_wait_s before it fails; a Cancel (weight sync) ends the wait
+    # (engine.router: /generate goes through the router; the rest to each engine)
     async with EngineClient(settings.engines, api_key=run_api_key(ctx.spec.keys_dir),
-                            wait_s=exp.rollout.engine_wait_s) as client:
+                            wait_s=exp.rollout.engine_wait_s,
+                            router_url=settings.router) as client:
         worker = AgentWorker(ctx, exp, client, channel)
         serving = asyncio.create_task(worker.serve(settings.credits))
         ctx.set_status(worker.stats)

@@ -469,6 +469,13 @@ class EngineConfig:
     max_restarts: int = _field(
         "times the launcher restarts an engine that died within any 10 minutes (a crash loop "
         "beyond it ends the run)", 5, ge=0)
+    router: Literal["none", "sglang-router"] = _field(
+        "a router in front of the engines that generation goes through: `sglang-router` "
+        "starts SGLang's (cache-aware: a group's siblings land on the engine holding their "
+        "prompt; the `router` extra) beside engine[0]; pause, abort, weight updates and health "
+        "stay per engine; none: the agent workers balance by requests in flight", "none")
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = _field(
+        "the router's routing policy (`engine.router = \"sglang-router\"`)", "cache_aware")
 
     def validate(self) -> None:
         if self.kind == "builtin" and self.tp_size != 1:

@@ -50,6 +50,9 @@ class AgentWorkerSettings(AgentWorkerTuning):
     experiment: ExperimentConfig = _field(_EXPERIMENT)
     rollouter: str = _field("the rollouter's channel address")
     engines: list[str] = _field("engine URLs")
+    router: str | None = _field(
+        "the router's URL that generation goes through (engine.router); none: the engines "
+        "directly", None)
 
 
 @dataclass(kw_only=True)

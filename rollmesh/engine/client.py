@@ -21,6 +21,13 @@ Nothing above this module knows whether a server is real SGLang or rollmesh's bu
 - the weight-update calls, fired without waiting as the contract requires (they block inside
   the collective): `start_*` returns a task, the caller joins the group or broadcasts, then
   awaits it;
+- a router (`router_url`, `engine.router = "sglang-router"`): /generate goes to it, whole,
+  and it picks the engine (SGLang's router is cache-aware: a group's siblings land where their
+  prompt is cached); an outage behind it (its 503 "no available workers", an engine that died
+  under a request it proxied, the router itself down) waits and fails over by the same
+  `wait_s` rules, the router standing in for the servers. Every other call (pause, resume,
+  abort, weight updates, flush_cache, health, info) still goes to each engine itself; an abort
+  goes to every healthy engine, since the router alone knows where a request runs;
 - the one rule for an engine's weight version (`version_number`, `engine_version`,
   `serves_other_version`), which the trainer's and the synchronizer's checks, this client's
   own and the agent loops' stamping all apply.
@@ -81,6 +88,8 @@ class EngineError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.url = url
+        # a router's answer that the engine behind it did not answer (ROUTER_UPSTREAM_GONE)
+        self.upstream_gone = False
 
 
 def error_message(text: str) -> str:
@@ -104,6 +113,26 @@ def error_message(text: str) -> str:
             if isinstance(body.get(key), str):
                 return body[key]
     return text.strip()[:500]
+
+
+# The router's codes (SGLang's router, `error.code` in its 5xx bodies) for "the engine it sent
+# the request to did not answer": an engine outage behind it, as a refused connection is for a
+# server called directly. Its other 5xx (an engine's own error answer) count as errors.
+ROUTER_UPSTREAM_GONE = frozenset({
+    "call_upstream_request_error", "call_upstream_connection_failed",
+    "call_upstream_request_failed", "call_upstream_body_error", "call_upstream_timeout",
+})
+
+
+def _router_upstream_gone(status: int, text: str) -> bool:
+    """Whether a router's error answer means the engine behind it is gone (above)."""
+    if status in (502, 504):
+        return True
+    try:
+        err = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") in ROUTER_UPSTREAM_GONE
 
 
 class EngineRequestError(EngineError):
@@ -231,11 +260,15 @@ class EngineClient:
         max_connections: int = 512,
         api_key: str | None = None,
         wait_s: float = 0.0,
+        router_url: str | None = None,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
         sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(urls)
         self.servers = [_Server(u.rstrip("/"), tp) for u, tp in zip(urls, sizes, strict=True)]
+        # /generate goes here instead, when set (module docstring); not one of `servers`: the
+        # calls to every engine (pause, weights, info) never go through it
+        self.router = _Server(router_url.rstrip("/")) if router_url else None
         self.retries = retries
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
@@ -301,6 +334,16 @@ class EngineClient:
         server.picked = next(self._picks)
         return server
 
+    def _pick_for(self, path: str, exclude: set[str] = frozenset()) -> _Server:  # type: ignore[assignment]
+        """Where a request for `path` goes: a /generate to the router where there is one
+        (NoHealthyServer while it is down or has no healthy engine), else `_pick`."""
+        if path != "/generate" or self.router is None:
+            return self._pick(exclude)
+        if not self.router.healthy:
+            raise NoHealthyServer(f"the router {self.router.url} has no healthy engine "
+                                  "or does not answer")
+        return self.router
+
     def _mark_down(self, server: _Server, reason: str) -> None:
         server.failures += 1
         if server.healthy:
@@ -325,11 +368,11 @@ class EngineClient:
             except asyncio.TimeoutError:
                 pass
             self._wake_prober.clear()
-            down = [s for s in self.servers if not s.healthy]
+            down = [s for s in self._all_servers() if not s.healthy]
             if not down:
                 self._probe_delay = self.health_interval_s
                 continue
-            answers = list(await asyncio.gather(*(self.health(s.url) for s in down)))
+            answers = list(await asyncio.gather(*(self._up(s) for s in down)))
             for i, (server, up) in enumerate(zip(down, answers)):
                 if up and not server.healthy and await self._behind(server):
                     answers[i] = False
@@ -342,11 +385,26 @@ class EngineClient:
                 self._server_up = asyncio.Event()
             self._probe_delay = min(self._probe_delay * 2, self.health_interval_s)
 
+    def _all_servers(self) -> list[_Server]:
+        return self.servers + ([self.router] if self.router is not None else [])
+
+    async def _up(self, server: _Server) -> bool:
+        """Whether a server that failed can take requests again: an engine's /health; the
+        router's /readiness (200 while it has a healthy engine, 503 without: its /health says
+        only that the router runs)."""
+        if server is not self.router:
+            return await self.health(server.url)
+        try:
+            await self._call(server, "GET", "/readiness", timeout_s=self.connect_timeout_s + 5)
+            return True
+        except EngineError:
+            return False
+
     async def _behind(self, server: _Server) -> bool:
         """Whether a server that answers again holds weights older than the newest version a
         generation reported (`version_floor`), within `behind_hold_s` of its failure."""
-        if self.version_floor is None:
-            return False
+        if self.version_floor is None or server is self.router:
+            return False  # (the router picks the engine: rollmesh cannot hold one back)
         held = time.monotonic() - server.down_since
         try:
             info = await self._call(server, "GET", "/get_model_info",
@@ -385,13 +443,14 @@ class EngineClient:
             raise GenerationCancelled("cancelled while waiting for an inference server")
 
     async def _wait_for_server(self, deadline: float, cancel: asyncio.Event | None,
-                               what: str, last: EngineError | None) -> _Server:
+                               what: str, last: EngineError | None,
+                               path: str = "") -> _Server:
         """A healthy server, waiting for one (the prober puts them back) until `deadline`."""
         waited = time.monotonic()
         logged = False
         while True:
             try:
-                server = self._pick()
+                server = self._pick_for(path)
                 if logged:
                     log.info("engine_wait_over", request=what, server=server.url,
                              waited_s=round(time.monotonic() - waited, 1))
@@ -401,6 +460,8 @@ class EngineClient:
             now = time.monotonic()
             if now >= deadline:
                 down = ", ".join(s.url for s in self.servers)
+                if path == "/generate" and self.router is not None:
+                    down = f"the router {self.router.url} in front of {down}"
                 raise EngineUnavailable(
                     f"{what}: no inference server could run it for {self.wait_s:g}s "
                     f"(rollout.engine_wait_s; down: {down})"
@@ -426,8 +487,11 @@ class EngineClient:
                 text = await resp.text()
                 if resp.status >= 400:
                     cls = EngineRequestError if resp.status < 500 else EngineError
-                    raise cls(f"{url}: HTTP {resp.status}: {error_message(text)}", resp.status,
+                    err = cls(f"{url}: HTTP {resp.status}: {error_message(text)}", resp.status,
                               server.url)
+                    err.upstream_gone = (server is self.router and resp.status >= 500
+                                         and _router_upstream_gone(resp.status, text))
+                    raise err
                 if not text:
                     return None
                 try:
@@ -458,12 +522,13 @@ class EngineClient:
             if cancel is not None and cancel.is_set():
                 raise GenerationCancelled(f"{what}: cancelled before it was sent again")
             try:
-                server = self._pick(tried)
+                server = self._pick_for(path, tried)
             except NoHealthyServer:
                 if wait_s <= 0:
                     raise
                 outage_since = outage_since or time.monotonic()
-                server = await self._wait_for_server(outage_since + wait_s, cancel, what, last)
+                server = await self._wait_for_server(outage_since + wait_s, cancel, what, last,
+                                                     path)
             tried.add(server.url)
             server.in_flight += 1
             if rid is not None:
@@ -475,7 +540,8 @@ class EngineClient:
                 raise
             except EngineError as e:
                 last = e
-                unreachable = e.status is None or e.status == 503
+                # (through a router: it has no healthy engine, or the one it chose died)
+                unreachable = e.status is None or e.status == 503 or e.upstream_gone
                 if unreachable:  # no answer at all, or not serving: this server is down
                     self._mark_down(server, str(e))
             finally:
@@ -526,12 +592,17 @@ class EngineClient:
         return result
 
     async def abort(self, rid: str) -> bool:
-        """Abort one request where it runs; False if the client has no such request."""
+        """Abort one request where it runs; False if the client has no such request. Sent
+        through a router, it runs where the router chose: the abort goes to every healthy
+        engine (an unknown rid is a no-op there: SGLang's and the built-in engine's)."""
         server = self._where.get(rid)
         if server is None:
             return False
-        await self._call(server, "POST", "/abort_request", {"rid": rid, "abort_all": False},
-                         self.control_timeout_s)
+        body = {"rid": rid, "abort_all": False}
+        if server is self.router:
+            await self._all("POST", "/abort_request", body)
+            return True
+        await self._call(server, "POST", "/abort_request", body, self.control_timeout_s)
         return True
 
     async def _all(self, method: str, path: str, body: Any = None,

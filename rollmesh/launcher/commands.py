@@ -138,7 +138,8 @@ def main(argv: list[str]) -> int:
     console.info(f"rollmesh: run directory {run_dir}")
     try:
         launcher = Launcher(cluster, run_dir, resume=bool(args.resume), console=console)
-    except FileNotFoundError as e:  # a host's python that is not there (before bootstrap.sh)
+    except (FileNotFoundError, ConfigError) as e:  # a host's python that is not there
+        # (before bootstrap.sh), engine.router without its package here
         console.stop()
         print(f"rollmesh launch: {e}", file=sys.stderr)
         return 2

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.config import (
-    ROLE, ROLE_TABLE, START_ORDER, ClusterConfig, ExperimentConfig, to_dict, to_toml,
+    ROLE, ROLE_TABLE, START_ORDER, ClusterConfig, ConfigError, ExperimentConfig, to_dict, to_toml,
 )
 from rollmesh.core.accounting import (
     QueueStatus, RolloutStatus, TrainerStatus, dropped_by_reason, identity,
@@ -53,7 +53,9 @@ from rollmesh.core.accounting import (
 from rollmesh.engine.client import API_KEY_FILE, EngineClient, version_number
 from rollmesh.launcher.console import Console, LogStream
 from rollmesh.launcher.hosts import Host, SshHost
-from rollmesh.launcher.plan import Planned, _connect, _make_hosts, build_plan, launcher_affinity
+from rollmesh.launcher.plan import (
+    Planned, PlannedRouter, _connect, _make_hosts, build_plan, launcher_affinity, plan_router,
+)
 from rollmesh.launcher.supervisor import Child, RoleFailed, Supervisor
 from rollmesh.launcher.watchdog import Snapshot, stalled
 from rollmesh.observe.plot import plot_metric, read_metrics
@@ -87,6 +89,17 @@ class EngineProc:
     restart_times: list[float] = field(default_factory=list)  # monotonic, the recent ones
 
 
+@dataclass
+class RouterProc:
+    """The running router: supervised as an engine is (restarted within engine.max_restarts
+    per ENGINE_RESTART_WINDOW_S, else the run fails naming its log)."""
+
+    process: Any = None
+    restarts: int = 0
+    log_path: Path | None = None
+    restart_times: list[float] = field(default_factory=list)
+
+
 class Launcher:
     def __init__(self, cluster: ClusterConfig, run_dir: Path, echo: bool = True,
                  resume: bool = False, console: Console | None = None):
@@ -111,6 +124,17 @@ class Launcher:
         self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()), self.engine_key,
                                launcher_before=self.launcher_before)
         self.engines: list[EngineProc] = []
+        # engine.router's router (rollmesh.engine.router), started once the engines are healthy
+        self.router_plan: PlannedRouter | None = plan_router(
+            cluster, self.plan, str(run_dir.resolve()), self.engine_key)
+        self.router = RouterProc() if self.router_plan is not None else None
+        if self.router_plan is not None and self.router_plan.host.same_machine:
+            from rollmesh.engine.router import RouterMissing, check_installed
+
+            try:  # here: a clear error now rather than a line in the router's log
+                check_installed()
+            except RouterMissing as e:
+                raise ConfigError("experiment", "engine.router", str(e)) from None
         self.children: dict[str, Child] = {}
         self.state = "starting"
         self.started = time.monotonic()
@@ -262,6 +286,9 @@ class Launcher:
             if p.engine is not None:
                 self.engines.append(self.start_engine(EngineProc(p)))
         await self.wait_engines()
+        if self.router is not None:
+            self.start_router()
+            await self.wait_router()
         for role in START_ORDER:
             started = [self.start_role(p) for p in self.plan if p.proc.role == role]
             for child in started:
@@ -279,6 +306,72 @@ class Launcher:
                                  echo=self.echo, label=f"{p.proc.host} engine/{p.proc.index}")
         e.state = "starting"
         return e
+
+    def start_router(self) -> None:
+        """The router beside engine[0], its log beside the engines' (RUN/logs/router.log)."""
+        assert self.router is not None and self.router_plan is not None
+        r, launch = self.router, self.router_plan.launch
+        r.log_path = self.run_dir / "logs" / "router.log"
+        r.process = self.router_plan.host.start(
+            launch.argv, env=launch.env, log_path=r.log_path, echo=self.echo,
+            label=f"{self.router_plan.host.name} router")
+        log.info("router_started", url=self.router_plan.url, host=self.router_plan.host.name)
+
+    async def wait_router(self) -> None:
+        """Until the router's /readiness answers 200 (it has registered a healthy engine);
+        RuntimeError naming its log (and its last line: a missing package says how to install
+        it) if it exits first or the engines' startup time runs out."""
+        assert self.router is not None and self.router_plan is not None
+        r = self.router
+        deadline = time.monotonic() + self.exp.engine.startup_timeout_s
+        async with EngineClient([self.router_plan.url], api_key=self.engine_key) as client:
+            while True:
+                if r.process.poll() is not None:
+                    self.failed_log = r.log_path
+                    tail = ""
+                    if r.log_path is not None and r.log_path.exists():
+                        lines = r.log_path.read_text(errors="replace").strip().splitlines()
+                        tail = f": {lines[-1]}" if lines else ""
+                    raise RuntimeError(f"the router exited with code {r.process.returncode} "
+                                       f"while starting (log: {r.log_path}){tail}")
+                try:
+                    await client._call(client.servers[0], "GET", "/readiness", timeout_s=5)
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router was not ready after "
+                                       f"{self.exp.engine.startup_timeout_s:g}s (log: {r.log_path})")
+                await asyncio.sleep(0.3)
+        log.info("router_ready", url=self.router_plan.url)
+
+    async def restart_router(self) -> None:
+        """The router exited: start it again (the same port; the agent workers' generations
+        wait for it through rollout.engine_wait_s), within engine.max_restarts per window."""
+        assert self.router is not None
+        r, limit = self.router, self.exp.engine.max_restarts
+        while True:
+            now = time.monotonic()
+            r.restart_times = [t for t in r.restart_times if now - t < ENGINE_RESTART_WINDOW_S]
+            if len(r.restart_times) >= limit:
+                self.failed_log = r.log_path
+                raise RuntimeError(
+                    f"the router keeps exiting ({len(r.restart_times)} restarts within "
+                    f"{ENGINE_RESTART_WINDOW_S:g}s, engine.max_restarts={limit}; exit code "
+                    f"{r.process.returncode}, log: {r.log_path})")
+            r.restarts += 1
+            r.restart_times.append(now)
+            log.warning("router_restart", restarts=r.restarts, code=r.process.returncode)
+            self.console.event(f"the router exited with code {r.process.returncode}; "
+                               f"restarting it ({len(r.restart_times)} within "
+                               f"{ENGINE_RESTART_WINDOW_S:g}s, of {limit})")
+            self.start_router()
+            try:
+                await self.wait_router()
+                return
+            except RuntimeError as err:
+                log.warning("router_restart_failed", error=str(err))
+                await asyncio.sleep(min(2.0 ** len(r.restart_times), 30.0))
 
     async def wait_engines(self, engines: list[EngineProc] | None = None) -> None:
         engines = engines if engines is not None else self.engines
@@ -346,6 +439,8 @@ class Launcher:
             for e in self.engines:
                 if e.process.poll() is not None:
                     await self.restart_engine(e)
+            if self.router is not None and self.router.process.poll() is not None:
+                await self.restart_router()
             try:
                 await asyncio.wait_for(self.stop_requested.wait(), 0.25)
             except asyncio.TimeoutError:
@@ -520,19 +615,25 @@ class Launcher:
             outstanding=rollout.outstanding if rollout else None)
 
     async def shutdown(self) -> None:
-        """Drain the rollouter for the summary, then stop roles (reverse order), then engines."""
+        """Drain the rollouter for the summary, then stop roles (reverse order), then the
+        router and the engines."""
         self.summary = await self.collect_summary()
         await self.sup.close(grace_s=10)
-        for e in self.engines:
-            if e.process is not None and e.process.poll() is None:
-                e.planned.host.signal(e.process, None, signal.SIGTERM)
+        # the router first (it proxies to the engines), then the engines, one deadline
+        procs = [(e.planned.host, e.process) for e in self.engines]
+        if self.router is not None and self.router_plan is not None:
+            procs.insert(0, (self.router_plan.host, self.router.process))
+        procs = [(host, proc) for host, proc in procs if proc is not None]
+        for host, proc in procs:
+            if proc.poll() is None:
+                host.signal(proc, None, signal.SIGTERM)
         deadline = time.monotonic() + 20
-        while any(e.process is not None and e.process.poll() is None for e in self.engines):
+        while any(proc.poll() is None for _, proc in procs):
             if time.monotonic() > deadline:
-                for e in self.engines:
-                    if e.process.poll() is None:
-                        e.planned.host.signal(e.process, None, signal.SIGKILL)  # a step: scancel
-                        e.process.kill()
+                for host, proc in procs:
+                    if proc.poll() is None:
+                        host.signal(proc, None, signal.SIGKILL)  # a step: scancel
+                        proc.kill()
                 break
             await asyncio.sleep(0.1)
 

@@ -26,6 +26,7 @@ from rollmesh.config import (
 )
 from rollmesh.engine.client import API_KEY_FILE
 from rollmesh.engine.launch import EngineLaunch, engine_launch
+from rollmesh.engine.router import RouterPorts, router_launch
 from rollmesh.launcher.host_kinds import make_host
 from rollmesh.launcher.hosts import Host, SshHost
 from rollmesh.runtime.cpus import (
@@ -93,6 +94,7 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
         launcher_before if cluster.launcher_cpus and hosts[p.host].same_machine else ()))
         for p in cluster.processes()]
     wiring = _Wiring(cluster, plan, run_dir)
+    wiring.router = plan_router(cluster, plan, run_dir, engine_key)
     for p in plan:
         if p.proc.role == "engine":
             _plan_engine(p, wiring.exp, run_dir, engine_key)
@@ -115,6 +117,7 @@ class _Wiring:
             self.first.setdefault(p.proc.role, p)
         self.engines = [f"http://{p.host.address}:{p.port('http')}" for p in plan
                         if p.proc.role == "engine"]
+        self.router: PlannedRouter | None = None  # engine.router's (plan_router)
 
     def connect(self, role: str, port: str) -> str:
         """The address of `role`'s first process's port named `port`."""
@@ -129,6 +132,48 @@ class _Wiring:
     def run_here(self, host: Host) -> str:
         """The run's directory on `host` (on another host: under its remote run directory)."""
         return self.run_dir if host.local else f"runs/{Path(self.run_dir).name}"
+
+
+@dataclass
+class PlannedRouter:
+    """The router of `engine.router` (rollmesh.engine.router): where it runs, its command."""
+
+    host: Host
+    launch: EngineLaunch
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host.address}:{self.launch.port}"
+
+
+def plan_router(cluster: ClusterConfig, plan: list[Planned], run_dir: str,
+                engine_key: str | None) -> PlannedRouter | None:
+    """`engine.router = "sglang-router"`: the router on engine[0]'s host, in engine[0]'s port
+    block (its 2nd port for HTTP, its 3rd for the router's metrics listener): ports the plan
+    already reserves and checks, on any host kind (a port picked free here would say nothing of
+    an SSH host's). Beside the engines because it talks to them most (every token comes back
+    through it) and, like them, lives for the whole run; none without engine.router."""
+    exp = cluster.experiment_config
+    assert exp is not None
+    if exp.engine.router == "none":
+        return None
+    engines = [p for p in plan if p.proc.role == "engine"]
+    if not engines:
+        return None
+    if cluster.ports.per_process < 3:
+        raise ConfigError("cluster file", "ports.per_process", "expected int >= 3 with "
+                          "engine.router set (the router takes engine[0]'s 2nd and 3rd ports), "
+                          f"got {cluster.ports.per_process}")
+    first = engines[0]
+    bind_host = first.host.address if first.host.local else "0.0.0.0"
+    keys = f"{run_dir}/keys" if first.host.local else f"runs/{Path(run_dir).name}/keys"
+    urls = [f"http://{p.host.address}:{p.port('http')}" for p in engines]
+    launch = router_launch(urls, bind_host, RouterPorts(first.proc.port + 1, first.proc.port + 2),
+                           policy=exp.engine.router_policy,
+                           api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None,
+                           startup_timeout_s=exp.engine.startup_timeout_s,
+                           log_level="warn", python=first.host.python())
+    return PlannedRouter(first.host, launch)
 
 
 def _bind_named(p: Planned, port: str) -> str:
@@ -166,7 +211,8 @@ def _rollouter(w: _Wiring, p: Planned) -> RolloutSettings:
 
 def _agent_worker(w: _Wiring, p: Planned) -> AgentWorkerSettings:
     return AgentWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
-                               engines=w.engines, **w.tuning("agent_worker"))
+                               engines=w.engines, router=w.router.url if w.router else None,
+                               **w.tuning("agent_worker"))
 
 
 def _reward_worker(w: _Wiring, p: Planned) -> RewardWorkerSettings:
@@ -274,3 +320,8 @@ def print_plan(cluster: ClusterConfig, plan: list[Planned], run_dir: str) -> Non
             tuned = "".join(f" {k}={v}" for k, v in changed.items())
             print(f"  {p.name:18s}{gpus}{_cpus_note(p)}{tuned}\n"
                   f"    {shlex.join(argv) if host.local else argv[-1]}")
+    router = plan_router(cluster, plan, run_dir, None)
+    if router is not None:
+        argv = router.host.argv(router.launch.argv, {})
+        print(f"\nrouter (engine.router, on host {router.host.name}, after the engines are "
+              f"healthy): {router.url}\n    {shlex.join(argv) if router.host.local else argv[-1]}")

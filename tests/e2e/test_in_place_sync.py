@@ -16,22 +16,30 @@ from rollmesh.models.loading import build_tiny
 from rollmesh.mq.store import MessageQueue
 from rollmesh.training import batching
 from tests.engine.engine_harness import REPO, Engine, chat_prompt
+from tests.helpers.router import ROUTERS, maybe_router
 from tests.unit.test_in_place_sync import broadcast, context, group_of, wait_decoding
 
 
 @pytest.mark.slow
-def test_an_in_place_sync_keeps_the_requests_and_stamps_each_token(tmp_path):
+@pytest.mark.parametrize("router", ROUTERS)
+def test_an_in_place_sync_keeps_the_requests_and_stamps_each_token(tmp_path, router):
     """A group of two long answers; mid-answer, an in-place sync as the trainer's publisher
     makes it (engines paused in place, a real broadcast of new weights as version 1, engines
     resumed). The answers finish (not aborted), their tokens carry 0 up to the sync and 1 after
     it, the trainer's batch staleness counts the oldest token, and the MessageQueue hands the
-    group to a trainer at version 1 but drops it (stale) for one at version 2 (bound 1)."""
+    group to a trainer at version 1 but drops it (stale) for one at version 2 (bound 1).
+    Through SGLang's router too: generation goes through it, the pause and the update to the
+    engine, and the per-token versions come back through it unchanged."""
     engine = Engine(tmp_path / "engine.log", "--weight-version", "0")
     _, tok = build_tiny("tiny")
     n = 250
 
     async def run() -> tuple[list, int]:
-        async with EngineClient([engine.url]) as client:
+        with maybe_router(router, [engine.url], tmp_path / "router.log") as router_url:
+            return await go(router_url)
+
+    async def go(router_url) -> tuple[list, int]:
+        async with EngineClient([engine.url], router_url=router_url) as client:
             ctx = context(client, tok)
             prompt = chat_prompt(tok, "Tell a long story across a weight sync")
             trajs = [new_trajectory(f"s{i}", "g", i, prompt, agent_loop="single_turn",
