@@ -516,6 +516,7 @@ class EngineClient:
         tried: set[str] = set()
         last: EngineError | None = None
         errors = 0  # answers with an error: the server is up but failing
+        gone = 0  # the router's answers that the engine it chose is gone
         outage_since: float | None = None
         what = f"{path} {rid or ''}".strip()
         while True:
@@ -542,7 +543,9 @@ class EngineClient:
                 last = e
                 # (through a router: it has no healthy engine, or the one it chose died)
                 unreachable = e.status is None or e.status == 503 or e.upstream_gone
-                if unreachable:  # no answer at all, or not serving: this server is down
+                # no answer at all, or not serving: this server is down; but a router that
+                # says the engine it chose is gone is up, and serves the other engines
+                if unreachable and not e.upstream_gone:
                     self._mark_down(server, str(e))
             finally:
                 server.in_flight -= 1
@@ -558,6 +561,13 @@ class EngineClient:
                         f"(rollout.engine_wait_s); last error: {last}", last.status, last.url)
                 log.info("engine_failover", request=what, server=server.url,
                             healthy=self.healthy_count, error=str(last))
+                if last.upstream_gone:
+                    # The router keeps choosing the dead engine (the least loaded, or where
+                    # the prompt is cached) until its health check takes it out (~2 s,
+                    # rollmesh.engine.router): send again after a growing pause
+                    gone += 1
+                    await self._sleep(min(self.backoff_s * 2 ** (gone - 1),
+                                          self.health_interval_s), cancel)
                 continue  # the next pick is another healthy server, or waits for one
             errors += 1
             if errors > self.retries:
