@@ -2,7 +2,10 @@
 
 - the client: a generation whose engine dies moves to another healthy engine; with every engine
   down it waits (rollout.engine_wait_s) and completes when one is back; past the limit it fails
-  with a clear error; a cancel (weight sync) ends the wait and the trajectory keeps its tokens;
+  with a clear error; a cancel (weight sync) ends the wait and the trajectory keeps its tokens.
+  These run with the client balancing and through SGLang's router (`engine.router =
+  "sglang-router"`, the real router: tests/helpers/router.py), which keeps sending to a dead
+  engine until its health check (every 1 s, 2 failures) takes it out;
 - the rollouter: admits nothing (the dataset cursor stands still) while no engine is healthy,
   says so in its stats, and admits again when one is back;
 - the embedded default (`rollmesh launch`): kill -9 of its only engine mid-run drops nothing,
@@ -34,6 +37,7 @@ from rollmesh.wire.messages import Metrics, Pause
 from rollmesh.core.trajectory import append_tokens, new_trajectory
 from rollmesh.wire.transport import Transport
 from tests.engine.engine_harness import REPO, Engine, repo_env
+from tests.helpers.router import ROUTERS, maybe_router
 from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
 from tests.e2e.test_launcher import (
     assert_nothing_trained_twice, check_accounting, finish, kill_and_await_restart, launch,
@@ -70,44 +74,89 @@ def restart_on(port: int, log: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_a_generation_whose_engine_is_killed_completes_on_the_other(tmp_path):
+@pytest.mark.parametrize("router", ROUTERS)
+def test_a_generation_whose_engine_is_killed_completes_on_the_other(tmp_path, router):
+    """One long request on each engine; kill -9 of the one under a request: it is sent again,
+    whole, and completes on the other. Through the router the client cannot tell where a
+    request runs: the killed engine is the one the engines say runs a request (both of them,
+    if the router put both there). The router answers for the dead engine with an upstream
+    error until its health check takes it out: that is not the router being down, so every
+    other generation goes on through it meanwhile."""
     a, b = Engine(tmp_path / "a.log"), Engine(tmp_path / "b.log")
+    # two prompts: the router's cache-aware policy sends a cached prefix back to its engine
+    prompts = [PROMPT, [21, 22, 23, 24, 25]]
 
-    async def main():
-        async with EngineClient([a.url, b.url], wait_s=60, health_interval_s=0.5) as client:
-            # one long request on each engine
+    async def main(router_url):
+        async with EngineClient([a.url, b.url], wait_s=60, health_interval_s=0.5,
+                                router_url=router_url) as client:
             rids = [client.new_rid(), client.new_rid()]
-            tasks = [asyncio.create_task(client.generate(PROMPT, LONG, rid=r)) for r in rids]
+            tasks = [asyncio.create_task(client.generate(p, LONG, rid=r))
+                     for p, r in zip(prompts, rids)]
             await until_running([a, b], 2)
-            on_a = next(r for r in rids if client._where[r].url == a.url)
-            kill9(a)
+            running = [e.stats()["running_requests"] for e in (a, b)]
+            killed = a if running[0] else b
+            router_down = watch_router(client)
+            kill9(killed)
             outs = dict(zip(rids, await asyncio.gather(*tasks)))
-            return outs, on_a, [s.healthy for s in client.servers]
+            router_down.cancel()
+            return (outs, killed, running, [s.healthy for s in client.servers],
+                    await asyncio.gather(router_down, return_exceptions=True))
 
     try:
-        outs, on_a, healthy = asyncio.run(main())
+        with maybe_router(router, [a.url, b.url], tmp_path / "router.log") as router_url:
+            outs, killed, running, healthy, [router_down] = asyncio.run(main(router_url))
+        survivor = b if killed is a else a
+        made = survivor.stats()["generated_tokens"]
     finally:
         a.stop()
         b.stop()
-    moved = outs[on_a]
-    # sent again, whole, to the live engine: a complete answer, nothing failed
-    assert moved.server == b.url and moved.finish_reason == "length"
-    assert len(moved.output_ids) == len(moved.logprobs) == LONG["max_new_tokens"]
+    # sent again, whole, to the live engine: complete answers, nothing failed
     assert all(o.finish_reason == "length" for o in outs.values())
-    assert healthy == [False, True]
+    assert all(len(o.output_ids) == len(o.logprobs) == LONG["max_new_tokens"]
+               for o in outs.values())
+    # the survivor made both answers (the moved one from its first token) and nothing else
+    assert made == 2 * LONG["max_new_tokens"], (made, running)
+    if router == "none":
+        assert running == [1, 1] and killed is a
+        assert healthy == [False, True]
+        assert {o.server for o in outs.values()} == {b.url}
+    else:
+        assert {o.server for o in outs.values()} == {router_url}
+        assert router_down is False  # the router stayed in the rotation all along
+
+
+def watch_router(client: EngineClient) -> asyncio.Task:
+    """A task that ends with whether the client ever took its router out of the rotation
+    (sampled every 10 ms; a router taken out stays out at least `backoff_s`); False without a
+    router."""
+    async def watch() -> bool:
+        try:
+            while True:
+                if client.router is not None and not client.router.healthy:
+                    return True
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            return False
+
+    return asyncio.create_task(watch())
 
 
 @pytest.mark.slow
-def test_with_every_engine_down_a_generation_waits_and_completes_when_one_is_back(tmp_path):
+@pytest.mark.parametrize("router", ROUTERS)
+def test_with_every_engine_down_a_generation_waits_and_completes_when_one_is_back(tmp_path,
+                                                                                  router):
+    """Through the router: it first answers for the dead engine with an upstream error, then
+    (its health check) 503 "no available workers", its /readiness 503 until the restarted
+    engine passes a health check; the generation waits through both and completes."""
     engine = Engine(tmp_path / "e.log")
     port = engine.port
-    kill9(engine)
     back: list[subprocess.Popen] = []
 
-    async def main():
+    async def main(router_url):
         async with EngineClient([engine.url], wait_s=120, health_interval_s=0.5,
-                                backoff_s=0.1) as client:
-            client.servers[0].healthy = False  # as after the crash the client saw
+                                backoff_s=0.1, router_url=router_url) as client:
+            if router_url is None:
+                client.servers[0].healthy = False  # as after the crash the client saw
             task = asyncio.create_task(client.generate(PROMPT, SHORT))
             await asyncio.sleep(2.0)  # down for a while: the generation must still be waiting
             assert not task.done()
@@ -115,13 +164,16 @@ def test_with_every_engine_down_a_generation_waits_and_completes_when_one_is_bac
             return await asyncio.wait_for(task, 120)
 
     try:
-        out = asyncio.run(main())
+        # (the router starts only in front of a healthy engine: it is killed after)
+        with maybe_router(router, [engine.url], tmp_path / "router.log") as router_url:
+            kill9(engine)
+            out = asyncio.run(main(router_url))
     finally:
         for p in back:
             p.kill()
             p.wait(30)
     assert out.finish_reason == "length" and len(out.output_ids) == SHORT["max_new_tokens"]
-    assert out.server == engine.url
+    assert out.server == (router_url or engine.url)
 
 
 @pytest.mark.slow
@@ -129,7 +181,9 @@ def test_a_restarted_engine_with_older_weights_serves_only_once_it_holds_the_cur
         tmp_path):
     """An engine restarted after a crash comes back with the initial weights (version 0):
     what it generated would be dropped as stale, so the client keeps it out of the rotation
-    until it reports the version generations were already made with."""
+    until it reports the version generations were already made with. Without a router only:
+    through one, the router picks the engine and puts a restarted one back as soon as its
+    health check passes; the client cannot hold it back (EngineClient._behind)."""
     engine = Engine(tmp_path / "e.log")
     port = engine.port
     back: list[subprocess.Popen] = []
@@ -163,13 +217,14 @@ def test_a_restarted_engine_with_older_weights_serves_only_once_it_holds_the_cur
 
 
 @pytest.mark.slow
-def test_an_outage_longer_than_the_limit_is_a_clear_error_and_a_cancel_ends_the_wait(tmp_path):
+@pytest.mark.parametrize("router", ROUTERS)
+def test_an_outage_longer_than_the_limit_is_a_clear_error_and_a_cancel_ends_the_wait(tmp_path,
+                                                                                   router):
     engine = Engine(tmp_path / "e.log")
-    kill9(engine)
 
-    async def main():
+    async def main(router_url):
         async with EngineClient([engine.url], wait_s=2.0, health_interval_s=0.3,
-                                backoff_s=0.05) as client:
+                                backoff_s=0.05, router_url=router_url) as client:
             started = time.monotonic()
             with pytest.raises(EngineUnavailable) as err:
                 await client.generate(PROMPT, SHORT)
@@ -184,9 +239,13 @@ def test_an_outage_longer_than_the_limit_is_a_clear_error_and_a_cancel_ends_the_
                 await asyncio.wait_for(task, 10)
             return str(err.value), waited
 
-    message, waited = asyncio.run(main())
-    assert waited >= 2.0
+    with maybe_router(router, [engine.url], tmp_path / "router.log") as router_url:
+        kill9(engine)
+        message, waited = asyncio.run(main(router_url))
+    assert 2.0 <= waited < 10
     assert "engine_wait_s" in message and engine.url in message and "2s" in message, message
+    if router_url is not None:
+        assert router_url in message, message
 
 
 @pytest.mark.slow
