@@ -77,3 +77,68 @@ def test_generation_goes_through_the_router_and_everything_else_to_each_engine(t
 async def stats(client: EngineClient) -> list[dict]:
     """Each engine's scheduler state, asked of the engine itself (with the key)."""
     return [info["internal_states"][0] for info in await client.server_info_each()]
+
+
+@pytest.mark.slow
+def test_a_killed_router_is_restarted_and_a_waiting_generation_goes_through_the_new_one(
+        tmp_path):
+    """The launcher's router supervision at the level of its helpers (no whole launch): the
+    router of a real Launcher's plan, pointed at a test engine, killed -9; `restart_router`
+    (what the supervision loop calls once the process has exited) starts it again on its port,
+    and a generation that found no router meanwhile waits (engine_wait_s) and completes
+    through the new one. Past engine.max_restarts within the window the run fails, naming the
+    router's log."""
+    from rollmesh.config import load_cluster
+    from rollmesh.engine.router import RouterPorts, router_launch
+    from rollmesh.launcher.launcher import Launcher
+    from rollmesh.launcher.plan import PlannedRouter
+    from tests.engine.engine_harness import REPO, free_port
+
+    cluster = load_cluster(REPO / "launch/local.toml",
+                           ['engine.router="sglang-router"', "engine.max_restarts=1"])
+    launcher = Launcher(cluster, tmp_path / "run", echo=False)
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    key = tmp_path / "run" / "keys" / "engine.token"  # the run's key, as the launch writes it
+    key.parent.mkdir()
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, launcher.engine_key.encode())
+    os.close(fd)
+    engine = Engine(tmp_path / "e.log", "--api-key-file", str(key))
+    # the planned router (its host, the launch's command line) in front of the test engine
+    launcher.router_plan = PlannedRouter(launcher.router_plan.host, router_launch(
+        [engine.url], "127.0.0.1", RouterPorts(free_port(), free_port()),
+        api_key_file=str(key)))
+
+    async def main():
+        launcher.start_router()
+        await launcher.wait_router()
+        first = launcher.router.process
+        first.kill()
+        first.wait(10)
+        async with EngineClient([engine.url], api_key=launcher.engine_key, wait_s=60,
+                                health_interval_s=0.3, backoff_s=0.05,
+                                router_url=launcher.router_plan.url) as client:
+            task = asyncio.create_task(client.generate(PROMPT, SHORT))
+            await asyncio.sleep(0.5)
+            assert not task.done() and not client.router.healthy  # no router: it waits
+            await launcher.restart_router()
+            out = await asyncio.wait_for(task, 60)
+        second = launcher.router.process
+        second.kill()
+        second.wait(10)
+        with pytest.raises(RuntimeError) as err:
+            await launcher.restart_router()
+        return first, second, out, str(err.value)
+
+    try:
+        first, second, out, message = asyncio.run(main())
+    finally:
+        if launcher.router.process is not None and launcher.router.process.poll() is None:
+            launcher.router.process.kill()
+            launcher.router.process.wait(10)
+        engine.stop()
+    assert second is not first and launcher.router.restarts == 1
+    assert out.server == launcher.router_plan.url and out.finish_reason == "length"
+    assert len(out.output_ids) == SHORT["max_new_tokens"]
+    assert "keeps exiting" in message and "engine.max_restarts=1" in message, message
+    assert "router.log" in message, message
