@@ -451,6 +451,13 @@ class EngineConfig:
     max_restarts: int = _field(
         "times the launcher restarts an engine that died within any 10 minutes (a crash loop "
         "beyond it ends the run)", 5, ge=0)
+    routing: Literal["affinity", "least_loaded"] = _field(
+        "how agent workers spread /generate requests over the engines: `affinity` = a "
+        "trajectory's requests go to its group's engine (rendezvous hashing of the group id, the "
+        "same choice in every agent worker), so a GRPO group's siblings and every turn of a "
+        "trajectory reuse that engine's prefix cache, unless it has more in flight than "
+        "max(1.25 x the mean, the least-loaded engine's + 8), then to the group's next engine; "
+        "`least_loaded` = each request to the engine with the fewest in flight", "affinity")
 
     def validate(self) -> None:
         if self.kind == "builtin" and self.tp_size != 1:
