@@ -456,7 +456,7 @@ class EngineConfig:
         "trajectory's requests go to its group's engine (rendezvous hashing of the group id, the "
         "same choice in every agent worker), so a GRPO group's siblings and every turn of a "
         "trajectory reuse that engine's prefix cache, unless it has more in flight than "
-        "max(1.25 x the mean, the least-loaded engine's + 8), then to the group's next engine; "
+        "max(1.25 x the mean, the least-loaded engine's + 32) (each worker counting its own requests), then to the group's next engine; "
         "`least_loaded` = each request to the engine with the fewest in flight", "affinity")
 
     def validate(self) -> None:

@@ -264,7 +264,7 @@ class EngineClient:
         wait_s: float = 0.0,
         routing: str = "affinity",
         affinity_load_factor: float = 1.25,
-        affinity_slack: int = 8,
+        affinity_slack: int = 32,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
@@ -348,12 +348,18 @@ class EngineClient:
         than max(affinity_load_factor x the mean in flight counting this request,
         the fewest in flight + affinity_slack). The least-loaded server always qualifies, so a
         preferred server loaded past the bound gives way to the key's next server in the same
-        order (the same one in every client: a large group's overflow still lands together),
-        and the load stays within about 1.25x the mean however the keys fall. The slack lets a
-        lightly loaded system keep a whole GRPO group (8 samples) on one server; with many
-        requests in flight the factor rules, which leaves room for the unevenness of hashing a
-        few dozen groups, or groups of uneven sizes, without sending any server much more than
-        its share. A dead preferred server is simply not a candidate: its keys go to their next
+        order (the same one in every client: a large group's overflow still lands together).
+        Both terms must be exceeded to pass a server over (as in sglang-router 0.3.2's
+        cache_aware policy, which balances only past 64 more than the least loaded and 1.5x it,
+        over all requests). The slack (32) rules while few requests are in flight: an agent
+        worker with a few dozen running holds a few groups, one server may well get two or
+        three more of them than the other, and splitting a group costs a second prefill of its
+        prompt (benchmarks/affinity.py: a slack of 8 or 16 split enough groups to lose most of
+        the gain). With hundreds in flight the factor rules: a server takes at most 1.25x the
+        mean (bounded-load consistent hashing), which leaves room for the unevenness of hashing
+        many groups, or groups of uneven sizes, without starving the others. Each client counts
+        only its own requests; the engines see the sum over the workers, whose unevenness is
+        independent. A dead preferred server is simply not a candidate: its keys go to their next
         server, the others' keys stay where they were."""
         candidates = [s for s in self.servers if s.healthy and s.url not in exclude]
         if not candidates:
