@@ -44,7 +44,8 @@ class Server:
                 return web.json_response({"error": "not serving"}, status=503)
             meta = {"id": body["rid"], "finish_reason": {"type": "length", "length": 1},
                     "prompt_tokens": len(prompt), "cached_tokens": cached,
-                    "weight_version": "0", "output_token_logprobs": [[-1.0, 7, None]]}
+                    "weight_version": "0", "output_token_logprobs": [[-1.0, 7, None]],
+                    "output_token_weight_versions": [0]}
             return web.json_response({"text": "", "output_ids": [7], "meta_info": meta})
 
         async def health(_: web.Request) -> web.Response:
@@ -265,6 +266,41 @@ def test_cache_stats_accumulate_per_server_from_the_answers():
                             "hit_rate": round(597 / 800, 4)}
             other = next(v for u, v in stats.items() if u != client.preferred("g-cache"))
             assert other["requests"] == 0
+        for s in pool:
+            await s.stop()
+
+    asyncio.run(main())
+
+
+def test_agent_loops_key_by_group_across_workers_turns_and_resumes():
+    """LoopContext.generate passes the trajectory's group id: two workers' contexts (their own
+    clients) send a group's siblings, each one's later turns and a resumed trajectory (handed to
+    the other worker) to the group's server."""
+    from rollmesh.agents.loops import LoopContext
+    from rollmesh.config import RolloutConfig
+    from rollmesh.core.trajectory import new_trajectory
+
+    async def main():
+        pool = await servers(3)
+        urls = [s.url for s in pool]
+        async with EngineClient(urls) as c1, EngineClient(urls[::-1]) as c2:
+            workers = [LoopContext(c, None, RolloutConfig(), max_context=4096,
+                                   cancelling=asyncio.Event()) for c in (c1, c2)]
+            for w in workers:
+                w.per_token_versions = True  # no version probe: the fake engines report "0"
+            for g in range(4):
+                group = f"e0-r{g}-s0"
+                trajs = [new_trajectory(f"{group}-{k:03d}", group, k, PROMPT,
+                                        agent_loop="single_turn")
+                         for k in range(4)]
+                for turn in range(2):  # two turns each, siblings on both workers
+                    await asyncio.gather(*[workers[k % 2].generate(t, 1)
+                                           for k, t in enumerate(trajs)])
+                await workers[1].generate(trajs[0], 1)  # resumed on the other worker
+                assert c1.preferred(group) == c2.preferred(group)
+            for s in pool:  # every request went to its group's server
+                expected = 9 * sum(c1.preferred(f"e0-r{g}-s0") == s.url for g in range(4))
+                assert len(s.rids) == expected, (by_server(pool), expected)
         for s in pool:
             await s.stop()
 
