@@ -305,3 +305,31 @@ def test_agent_loops_key_by_group_across_workers_turns_and_resumes():
             await s.stop()
 
     asyncio.run(main())
+
+
+def test_metrics_rows_get_the_hit_rate_of_the_prompt_tokens_sent_since_the_last_row():
+    """The trainer's PrefixCacheFigures, fed the agent workers' status as the hub delivers it:
+    per row, the share of the prompt tokens sent since the row before that the engines found
+    cached, overall and per engine; a restarted worker's counters count from zero."""
+    from rollmesh.training.role import PrefixCacheFigures
+    from rollmesh.wire.messages import Metrics
+
+    def status(worker: int, **engines: tuple[int, int]) -> tuple[str, Metrics]:
+        figures = {f"http://{u}:1": {"requests": 1, "prompt_tokens": p, "cached_tokens": c,
+                                     "hit_rate": None} for u, (p, c) in engines.items()}
+        return f"metrics.agent_worker.{worker}", Metrics(
+            role="agent_worker", host="h", values={"running": 1, "prefix_cache": figures})
+
+    figures = PrefixCacheFigures(None)
+    assert figures.step_metrics() == {}
+    figures.take(*status(0, a=(800, 700), b=(200, 0)))
+    figures.take(*status(1, a=(200, 100)))
+    figures.take("metrics.agent_worker.2", Metrics(role="agent_worker", host="h", values={}))
+    assert figures.step_metrics() == {"prefix_cache_hit_rate": 0.6667,
+                                      "prefix_cache_hit_rate/a:1": 0.8,
+                                      "prefix_cache_hit_rate/b:1": 0.0}
+    assert figures.step_metrics() == {}  # nothing sent since
+    figures.take(*status(0, a=(1800, 1600), b=(200, 0)))  # 1000 more to a, 900 cached
+    figures.take(*status(1, a=(100, 50)))  # worker 1 restarted: 100 sent since
+    assert figures.step_metrics() == {"prefix_cache_hit_rate": round(950 / 1100, 4),
+                                      "prefix_cache_hit_rate/a:1": round(950 / 1100, 4)}
