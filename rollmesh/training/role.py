@@ -171,8 +171,9 @@ class PrefixCacheFigures:
     as topic `metrics.agent_worker.<i>`; rank 0 subscribes). `step_metrics` gives, for the
     prompt tokens sent since the last row, the share the engines found cached: overall
     (`prefix_cache_hit_rate`) and per engine (`prefix_cache_hit_rate/<host:port>`); nothing when
-    no prompt token was sent or there is no hub. A worker's counters start again when it
-    restarts: its figures then count from zero."""
+    no new count was heard (steps closer together than the workers' status interval, 1 s, skip
+    it: the next row covers their tokens) or there is no hub. A worker's counters start again
+    when it restarts: its figures then count from zero."""
 
     def __init__(self, ctx: RoleContext | None):
         self.ctx = ctx
