@@ -149,11 +149,13 @@ class LoopContext:
             # Through an engine outage the client waits for a server (rollout.engine_wait_s)
             # and moves a request whose engine died to another; a cancel (weight sync) ends
             # that wait: the trajectory goes back as it stands, its partial tokens kept.
+            # The group id as the affinity key: the group's siblings, each turn and each resume
+            # after a sync (on whichever worker) go to the engine holding the shared prefix.
             out = await self.client.generate(traj.token_ids.tolist(),
                                              self.sampling_params(max_new_tokens, traj,
                                                                   sampling), rid=rid,
                                              wait_s=self.rollout.engine_wait_s,
-                                             cancel=self.cancelling)
+                                             cancel=self.cancelling, affinity=traj.group_id)
         except GenerationCancelled:
             raise Interrupted() from None
         finally:

@@ -105,7 +105,10 @@ class AgentWorker:
         held = 0 if self.loop_ctx.resumed.is_set() else len(self.pinned)
         return {"running": len(self.running), "held": held, **self.counts,
                 "generated_tokens": self.loop_ctx.generated_tokens,
-                "engines_healthy": getattr(client, "healthy_count", None)}
+                "engines_healthy": getattr(client, "healthy_count", None),
+                # per engine URL: requests, prompt tokens, of which prefix-cached, hit rate
+                # (summed over the agent workers by the monitor)
+                "prefix_cache": client.cache_stats() if hasattr(client, "cache_stats") else {}}
 
     async def serve(self, credits: int) -> None:
         await serve_worker(self.ctx, self.channel, name=self.name, kind="agent", credits=credits,
@@ -136,10 +139,12 @@ async def main(ctx: RoleContext) -> None:
     channel = ChannelClient(ctx.transport, settings.rollouter, identity=identity)
     # a generation waits through an engine outage (and moves off a dead engine) for up to
     # rollout.engine_wait_s before it fails; a Cancel (weight sync) ends the wait
-    # (engine.router: /generate goes through the router; the rest to each engine)
+    # engine.router: /generate goes through the router, the rest to each engine; without one,
+    # engine.routing: a trajectory's requests go to its group's engine (affinity) or each to
+    # the least loaded; every worker's client picks alike for a group id, without talking
     async with EngineClient(settings.engines, api_key=run_api_key(ctx.spec.keys_dir),
-                            wait_s=exp.rollout.engine_wait_s,
-                            router_url=settings.router) as client:
+                            wait_s=exp.rollout.engine_wait_s, router_url=settings.router,
+                            routing=exp.engine.routing) as client:
         worker = AgentWorker(ctx, exp, client, channel)
         serving = asyncio.create_task(worker.serve(settings.credits))
         ctx.set_status(worker.stats)

@@ -473,9 +473,18 @@ class EngineConfig:
         "a router in front of the engines that generation goes through: `sglang-router` "
         "starts SGLang's (cache-aware: a group's siblings land on the engine holding their "
         "prompt; the `router` extra) beside engine[0]; pause, abort, weight updates and health "
-        "stay per engine; none: the agent workers balance by requests in flight", "none")
+        "stay per engine; none: the agent workers choose the engine (engine.routing)", "none")
     router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = _field(
         "the router's routing policy (`engine.router = \"sglang-router\"`)", "cache_aware")
+    routing: Literal["affinity", "least_loaded"] = _field(
+        "how agent workers spread /generate requests over the engines: `affinity` = a "
+        "trajectory's requests go to its group's engine (rendezvous hashing of the group id, the "
+        "same choice in every agent worker), so a GRPO group's siblings and every turn of a "
+        "trajectory reuse that engine's prefix cache, unless it has more in flight than "
+        "max(1.25 x the mean, the least-loaded engine's + 32) (each worker counting "
+        "its own requests), then to the group's next engine; `least_loaded` = each request to "
+        "the engine with the fewest in flight (with engine.router, the router chooses)",
+        "affinity")
 
     def validate(self) -> None:
         if self.kind == "builtin" and self.tp_size != 1:

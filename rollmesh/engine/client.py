@@ -5,8 +5,14 @@ Nothing above this module knows whether a server is real SGLang or rollmesh's bu
 
 - request ids: fixed width, so that SGLang's prefix matching on abort never hits another
   request (`s-4` would abort `s-42`);
-- balancing: each /generate goes to the healthy server with the fewest requests in flight, and
-  the client remembers where each rid runs so an abort reaches the right server;
+- balancing (`routing`): a /generate with an affinity key (the agent loops pass the trajectory's
+  group id) goes to the key's server by rendezvous hashing, so a GRPO group's siblings and every
+  turn of a trajectory find their prompt in that engine's prefix cache, unless that server is
+  loaded past a bound (`_pick`); without a key, or with `routing="least_loaded"`, to the healthy
+  server with the fewest requests in flight. The client remembers where each rid runs so an
+  abort reaches the right server;
+- prefix-cache figures: per server, the prompt tokens sent and the tokens of them the engine
+  found cached (`meta_info.cached_tokens`), for the agent workers' status (`cache_stats`);
 - failure handling: connection errors and 5xx are retried with exponential back-off (on
   another server where there is one), 4xx are not; a server that fails is taken out of the
   rotation and put back when its /health answers 200 again;
@@ -36,6 +42,7 @@ Nothing above this module knows whether a server is real SGLang or rollmesh's bu
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import os
@@ -194,6 +201,14 @@ class GenerateOutput:
             raise EngineError(f"{server}/generate: malformed response ({e})", url=server) from None
 
 
+def _int(value: Any) -> int:
+    """A count an engine reports, 0 where it reports none or not a number."""
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
+
+
 def _token_versions(meta: dict[str, Any], n: int) -> list[int] | None:
     """`output_token_weight_versions` as ints, one per output token; without it, the
     `weight_versions` spans expanded (SGLang 0.5.23 records a span boundary at every weight
@@ -242,6 +257,22 @@ class _Server:
     down_since: float = 0.0
     picked: int = 0  # when it was last chosen: ties go to the least recently chosen
     behind_logged: bool = False  # back after a failure with older weights (said once)
+    # what its /generate answers said: requests, prompt tokens, of which cached (prefix cache)
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+ROUTINGS = ("affinity", "least_loaded")
+
+
+def rendezvous_weight(key: str, url: str) -> int:
+    """The rendezvous (highest-random-weight) score of `url` for `key`: a hash of both, the
+    same in every process (Python's own `hash` of a str is salted per process), so separate
+    clients given the same server list prefer the same server for a key without talking, and a
+    server that goes away moves only its own keys (each to its next-highest server)."""
+    digest = hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 class EngineClient:
@@ -261,9 +292,19 @@ class EngineClient:
         api_key: str | None = None,
         wait_s: float = 0.0,
         router_url: str | None = None,
+        routing: str = "affinity",
+        affinity_load_factor: float = 1.25,
+        affinity_slack: int = 32,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
+        if routing not in ROUTINGS:
+            raise ValueError(f"EngineClient routing {routing!r}: expected one of {ROUTINGS}")
+        if not affinity_load_factor >= 1.0:
+            raise ValueError(f"EngineClient affinity_load_factor {affinity_load_factor!r}: "
+                             "expected a number >= 1")
+        if affinity_slack < 0:
+            raise ValueError(f"EngineClient affinity_slack {affinity_slack!r}: expected >= 0")
         sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(urls)
         self.servers = [_Server(u.rstrip("/"), tp) for u, tp in zip(urls, sizes, strict=True)]
         # /generate goes here instead, when set (module docstring); not one of `servers`: the
@@ -279,6 +320,10 @@ class EngineClient:
         # How long a generation waits for a server through an outage (module docstring);
         # 0: no waiting, a generation fails after `retries` as any other call.
         self.wait_s = wait_s
+        # Affinity routing and its load bound (`_pick`).
+        self.routing = routing
+        self.affinity_load_factor = affinity_load_factor
+        self.affinity_slack = affinity_slack
         self._wake_prober = asyncio.Event()  # a server went down: probe it soon
         self._probe_delay = health_interval_s
         self._server_up = asyncio.Event()  # replaced each time a server comes back
@@ -323,26 +368,77 @@ class EngineClient:
         n = next(self._rid_counter)
         return f"{self._rid_prefix}{n:0{RID_WIDTH - len(self._rid_prefix)}x}"
 
-    def _pick(self, exclude: set[str] = frozenset()) -> _Server:  # type: ignore[assignment]
+    def _pick(self, exclude: set[str] = frozenset(),  # type: ignore[assignment]
+              affinity: str | None = None) -> _Server:
+        """The server for the next request: healthy, not in `exclude` (the servers this request
+        already failed on) unless no other is healthy.
+
+        Without an affinity key (or with routing "least_loaded"): the one with the fewest
+        requests in flight, ties to the least recently chosen.
+
+        With a key: the healthy servers in rendezvous order for the key (`rendezvous_weight`),
+        and the first of them whose load is within the bound: its requests in flight are fewer
+        than max(affinity_load_factor x the mean in flight counting this request,
+        the fewest in flight + affinity_slack). The least-loaded server always qualifies, so a
+        preferred server loaded past the bound gives way to the key's next server in the same
+        order (the same one in every client: a large group's overflow still lands together).
+        Both terms must be exceeded to pass a server over (as in sglang-router 0.3.2's
+        cache_aware policy, which balances only past 64 more than the least loaded and 1.5x it,
+        over all requests). The slack (32) rules while few requests are in flight: an agent
+        worker with a few dozen running holds a few groups, one server may well get two or
+        three more of them than the other, and splitting a group costs a second prefill of its
+        prompt (benchmarks/affinity.py: a slack of 8 or 16 split enough groups to lose most of
+        the gain). With hundreds in flight the factor rules: a server takes at most 1.25x the
+        mean (bounded-load consistent hashing), which leaves room for the unevenness of hashing
+        many groups, or groups of uneven sizes, without starving the others. Each client counts
+        only its own requests; the engines see the sum over the workers, whose unevenness is
+        independent. A dead preferred server is simply not a candidate: its keys go to their next
+        server, the others' keys stay where they were."""
         candidates = [s for s in self.servers if s.healthy and s.url not in exclude]
         if not candidates:
             candidates = [s for s in self.servers if s.healthy]
         if not candidates:
             down = ", ".join(s.url for s in self.servers)
             raise NoHealthyServer(f"no healthy inference server (all down: {down})")
-        server = min(candidates, key=lambda s: (s.in_flight, s.picked))
+        if affinity is None or self.routing == "least_loaded" or len(candidates) == 1:
+            server = min(candidates, key=lambda s: (s.in_flight, s.picked))
+        else:
+            fewest = min(s.in_flight for s in candidates)
+            mean = (sum(s.in_flight for s in candidates) + 1) / len(candidates)
+            bound = max(self.affinity_load_factor * mean, fewest + self.affinity_slack)
+            ranked = sorted(candidates, key=lambda s: rendezvous_weight(affinity, s.url),
+                            reverse=True)
+            server = next((s for s in ranked if s.in_flight < bound),
+                          min(candidates, key=lambda s: (s.in_flight, s.picked)))
         server.picked = next(self._picks)
         return server
 
-    def _pick_for(self, path: str, exclude: set[str] = frozenset()) -> _Server:  # type: ignore[assignment]
+    def _pick_for(self, path: str, exclude: set[str] = frozenset(),  # type: ignore[assignment]
+                  affinity: str | None = None) -> _Server:
         """Where a request for `path` goes: a /generate to the router where there is one
-        (NoHealthyServer while it is down or has no healthy engine), else `_pick`."""
+        (NoHealthyServer while it is down or has no healthy engine; the router chooses the
+        engine, the affinity key is not used), else `_pick`."""
         if path != "/generate" or self.router is None:
-            return self._pick(exclude)
+            return self._pick(exclude, affinity)
         if not self.router.healthy:
             raise NoHealthyServer(f"the router {self.router.url} has no healthy engine "
                                   "or does not answer")
         return self.router
+
+    def preferred(self, affinity: str) -> str:
+        """The URL an affinity key goes to when no server is loaded (healthy servers only)."""
+        healthy = [s for s in self.servers if s.healthy] or self.servers
+        return max(healthy, key=lambda s: rendezvous_weight(affinity, s.url)).url
+
+    def cache_stats(self) -> dict[str, dict[str, Any]]:
+        """Per server URL, what its /generate answers from this client said: requests, prompt
+        tokens, of which found in its prefix cache (`cached_tokens`), and their ratio
+        (`hit_rate`, None before any prompt token). Counters since the client started."""
+        return {s.url: {"requests": s.requests, "prompt_tokens": s.prompt_tokens,
+                        "cached_tokens": s.cached_tokens,
+                        "hit_rate": (round(s.cached_tokens / s.prompt_tokens, 4)
+                                     if s.prompt_tokens else None)}
+                for s in self._all_servers()}
 
     def _mark_down(self, server: _Server, reason: str) -> None:
         server.failures += 1
@@ -444,13 +540,13 @@ class EngineClient:
 
     async def _wait_for_server(self, deadline: float, cancel: asyncio.Event | None,
                                what: str, last: EngineError | None,
-                               path: str = "") -> _Server:
+                               path: str = "", affinity: str | None = None) -> _Server:
         """A healthy server, waiting for one (the prober puts them back) until `deadline`."""
         waited = time.monotonic()
         logged = False
         while True:
             try:
-                server = self._pick_for(path)
+                server = self._pick_for(path, affinity=affinity)
                 if logged:
                     log.info("engine_wait_over", request=what, server=server.url,
                              waited_s=round(time.monotonic() - waited, 1))
@@ -503,9 +599,11 @@ class EngineClient:
 
     async def _with_retries(self, path: str, body: dict[str, Any], timeout_s: float | None,
                             rid: str | None = None, *, wait_s: float = 0.0,
-                            cancel: asyncio.Event | None = None) -> tuple[_Server, Any]:
-        """POST to the least-loaded healthy server; on 5xx or no answer, back off and try
-        another. `rid` is recorded while it runs, so `abort(rid)` finds its server.
+                            cancel: asyncio.Event | None = None,
+                            affinity: str | None = None) -> tuple[_Server, Any]:
+        """POST to the healthy server `_pick` chooses (for `affinity`, a key, where routing
+        is "affinity"); on 5xx or no answer, back off and try another (the key's next one). `rid`
+        is recorded while it runs, so `abort(rid)` finds its server.
 
         With `wait_s > 0` (generation through an outage): a server that does not answer (or
         answers 503) is taken out and the request goes, whole, to another healthy one, or
@@ -523,13 +621,13 @@ class EngineClient:
             if cancel is not None and cancel.is_set():
                 raise GenerationCancelled(f"{what}: cancelled before it was sent again")
             try:
-                server = self._pick_for(path, tried)
+                server = self._pick_for(path, tried, affinity)
             except NoHealthyServer:
                 if wait_s <= 0:
                     raise
                 outage_since = outage_since or time.monotonic()
                 server = await self._wait_for_server(outage_since + wait_s, cancel, what, last,
-                                                     path)
+                                                     path, affinity)
             tried.add(server.url)
             server.in_flight += 1
             if rid is not None:
@@ -583,8 +681,12 @@ class EngineClient:
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
                        rid: str | None = None, return_logprob: bool = True,
                        timeout_s: float | None = None, wait_s: float | None = None,
-                       cancel: asyncio.Event | None = None) -> GenerateOutput:
+                       cancel: asyncio.Event | None = None,
+                       affinity: str | None = None) -> GenerateOutput:
         """Generate from token ids; an aborted request returns its partial output.
+
+        `affinity`: a key (a GRPO group's id) whose requests should share an engine's prefix
+        cache: they go to the key's server unless it is loaded past the bound (`_pick`).
 
         Through an outage it waits up to `wait_s` (default: the client's) for a server, and
         a request whose server dies is sent again to another; `cancel` ends that wait with
@@ -594,8 +696,11 @@ class EngineClient:
                 "return_logprob": return_logprob}
         server, out = await self._with_retries(
             "/generate", body, timeout_s, rid=rid,
-            wait_s=self.wait_s if wait_s is None else wait_s, cancel=cancel)
+            wait_s=self.wait_s if wait_s is None else wait_s, cancel=cancel, affinity=affinity)
         result = GenerateOutput.from_response(rid, server.url, out)
+        server.requests += 1
+        server.prompt_tokens += result.prompt_tokens
+        server.cached_tokens += _int(result.raw["meta_info"].get("cached_tokens"))
         version = version_number(result.weight_version)
         if version is not None:
             self.version_floor = max(self.version_floor or 0, version)

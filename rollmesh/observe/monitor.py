@@ -130,6 +130,11 @@ def _dict(v: Any) -> dict[str, Any]:
     return v if isinstance(v, dict) else {}
 
 
+def _hit_rate(cached: float, prompt: float) -> float | None:
+    """Prompt tokens found in a prefix cache over prompt tokens sent; None before any."""
+    return round(cached / prompt, 4) if prompt else None
+
+
 def _counts(v: Any) -> dict[str, int]:
     return {str(k): n for k, n in _dict(v).items() if _num(n) is not None}
 
@@ -201,6 +206,7 @@ class StatusBoard:
         launcher, launcher_seen = self.launcher or ({}, None)
         launcher_age = None if launcher_seen is None else now - launcher_seen
         rollouter, queue = self._values("rollouter"), self._values("message_queue")
+        cache = self._prefix_cache()
         return {
             "run": launcher.get("run") or (self.run.name if self.run else None),
             "run_dir": str(self.run.run_dir) if self.run else None,
@@ -215,7 +221,7 @@ class StatusBoard:
             "rollouter": self._rollouter(rollouter),
             "queue": self._queue(queue, rollouter),
             "workers": self._workers(),
-            "engines": [self._engine(e) for e in launcher.get("engines") or []
+            "engines": [self._engine(e, cache) for e in launcher.get("engines") or []
                         if isinstance(e, dict)],
             "last_sync": self._last_sync(),
             "accounting": self._accounting(rollouter, queue),
@@ -321,15 +327,37 @@ class StatusBoard:
         agent = total("agent_worker", ("running", "finished", "interrupted", "failed",
                                        "generated_tokens"))
         reward = total("reward_worker", ("ok", "error", "timeout"))
+        cache = self._prefix_cache().values()
+        agent["prefix_cache_hit_rate"] = _hit_rate(sum(c["cached_tokens"] for c in cache),
+                                                   sum(c["prompt_tokens"] for c in cache))
         return {"agent": {"count": len(self._all("agent_worker")), **agent},
                 "reward": {"count": len(self._all("reward_worker")), **reward}}
 
+    def _prefix_cache(self) -> dict[str, dict[str, int]]:
+        """Per engine URL, the agent workers' prefix-cache counters (their clients' `cache_stats`:
+        requests, prompt tokens, of which the engine found cached) summed over the workers.
+        Summed here rather than in the rollouter: the workers publish their status to the hub,
+        which the monitor reads; the rollouter does not hear it."""
+        out: dict[str, dict[str, int]] = {}
+        for values in self._all("agent_worker"):
+            for url, c in _dict(values.get("prefix_cache")).items():
+                if not isinstance(c, dict):
+                    continue
+                t = out.setdefault(str(url), {"requests": 0, "prompt_tokens": 0,
+                                              "cached_tokens": 0})
+                for k in t:
+                    t[k] += _num(c.get(k)) or 0
+        return out
+
     @staticmethod
-    def _engine(e: dict[str, Any]) -> dict[str, Any]:
+    def _engine(e: dict[str, Any], cache: dict[str, dict[str, int]]) -> dict[str, Any]:
         running, waiting = _num(e.get("running_requests")), _num(e.get("waiting_requests"))
+        c = cache.get(str(e.get("url")), {})
         return {"url": e.get("url"), "healthy": e.get("healthy"), "running_requests": running,
                 "waiting_requests": waiting, "load": (running or 0) + (waiting or 0),
-                "weight_version": e.get("weight_version")}
+                "weight_version": e.get("weight_version"),
+                "prefix_cache_hit_rate": _hit_rate(c.get("cached_tokens", 0),
+                                                   c.get("prompt_tokens", 0))}
 
     def _eval(self, r: dict[str, Any] | None) -> dict[str, Any] | None:
         """The newest finished evaluation round: the rollouter's summary (pass@k, per

@@ -103,13 +103,15 @@ def _roles_panel(snap: dict[str, Any]) -> Panel:
 def _engines_panel(snap: dict[str, Any]) -> Panel:
     table = Table(expand=True, box=None)
     table.add_column("engine", no_wrap=True)
-    for col in ("healthy", "running", "waiting", "load", "version"):
+    for col in ("healthy", "running", "waiting", "load", "version", "cache"):
         table.add_column(col)
     for e in snap.get("engines") or []:
+        hit = e.get("prefix_cache_hit_rate")  # of the prompt tokens sent, found cached
         table.add_row(str(e["url"] or "-").removeprefix("http://"),
                       Text(_fmt(e["healthy"]), "green" if e["healthy"] else "red"),
                       _fmt(e["running_requests"]), _fmt(e["waiting_requests"]),
-                      "█" * min(int(e["load"]), 10) + f" {e['load']}", _fmt(e["weight_version"]))
+                      "█" * min(int(e["load"]), 10) + f" {e['load']}", _fmt(e["weight_version"]),
+                      "-" if hit is None else f"{hit:.0%}")
     return Panel(table, title="Engines")
 
 

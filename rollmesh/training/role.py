@@ -88,6 +88,7 @@ class Link:
         self.mq = RpcClient(t, settings.message_queue, timeout_s=60, name="message queue")
         self.feed = BatchFeed(self.mq, state.exp.rollout.batch_groups, log=ctx.log)
         self.evals = Evaluations(ctx if state.exp.rollout.eval_every else None)
+        self.prefix_cache = PrefixCacheFigures(ctx)
         self.sender = (WeightSender(t, to_dict(settings), state.exp.sync, state.device,
                                     api_key=run_api_key(ctx.spec.keys_dir))
                        if settings.synchronizer else None)
@@ -109,6 +110,7 @@ class Link:
             await self.sender.open()
         self._serving = asyncio.create_task(self.server.serve())
         self.evals.open()
+        self.prefix_cache.open()
         return {"rpc": self.server.address}
 
     async def close(self) -> None:
@@ -118,6 +120,7 @@ class Link:
             await self.sender.close()
         self.feed.close()
         self.evals.close()
+        self.prefix_cache.close()
         self.mq.close()
         self.server.close()
         if self.sinks is not None:  # W&B finishes its run and stops its service process
@@ -160,6 +163,74 @@ class Link:
         self.ctx.log.info("weights_republished", version=self.state.version,
                           broadcast_s=round(timings.get("sync_broadcast_s", 0.0), 4),
                           attempts=timings.get("sync_attempts"))
+
+
+class PrefixCacheFigures:
+    """The engines' prefix-cache hit rate for metrics.jsonl, from the agent workers' status (each
+    publishes its client's per-engine counters, `prefix_cache`, on the hub every status interval
+    as topic `metrics.agent_worker.<i>`; rank 0 subscribes). `step_metrics` gives, for the
+    prompt tokens sent since the last row, the share the engines found cached: overall
+    (`prefix_cache_hit_rate`) and per engine (`prefix_cache_hit_rate/<host:port>`); nothing when
+    no new count was heard (steps closer together than the workers' status interval, 1 s, skip
+    it: the next row covers their tokens) or there is no hub. A worker's counters start again
+    when it restarts: its figures then count from zero."""
+
+    def __init__(self, ctx: RoleContext | None):
+        self.ctx = ctx
+        self.latest: dict[str, dict[str, tuple[int, int]]] = {}  # topic -> url -> (prompt, cached)
+        self._reported: dict[tuple[str, str], tuple[int, int]] = {}
+        self._sub: Subscriber | None = None
+        self._task: asyncio.Task | None = None
+
+    def open(self) -> None:
+        self._sub = self.ctx.subscribe("metrics.agent_worker.") if self.ctx is not None else None
+        if self._sub is not None:
+            self._task = asyncio.create_task(self._receive(self._sub), name="prefix_cache")
+
+    def take(self, topic: str, rec: Any) -> None:
+        values = rec.values if isinstance(rec, Metrics) and isinstance(rec.values, dict) else {}
+        figures = values.get("prefix_cache")
+        if not isinstance(figures, dict):
+            return
+        counts = {}
+        for url, c in figures.items():
+            try:
+                counts[str(url)] = (int(c["prompt_tokens"]), int(c["cached_tokens"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+        self.latest[topic] = counts
+
+    def step_metrics(self) -> dict[str, float]:
+        sent: dict[str, list[int]] = {}
+        for topic, counts in self.latest.items():
+            for url, (prompt, cached) in counts.items():
+                before = self._reported.get((topic, url), (0, 0))
+                if prompt < before[0] or cached < before[1]:
+                    before = (0, 0)  # the worker restarted: its counters began again
+                self._reported[(topic, url)] = (prompt, cached)
+                t = sent.setdefault(url, [0, 0])
+                t[0] += prompt - before[0]
+                t[1] += cached - before[1]
+        out: dict[str, float] = {}
+        total = [sum(t[0] for t in sent.values()), sum(t[1] for t in sent.values())]
+        if total[0] > 0:
+            out["prefix_cache_hit_rate"] = round(total[1] / total[0], 4)
+        for url, (prompt, cached) in sorted(sent.items()):
+            if prompt > 0:
+                name = url.split("://", 1)[-1]
+                out[f"prefix_cache_hit_rate/{name}"] = round(cached / prompt, 4)
+        return out
+
+    async def _receive(self, sub: Subscriber) -> None:
+        while True:
+            topic, rec = await sub.recv()
+            self.take(topic, rec)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._sub is not None:
+            self._sub.close()
 
 
 class Evaluations:
@@ -313,6 +384,7 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
             evaluated = link.evals.unreported()  # each round once, the step after it arrives
             if evaluated is not None:
                 metrics.update(eval_metrics(evaluated.summary()))  # eval_pass@k, eval/{source}/..
+            metrics.update(link.prefix_cache.step_metrics())  # prefix_cache_hit_rate[/engine]
             link.report(metrics)
         # after the step's row: a checkpoint never holds a step whose row was not written
         # (killed in between, the step is trained again and its row written again)

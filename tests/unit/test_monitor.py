@@ -79,15 +79,25 @@ def trainer_values(step: int) -> dict:
             "grad_norm": 0.8, "lr": 1e-6}
 
 
+# two agent workers' clients' counters for the engine (EngineClient.cache_stats): the monitor
+# sums them per engine URL, 900 of 1200 prompt tokens cached; the second worker also used an
+# engine the launcher does not list (it counts in the overall rate only)
+CACHE_0 = {"requests": 8, "prompt_tokens": 800, "cached_tokens": 700, "hit_rate": 0.875}
+CACHE_1 = {"requests": 4, "prompt_tokens": 400, "cached_tokens": 200, "hit_rate": 0.5}
+
+
 def role_values(step: int) -> list[tuple[str, int, str, dict]]:
     """(role, instance, host, the role's stats) as each role publishes them."""
     return [
         ("rollouter", 0, "local", ROLLOUTER),
         ("message_queue", 0, "local", QUEUE),
         ("agent_worker", 0, "local", {"running": 3, "finished": 40, "interrupted": 2, "failed": 1,
-                                      "generated_tokens": 9000}),
+                                      "generated_tokens": 9000,
+                                      "prefix_cache": {ENGINES[0]["url"]: CACHE_0}}),
         ("agent_worker", 1, "gpu-2", {"running": 1, "finished": 30, "interrupted": 3,
-                                      "failed": 0, "generated_tokens": 7000}),
+                                      "failed": 0, "generated_tokens": 7000,
+                                      "prefix_cache": {ENGINES[0]["url"]: CACHE_1,
+                                                       "http://10.0.0.9:1": CACHE_1}}),
         ("reward_worker", 0, "local", {"ok": 60, "error": 1, "timeout": 2}),
         ("trainer", 0, "gpu-1", trainer_values(step)),
         ("synchronizer", 0, "local", SYNC),
@@ -202,9 +212,10 @@ def test_monitor_json_once_shows_every_field(tmp_path):
                                "rollouter": {"filtered": 4, "reward_failed": 2}}
 
     assert snap["workers"]["agent"] == {"count": 2, "running": 4, "finished": 70,
-                                        "interrupted": 5, "failed": 1, "generated_tokens": 16000}
+                                        "interrupted": 5, "failed": 1, "generated_tokens": 16000,
+                                        "prefix_cache_hit_rate": round(1100 / 1600, 4)}
     assert snap["workers"]["reward"] == {"count": 1, "ok": 60, "error": 1, "timeout": 2}
-    assert snap["engines"] == [{**ENGINES[0], "load": 7}]
+    assert snap["engines"] == [{**ENGINES[0], "load": 7, "prefix_cache_hit_rate": 0.75}]
     assert snap["last_sync"] == {**SYNC["last_sync"], "ok": True, "syncs": 3, "failures": 0}
     assert snap["failure"] is None
     assert snap["accounting"] == {"admitted": 64, "consumed": 36, "dropped_total": 8,
@@ -306,7 +317,8 @@ def test_dashboard_renders_every_panel():
     console.print(render(board.snapshot(now=5.5), width=console.width))
     text = console.export_text()
     for label in ("rollmesh monitor", "local-1", "running", "0:00:42", "Roles", "agent_worker[1]",
-                  "gpu-2", "silent", "restarts", "Engines", "127.0.0.1:28010", "Workers",
+                  "gpu-2", "silent", "restarts", "Engines", "127.0.0.1:28010", "cache", "75%",
+                  "Workers",
                   "generated tokens", "Trainer", "weight version", "reward mean", "reward history",
                   "tokens/s", "1,234", "Rollouter", "admitted", "in flight", "cancel queue",
                   "MessageQueue", "staleness", "dropped", "reward_failed", "stale", "Last sync",
