@@ -65,7 +65,8 @@ from rollmesh.wire.messages import (
     SyncRequest,
     WeightVersion,
 )
-from rollmesh.engine.client import EngineClient, run_api_key, serves_other_version
+from rollmesh.engine.answers import serves_other_version
+from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.runtime.process import RoleContext
 from rollmesh.wire.transport import RpcClient, RpcServer
 

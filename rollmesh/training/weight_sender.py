@@ -69,7 +69,8 @@ from typing import Any
 
 import torch
 
-from rollmesh.engine.client import EngineClient, EngineError, serves_other_version
+from rollmesh.engine.answers import serves_other_version
+from rollmesh.engine.client import EngineClient, EngineError
 from rollmesh.runtime.log import get_logger
 from rollmesh.wire.messages import SyncDone, SyncGo, SyncRequest
 from rollmesh.training.ranks import full_tensor

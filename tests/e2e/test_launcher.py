@@ -112,6 +112,22 @@ def check_accounting(run_dir: Path) -> dict:
     return summary
 
 
+def assert_staleness_rule(rows: list[dict], summary: dict) -> None:
+    """What `staleness.measure` promises of every trained batch. `oldest_token`: its oldest
+    token within max_staleness. `admission`: nothing was dropped as stale, and every batch's
+    age since admission is at least its staleness (generation begins at admission or later),
+    both reported."""
+    bound = summary["max_staleness"]
+    if summary["staleness_measure"] == "oldest_token":
+        for row in rows:
+            assert row["batch_staleness_max"] <= bound, row
+        return
+    assert summary["staleness_measure"] == "admission", summary
+    assert not summary["dropped"].get("stale"), summary["dropped"]
+    for row in rows:
+        assert row["batch_admission_age_max"] >= row["batch_staleness_max"], row
+
+
 def kill_and_await_restart(run_dir: Path, name: str, timeout_s: float = 120) -> None:
     """kill -9 the process of the run named `name` and wait until the launcher restarted it."""
     def proc() -> dict:
@@ -165,11 +181,11 @@ def test_embedded_default_learns_within_the_bound_and_accounts_for_everything(tm
     rows = metrics(run_dir)
     summary = check_accounting(run_dir)
     assert_nothing_trained_twice(rows)
-    bound = summary["max_staleness"]
     for row in rows:
-        for key in ("step", "version", "reward_mean", "batch_staleness_max", "samples_consumed"):
+        for key in ("step", "version", "reward_mean", "batch_staleness_max",
+                    "batch_admission_age_max", "samples_consumed"):
             assert key in row, key
-        assert row["batch_staleness_max"] <= bound, row
+    assert_staleness_rule(rows, summary)
     rewards = [r["reward_mean"] for r in rows]
     fifth = len(rewards) // 5
     first, last = sum(rewards[:fifth]) / fifth, sum(rewards[-fifth:]) / fifth

@@ -143,7 +143,8 @@ def test_a_new_stream_replaces_the_open_one_and_credit_for_another_is_refused(tm
 @pytest.mark.slow
 def test_a_stream_checks_staleness_at_its_version_and_refuses_a_bad_request(tmp_path):
     async def body(t, sup):
-        mq, address, producer = await queue_and_clients(t, sup, tmp_path)  # max_staleness 1
+        mq, address, producer = await queue_and_clients(  # max_staleness 1
+            t, sup, tmp_path, overrides=("staleness.measure=oldest_token",))
         await producer.request(PutGroups(groups=[group(0, version=0), group(1, version=1),
                                                  group(2, version=2)]))
         client = RpcClient(t, address, timeout_s=10)

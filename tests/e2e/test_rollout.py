@@ -48,8 +48,9 @@ async def settle(d, consumed: int):
 
 
 def test_staleness_bound_holds_and_stale_samples_are_dropped(tmp_path):
+    """The `oldest_token` rule: nothing handed out past the bound, stale groups dropped."""
     exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=12",
-                     "staleness.max_staleness=1")
+                     "staleness.max_staleness=1", "staleness.measure=oldest_token")
 
     async def body(stack):
         d = stack.driver
@@ -94,6 +95,55 @@ def test_staleness_bound_holds_and_stale_samples_are_dropped(tmp_path):
     assert set(stats["mq"]["staleness_hist"]) <= {"0", "1"}
     admitted, accounted = accounting(stats, consumed)
     assert admitted == accounted and admitted > consumed
+
+
+def test_under_the_admission_rule_old_groups_are_trained_and_admission_holds_the_bound(tmp_path):
+    """The default rule (`staleness.measure = "admission"`): groups queued before three syncs
+    in which nothing was consumed are handed out, not dropped (each with both ages counted),
+    the earliest admitted first, and admission never passed (max_staleness + v + 1) x
+    per_version groups."""
+    exp = experiment(write_dataset(tmp_path / "d.jsonl", ROWS), "rollout.max_new_tokens=12",
+                     "staleness.max_staleness=1")
+    assert exp.staleness.measure == "admission"
+    per_version = exp.rollout.batch_groups * exp.sync.sync_every
+
+    async def body(stack):
+        d = stack.driver
+        consumed, seen, admitted_at = 0, [], []
+        for step in range(2):
+            for g in await d.take(2):
+                consumed += len(g.trajectories)
+            await d.sync()
+        await d.wait_for(lambda s: s["mq"]["depth_groups"] >= 2, what="groups queued")
+        for _ in range(3):
+            await d.sync()
+        # nothing consumed for three versions: admission stops at its bound, nothing is dropped
+        full = await d.wait_for(
+            lambda s: s["rollouter"]["running_groups"] == 0 and s["rollouter"]["pending"] == 0,
+            what="the rollout to stop at its admission bound")
+        for g in await d.take(2):
+            seen.append(d.version - oldest_version(g))
+            admitted_at.append(g.version_admitted)
+            consumed += len(g.trajectories)
+        for _ in range(10):  # the queue is full of trainable groups: take until all are in it
+            if (await d.rollouter_stats())["ready_groups"] == 0:
+                break
+            consumed += sum(len(g.trajectories) for g in await d.take(2))
+        stats = await settle(d, consumed)
+        return seen, admitted_at, full, stats, consumed, d.version
+
+    seen, admitted_at, full, stats, consumed, version = run(tmp_path, exp, body)
+    assert min(seen) >= 3, seen  # made at version <= 2, handed out at 5: kept
+    assert admitted_at == sorted(admitted_at) and max(admitted_at) <= 2, admitted_at
+    assert stats["mq"]["dropped"].get("stale", 0) == 0 and "stale" not in stats["rollouter"][
+        "dropped"], stats
+    bound = (exp.staleness.max_staleness + version + 1) * per_version
+    assert stats["rollouter"]["admitted_groups"] <= bound, (stats["rollouter"], bound)
+    assert full["rollouter"]["admitted_groups"] <= bound
+    ages = {int(k) for k in stats["mq"]["admission_age_hist"]}
+    assert max(ages) >= 3 and stats["mq"]["staleness_measure"] == "admission"
+    admitted, accounted = accounting(stats, consumed)
+    assert admitted == accounted
 
 
 def test_pause_mid_generation_resumes_without_generating_anything_twice(tmp_path):

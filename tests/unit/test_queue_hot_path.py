@@ -204,8 +204,9 @@ def test_put_ready_shares_what_is_ready_over_the_puts_it_may_have_out():
 # -- the queue role: the stream ------------------------------------------------------------------
 
 
-async def queue_and_clients(t, sup, tmp_path, n: int = 0, **config):
-    mq = spawn_queue(sup, tmp_path / "mq", **config)
+async def queue_and_clients(t, sup, tmp_path, n: int = 0, overrides: tuple[str, ...] = (),
+                            **config):
+    mq = spawn_queue(sup, tmp_path / "mq", overrides, **config)
     address = (await sup.wait_ready(mq, 60))["rpc"]
     producer = RpcClient(t, address, timeout_s=10, retries=3)
     if n:
