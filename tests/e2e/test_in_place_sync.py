@@ -97,7 +97,7 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
     answers (every row asks ignore_eos; an engine running at most 8 requests, so generation is
     the bottleneck and answers are running at every sync): the trainer's publisher pauses the
     engine in place at each sync, the requests running at that moment are kept and finished
-    (none aborted until the run ends), every trained batch is within the staleness bound, and
+    (none aborted until the run ends), every trained batch follows the staleness rule, and
     the accounting identity holds."""
     from tests.e2e.test_launcher import (
         assert_staleness_rule, check_accounting, finish, launch, metrics,
@@ -110,7 +110,7 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
     run_dir = tmp_path / "run"
     steps = 5
     proc = launch(run_dir, "--set", 'sync.pause_mode="in_place"', "--set",
-                  f"trainer.total_steps={steps}", "--set", "rollout.max_new_tokens=80", "--set",
+                  f"trainer.total_steps={steps}", "--set", "rollout.max_new_tokens=160", "--set",
                   "engine.max_running_requests=8", "--set",
                   f"data.train_path={json.dumps(str(data))}", "--set", "rollout.eval_every=0")
     out = finish(proc, timeout_s=300)

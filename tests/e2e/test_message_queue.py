@@ -30,7 +30,8 @@ from tests.unit.test_trainer import with_supervisor
 @pytest.mark.slow
 def test_killed_queue_comes_back_at_its_address_with_its_groups_and_counters(tmp_path):
     async def body(t, sup):
-        mq = spawn_queue(sup, tmp_path / "mq")
+        # the oldest-token rule, which drops at a new version (the admission rule never does)
+        mq = spawn_queue(sup, tmp_path / "mq", ("staleness.measure=oldest_token",))
         address = (await sup.wait_ready(mq, 60))["rpc"]
         client = RpcClient(t, address, timeout_s=5, retries=3)  # survives the restart
         for i in range(6):
