@@ -349,22 +349,10 @@ class Launcher:
         """The router exited: start it again (the same port; the agent workers' generations
         wait for it through rollout.engine_wait_s), within engine.max_restarts per window."""
         assert self.router is not None
-        r, limit = self.router, self.exp.engine.max_restarts
+        r = self.router
         while True:
-            now = time.monotonic()
-            r.restart_times = [t for t in r.restart_times if now - t < ENGINE_RESTART_WINDOW_S]
-            if len(r.restart_times) >= limit:
-                self.failed_log = r.log_path
-                raise RuntimeError(
-                    f"the router keeps exiting ({len(r.restart_times)} restarts within "
-                    f"{ENGINE_RESTART_WINDOW_S:g}s, engine.max_restarts={limit}; exit code "
-                    f"{r.process.returncode}, log: {r.log_path})")
-            r.restarts += 1
-            r.restart_times.append(now)
+            self.count_restart(r, "the router")
             log.warning("router_restart", restarts=r.restarts, code=r.process.returncode)
-            self.console.event(f"the router exited with code {r.process.returncode}; "
-                               f"restarting it ({len(r.restart_times)} within "
-                               f"{ENGINE_RESTART_WINDOW_S:g}s, of {limit})")
             self.start_router()
             try:
                 await self.wait_router()
@@ -506,25 +494,30 @@ class Launcher:
         self.children[name] = self.sup.respawn(child)
         await self.sup.wait_ready(self.children[name], 120)
 
+    def count_restart(self, p: Any, name: str) -> None:
+        """One more restart of `p` (an engine or the router: `restarts`, `restart_times`,
+        `process`, `log_path`), within engine.max_restarts per ENGINE_RESTART_WINDOW_S:
+        counted and announced, or RuntimeError naming its log once the budget is spent."""
+        limit, now = self.exp.engine.max_restarts, time.monotonic()
+        p.restart_times = [t for t in p.restart_times if now - t < ENGINE_RESTART_WINDOW_S]
+        if len(p.restart_times) >= limit:
+            self.failed_log = p.log_path
+            raise RuntimeError(
+                f"{name} keeps exiting ({len(p.restart_times)} restarts within "
+                f"{ENGINE_RESTART_WINDOW_S:g}s, engine.max_restarts={limit}; exit code "
+                f"{p.process.returncode}, log: {p.log_path})")
+        p.restarts += 1
+        p.restart_times.append(now)
+        self.console.event(f"{name} exited with code {p.process.returncode}; restarting it "
+                           f"({len(p.restart_times)} within {ENGINE_RESTART_WINDOW_S:g}s, "
+                           f"of {limit})")
+
     async def restart_engine(self, e: EngineProc) -> None:
-        limit = self.exp.engine.max_restarts
         while True:
-            now = time.monotonic()
-            e.restart_times = [t for t in e.restart_times if now - t < ENGINE_RESTART_WINDOW_S]
-            if len(e.restart_times) >= limit:
-                self.failed_log = e.log_path
-                raise RuntimeError(
-                    f"engine[{e.planned.proc.index}] keeps exiting ({len(e.restart_times)} "
-                    f"restarts within {ENGINE_RESTART_WINDOW_S:g}s, engine.max_restarts="
-                    f"{limit}; exit code {e.process.returncode}, log: {e.log_path})")
-            e.restarts += 1
-            e.restart_times.append(now)
+            self.count_restart(e, f"engine[{e.planned.proc.index}]")
             log.warning("engine_restart", engine=e.planned.proc.index, restarts=e.restarts,
-                        recent=len(e.restart_times), limit=limit,
+                        recent=len(e.restart_times), limit=self.exp.engine.max_restarts,
                         window_s=ENGINE_RESTART_WINDOW_S)
-            self.console.event(f"engine[{e.planned.proc.index}] exited with code "
-                               f"{e.process.returncode}; restarting it ({len(e.restart_times)} "
-                               f"within {ENGINE_RESTART_WINDOW_S:g}s, of {limit})")
             # It comes back with the initial weights, reported as version 0; the synchronizer
             # (EnginesChanged) and the trainer's check send it the current ones.
             self.start_engine(e)
