@@ -447,6 +447,14 @@ class SyncConfig:
         "for each broadcast (no extra memory)",
         False,
     )
+    transport: Literal["auto", "broadcast", "handles"] = _field(
+        "how the weights reach the engines: `broadcast` = the weight-update group (any host); "
+        "`handles` = by handle on the trainer's own host, no socket copy "
+        "(/update_weights_from_tensor: shared memory from a CPU trainer, CUDA IPC from a GPU "
+        "one; SGLang engines need a GPU trainer); `auto` = handles when every engine URL is "
+        "on the trainer's host and the engine kind takes them, else broadcast",
+        "broadcast",
+    )
 
 
 @dataclass(kw_only=True)

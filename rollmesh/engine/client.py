@@ -642,6 +642,19 @@ class EngineClient:
                             self.control_timeout_s) for s in self.servers]
         return asyncio.create_task(self._checked("update_weights_from_distributed", calls))
 
+    async def update_weights_from_tensor(self, body_for: Any) -> None:
+        """POST /update_weights_from_tensor to every server, `body_for(server)` each (its
+        handles depend on the server's TP size); raises unless all succeed."""
+        await self._checked("update_weights_from_tensor", [
+            self._call(s, "POST", "/update_weights_from_tensor", body_for(s),
+                       self.control_timeout_s) for s in self.servers])
+
+    async def weight_update_session(self, begin: bool) -> None:
+        """SGLang 0.5.23's /begin_weight_update or /end_weight_update on every server."""
+        path = "/begin_weight_update" if begin else "/end_weight_update"
+        await self._checked(path.lstrip("/"), [
+            self._call(s, "POST", path, {}, self.control_timeout_s) for s in self.servers])
+
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         await self._checked("destroy_weights_update_group", [
             self._call(s, "POST", "/destroy_weights_update_group", {"group_name": group_name},

@@ -79,6 +79,7 @@ from rollmesh.weight_sync.buckets import (
     BucketSender, Snapshot, WeightSpec, plan_buckets, update_body,
 )
 from rollmesh.weight_sync.group import init_weight_update_group
+from rollmesh.weight_sync import handles
 
 log = get_logger("rollmesh.weight_sync")
 
@@ -156,6 +157,12 @@ class WeightSender:
         self.stream: Any = None  # CUDA: the side stream snapshots are copied and sent on
         self.copied: Any = None  # CUDA: the event recorded after the last snapshot's copies
         self.hooked: Any = None  # the optimizer whose steps wait for `copied`
+        # sync.transport: "handles" sends by handle on this host (`_send_handles`), no group
+        self.engine_kind = (config.get("experiment") or {}).get("engine", {}).get("kind",
+                                                                                  "builtin")
+        self.transport = handles.choose_transport(sync.transport, config["engines"],
+                                                  self.address, self.engine_kind, device)
+        self.packed: handles.Packed | None = None  # the handles' flat buffer, kept
 
     async def open(self) -> None:
         await self.engines.__aenter__()
@@ -171,6 +178,8 @@ class WeightSender:
             await self.members.close()
         await self.engines.close()
         self.synchronizer.close()
+        if self.packed is not None:  # the shared-memory segment is unlinked
+            self.packed.close()
 
     async def choose_members(self) -> None:
         """The engines the next group is built with: those that answer /health now."""
@@ -302,10 +311,57 @@ class WeightSender:
             if in_place:  # the engines keep their requests (and KV) while the weights land
                 assert self.members is not None
                 await self.members.pause("in_place")
+            if self.transport == "handles":
+                return await self._send_handles(specs, version, tensors, snapshot)
             return await self._broadcast(specs, tensors, version, snapshot)
         finally:
             if in_place:
                 await self.resume_engines()
+
+    async def _send_handles(self, specs: list[WeightSpec], version: int,
+                            tensors: Iterator[torch.Tensor] | None,
+                            snapshot: Snapshot | None) -> int:
+        """sync.transport = "handles": every tensor packed into the kept flat buffer (shared
+        memory, or one CUDA buffer shared by IPC), then one /update_weights_from_tensor per
+        engine carrying its handles; the engines copy from it and answer, then the buffer may
+        change again. Same attempts, verify and SyncDone as a broadcast; no group."""
+        assert self.members is not None
+        members = self.members
+        packed = self.packed = self.packed or handles.Packed(self.model_device)
+        entries, size = handles.layout(specs)
+
+        def fill() -> None:
+            packed.ensure(size)
+            src = tensors if snapshot is None else (snapshot.tensor(i)
+                                                    for i in range(len(specs)))
+            packed.fill(entries, src)
+
+        await asyncio.to_thread(fill)
+        assert packed.flat is not None
+        if packed.device.type == "cuda":
+            cuda = handles.cuda_handle(packed.flat)
+            named = [(e.name, handles.view_of(packed.flat, e)) for e in entries]
+        base = {"flush_cache": self.sync.pause_mode != "in_place",
+                "abort_all_requests": False, "weight_version": str(version)}
+
+        def body_for(server: Any) -> dict[str, Any]:
+            if self.engine_kind == "sglang":  # SGLang's own pickled form (it reads it)
+                return {**base, "load_format": None, "serialized_named_tensors":
+                        handles.sglang_payload(named, server.tp_size)}
+            table = (handles.encode_handles(entries, cuda=cuda) if packed.device.type == "cuda"
+                     else handles.encode_handles(entries, segment=packed.name,
+                                                 segment_size=size))
+            return {**base, "load_format": handles.LOAD_FORMAT,
+                    "serialized_named_tensors": [table]}
+
+        if self.engine_kind == "sglang":  # SGLang 0.5.23 loads only inside a session
+            await members.weight_update_session(begin=True)
+        try:
+            await members.update_weights_from_tensor(body_for)
+        finally:
+            if self.engine_kind == "sglang":
+                await members.weight_update_session(begin=False)
+        return sum(e.nbytes for e in entries)
 
     # -- overlapped syncs (rank 0) ------------------------------------------------------------
 

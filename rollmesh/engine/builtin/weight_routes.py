@@ -1,7 +1,10 @@
 """The built-in engine's weight routes, as SGLang 0.5.23 serves them (docs/sglang-api.md):
 
     POST /init_weights_update_group, /update_weights_from_distributed,
-         /destroy_weights_update_group, /update_weights_from_disk, /update_weight_version
+         /destroy_weights_update_group, /update_weights_from_disk, /update_weight_version,
+         /update_weights_from_tensor (by handle: `rollmesh.weight_sync.handles`; this engine
+         takes only load_format "rollmesh_handles", never a pickle),
+         /begin_weight_update, /end_weight_update (SGLang's session around updates)
     GET|POST /get_weights_by_name
 
 bound to a running `EngineServer` (server.py: its scheduler, model, device and log). A
@@ -31,6 +34,8 @@ from rollmesh.weight_sync.buckets import (
     receive_weights,
 )
 from rollmesh.weight_sync.group import destroy_weight_update_group, init_weight_update_group
+from rollmesh.weight_sync.handles import LOAD_FORMAT as HANDLES_FORMAT
+from rollmesh.weight_sync.handles import decode_handles, load_from_handles
 from rollmesh.weight_sync.tensors import (
     WeightUpdateError,
     check_update,
@@ -63,6 +68,9 @@ class WeightRoutes:
         router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         router.add_post("/update_weight_version", self.update_weight_version)
+        router.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        router.add_post("/begin_weight_update", self.weight_update_session)
+        router.add_post("/end_weight_update", self.weight_update_session)
         router.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
         router.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
 
@@ -161,6 +169,53 @@ class WeightRoutes:
             self.server.log.warning("weights_update_failed", source="distributed", error=str(e))
             return _result(False, f"update_weights_from_distributed failed: {e}")
         return _result(True, f"Succeeded to update parameter online ({n} tensors).")
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's body (`serialized_named_tensors`, one entry per TP rank: this engine has
+        one), each entry rollmesh's msgpack handle table; the tensors are copied from the
+        trainer's shared memory (or CUDA IPC buffer) into the model on the scheduler thread."""
+        b = await read_body(request)
+        load_format, entries = b.get("load_format"), b.get("serialized_named_tensors")
+        if load_format != HANDLES_FORMAT:
+            return _result(False, f"load_format {load_format!r}: this engine takes only "
+                                  f"{HANDLES_FORMAT!r} (handles in msgpack; it reads no pickle)")
+        if not isinstance(entries, list) or len(entries) != 1:
+            return _result(False, "serialized_named_tensors: expected a list of one entry "
+                                  "(this engine has one TP rank)")
+        version = b.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            return _result(False, f"weight_version must be a string, got {version!r}")
+        try:
+            table = decode_handles(entries[0])
+        except WeightUpdateError as e:
+            return _result(False, f"update_weights_from_tensor failed: {e}")
+
+        def load(s: Scheduler) -> int:
+            start = time.perf_counter()
+            s.weights_changing()
+            n = load_from_handles(self.server.model, table)
+            if version is not None:  # only once every tensor is in
+                s.weight_version = version
+            self.server.log.info("weights_updated", source="tensor", kind=table["kind"],
+                                 tensors=n, weight_version=s.weight_version,
+                                 seconds=time.perf_counter() - start)
+            return n
+
+        if b.get("abort_all_requests", False):
+            self.server.scheduler.abort(abort_all=True)
+        self._warn_unflushable(b, "tensor")
+        try:
+            n = await self.server.scheduler_call("call", load)
+        except (WeightUpdateError, RuntimeError, ValueError) as e:
+            self.server.log.warning("weights_update_failed", source="tensor", error=str(e))
+            return _result(False, f"update_weights_from_tensor failed: {e}")
+        return _result(True, f"Succeeded to update parameter online ({n} tensors).")
+
+    async def weight_update_session(self, request: web.Request) -> web.Response:
+        """/begin_weight_update and /end_weight_update: SGLang 0.5.23 takes weight updates only
+        inside such a session; this engine needs none, and answers both as SGLang does."""
+        await read_body(request, optional=True)
+        return _result(True, "Success")
 
     def _warn_unflushable(self, body: dict[str, Any], source: str) -> None:
         """An update asking `flush_cache` (the default) while requests are kept (an in-place
