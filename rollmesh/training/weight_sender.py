@@ -341,18 +341,16 @@ class WeightSender:
         if packed.device.type == "cuda":
             cuda = handles.cuda_handle(packed.flat)
             named = [(e.name, handles.view_of(packed.flat, e)) for e in entries]
-        base = {"flush_cache": self.sync.pause_mode != "in_place",
-                "abort_all_requests": False, "weight_version": str(version)}
+        flush = self.sync.pause_mode != "in_place"
 
         def body_for(server: Any) -> dict[str, Any]:
             if self.engine_kind == "sglang":  # SGLang's own pickled form (it reads it)
-                return {**base, "load_format": None, "serialized_named_tensors":
-                        handles.sglang_payload(named, server.tp_size)}
+                return handles.tensor_body(handles.sglang_payload(named, server.tp_size),
+                                           None, str(version), flush)
             table = (handles.encode_handles(entries, cuda=cuda) if packed.device.type == "cuda"
                      else handles.encode_handles(entries, segment=packed.name,
                                                  segment_size=size))
-            return {**base, "load_format": handles.LOAD_FORMAT,
-                    "serialized_named_tensors": [table]}
+            return handles.tensor_body([table], handles.LOAD_FORMAT, str(version), flush)
 
         if self.engine_kind == "sglang":  # SGLang 0.5.23 loads only inside a session
             await members.weight_update_session(begin=True)

@@ -136,6 +136,15 @@ def view_of(flat: torch.Tensor, e: Entry) -> torch.Tensor:
     return flat[e.offset:e.offset + e.nbytes].view(dtype).view(e.shape)
 
 
+def tensor_body(serialized: list[str], load_format: str | None, weight_version: str,
+                flush_cache: bool) -> dict[str, Any]:
+    """The body of SGLang's /update_weights_from_tensor (io_struct.py
+    UpdateWeightsFromTensorReqInput): one serialized entry per TP rank of the engine."""
+    return {"serialized_named_tensors": serialized, "load_format": load_format,
+            "flush_cache": flush_cache, "abort_all_requests": False,
+            "weight_version": weight_version}
+
+
 # -- the built-in engine's form (msgpack, plain values only) ------------------------------------
 
 def encode_handles(entries: Sequence[Entry], *, segment: str | None = None,

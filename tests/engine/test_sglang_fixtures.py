@@ -30,8 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from engine_harness import Engine
 
+from rollmesh.weight_sync.buckets import WeightSpec
+from rollmesh.weight_sync.handles import LOAD_FORMAT as HANDLES_FORMAT
+from rollmesh.weight_sync.handles import encode_handles, layout, tensor_body
 from rollmesh.engine.client import (
     EngineClient,
     EngineRequestError,
@@ -259,6 +263,9 @@ def test_client_against_sglang_bodies():
         ("POST", "/destroy_weights_update_group"): "destroy_weights_update_group",
         ("POST", "/update_weights_from_disk"): "update_weights_from_disk",
         ("POST", "/update_weight_version"): "update_weight_version",
+        ("POST", "/update_weights_from_tensor"): "update_weights_from_tensor",
+        ("POST", "/begin_weight_update"): "begin_weight_update",
+        ("POST", "/end_weight_update"): "end_weight_update",
     }
     stub = StubSGLang(routes)
 
@@ -285,6 +292,13 @@ def test_client_against_sglang_bodies():
             await client.destroy_weights_update_group()
             await client.update_weights_from_disk("/ckpt/step_3", "3")
             await client.update_weight_version("4")
+            # the body the trainer sends by handle (sync.transport = "handles")
+            entries, size = layout([WeightSpec("lm_head.weight", torch.bfloat16, (4, 2))])
+            table = encode_handles(entries, segment="rollmesh_w_1_1", segment_size=size)
+            await client.weight_update_session(begin=True)
+            await client.update_weights_from_tensor(
+                lambda _s: tensor_body([table], HANDLES_FORMAT, "3", True))
+            await client.weight_update_session(begin=False)
 
         errors = []
         for name, sent in stub.requests.items():
@@ -465,7 +479,8 @@ CONTROL = ["abort_request", "abort_request_all", "pause_generation_abort",
            "pause_generation_retract", "pause_generation_in_place", "continue_generation",
            "flush_cache", "health", "health_generate", "get_model_info", "get_weight_version",
            "get_server_info", "v1_loads", "tokenize", "tokenize_batch", "error_validation",
-           "update_weights_from_distributed_failed", "error_generate_too_long"]
+           "update_weights_from_distributed_failed", "error_generate_too_long",
+           "update_weights_from_tensor_failed", "begin_weight_update", "end_weight_update"]
 
 
 @pytest.mark.slow
