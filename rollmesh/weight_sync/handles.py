@@ -168,7 +168,7 @@ def cuda_handle(flat: torch.Tensor) -> dict[str, Any]:
     return {"device_uuid": str(torch.cuda.get_device_properties(device).uuid),
             "handle": bytes(handle), "size": int(size), "offset": int(offset),
             "ref_counter_handle": bytes(ref_handle), "ref_counter_offset": int(ref_offset),
-            "event_handle": bytes(event_handle) if event_handle else b"",
+            "event_handle": bytes(event_handle) if event_handle is not None else b"",
             "event_sync_required": bool(event_sync), "storage_offset": flat.storage_offset()}
 
 
@@ -308,10 +308,14 @@ def _open_cuda(c: dict[str, Any]) -> torch.Tensor:
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         devices[0], c["handle"], c["size"], c["offset"], c["ref_counter_handle"],
-        c["ref_counter_offset"], c["event_handle"] or None, c["event_sync_required"])
-    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{devices[0]}")
-    flat.set_(storage, c["storage_offset"], (storage.nbytes() - c["storage_offset"],))
-    return flat
+        c["ref_counter_offset"], c["event_handle"], c["event_sync_required"])
+    if not 0 <= c["storage_offset"] <= storage.nbytes():
+        raise WeightUpdateError(f"cuda handle: storage_offset {c['storage_offset']} outside "
+                                f"the shared storage ({storage.nbytes()} bytes)")
+    # as torch._utils._rebuild_tensor views a storage: an empty tensor set_ onto it
+    flat = torch.empty((0,), dtype=torch.uint8, device=f"cuda:{devices[0]}")
+    return flat.set_(storage, c["storage_offset"], (storage.nbytes() - c["storage_offset"],),
+                     (1,))
 
 
 # -- SGLang's form (written, never read) ---------------------------------------------------------

@@ -136,3 +136,10 @@ def test_a_segment_that_is_gone_is_refused():
     model, _ = build_tiny("tiny")
     with pytest.raises(WeightUpdateError, match="cannot open"):
         load_from_handles(model, decode_handles(_b64(body)))
+
+
+def test_sglangs_payload_is_written_only_for_cuda_tensors():
+    from rollmesh.weight_sync.handles import sglang_payload
+    # its form (torch's CUDA reduction, device as UUID) is checked in tests/gpu/test_sync_cuda.py
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        sglang_payload([("w", torch.zeros(2))])
