@@ -2,7 +2,7 @@
 
     python benchmarks/weight_sync.py [--dtype bfloat16|float32] [--layers 24]
         [--buckets 16,64,256,1024] [--repeats 3] [--receivers 2] [--no-load] [--skip-pause]
-        [--pause-trials 5] [--json PATH]
+        [--pause-trials 5] [--skip-broadcast] [--skip-handles] [--json PATH]
 
 1. Broadcast, over gloo on this host, of a list of tensors shaped like Qwen2.5-0.5B's (vocab
    151936, hidden 896, intermediate 4864, 24 layers, 14 query / 2 key-value heads, tied
@@ -29,7 +29,15 @@
                same tensors into rank 0's snapshot (`rollmesh.weight_sync.buckets.Snapshot`, host
                memory, kept from sync to sync), beside the best flattened broadcast (what a
                blocking sync costs it, pause and verification left out).
-2. The rollout pause window: the real rollout side (built-in engine with the tiny model,
+2. By handle on one host (`sync.transport = "handles"`, the real path): rank 0 packs the same
+   tensors into its shared-memory segment (`rollmesh.weight_sync.handles.Packed`, kept from sync
+   to sync), POSTs /update_weights_from_tensor to a built-in engine process serving a random
+   checkpoint of the same shapes (written to a temporary directory first), which maps the
+   segment and copies every tensor into its model; the reply ends the clock. Beside it the
+   memcpy floor: one `copy_` of the same bytes between two preallocated host buffers. On a GPU
+   (`--device cuda`) the trainer's buffer is CUDA memory sent by IPC handle and the floor one
+   device-to-device `copy_`.
+3. The rollout pause window: the real rollout side (built-in engine with the tiny model,
    MessageQueue, rollouter, agent and reward workers, as tests/helpers/rollout_stack.py starts them)
    generating long responses; the time from Pause sent to Paused received (every in-flight
    generation aborted and back in the cancel queue), then Resume, --pause-trials times.
@@ -65,6 +73,7 @@ from rollmesh.weight_sync.group import (  # noqa: E402
     destroy_weight_update_group, init_weight_update_group,
 )
 from rollmesh.weight_sync.tensors import dtype_from_name  # noqa: E402
+from rollmesh.weight_sync import handles  # noqa: E402
 
 GROUP = "weight_update_group"
 
@@ -244,6 +253,117 @@ def sender(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+# -- by handle ------------------------------------------------------------------------------------
+
+
+def qwen_checkpoint(path: Path, dtype: torch.dtype, layers: int) -> Path:
+    """A random checkpoint of Qwen2.5-0.5B's shapes (tied embeddings) for the engine, with the
+    tiny Qwen2.5 tokenizer (tests/helpers/hf_checkpoints.py)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.helpers.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer("qwen2.5")
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=layers, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=4096, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = Qwen2ForCausalLM._from_config(config, torch_dtype=dtype)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def median_time(fn: Any, repeats: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def by_handle(args: argparse.Namespace) -> list[dict]:
+    """The handles path into a real engine process, beside the memcpy (or d2d copy) floor."""
+    from benchmarks.engine_proc import start_engine
+
+    device = torch.device(args.device)
+    dtype = dtype_from_name(args.dtype)
+    specs = qwen25_05b_specs(dtype, args.layers)
+    total = sum(s.nbytes for s in specs)
+    gen = torch.Generator().manual_seed(1)
+    params = {s.name: torch.randn(s.shape, generator=gen).to(s.dtype).to(device) for s in specs}
+    src = torch.empty(total, dtype=torch.uint8, device=device).random_(generator=None)
+    dst = torch.empty_like(src)
+
+    def floor() -> None:
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    floor()  # pages (or the allocator) ready before the clock
+    floor_s, floor_times = median_time(floor, args.repeats)
+    results = [{"mode": "copy_floor", "seconds": floor_s, "times": floor_times}]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = qwen_checkpoint(Path(tmp) / "qwen", dtype, args.layers)
+        proc, url = start_engine("--model", str(ckpt), "--dtype", args.dtype, "--device",
+                                 args.device, "--weight-version", "0", python=sys.executable,
+                                 timeout_s=900)
+        packed = handles.Packed(device)
+        entries, size = handles.layout(specs)
+        version = [0]
+        pack_times: list[float] = []
+
+        def sync() -> None:
+            start = time.perf_counter()
+            packed.ensure(size)
+            packed.fill(entries, (params[s.name] for s in specs))
+            pack_times.append(time.perf_counter() - start)
+            table = (handles.encode_handles(entries, cuda=handles.cuda_handle(packed.flat))
+                     if device.type == "cuda" else
+                     handles.encode_handles(entries, segment=packed.name, segment_size=size))
+            version[0] += 1
+            reply = _post(url + "/update_weights_from_tensor", handles.tensor_body(
+                [table], handles.LOAD_FORMAT, str(version[0]), False))
+            if not reply.get("success"):
+                raise RuntimeError(f"the engine refused the update: {reply}")
+
+        try:
+            sync()  # the first: the segment is created, the engine's pages are touched
+            seconds, times = median_time(sync, args.repeats)
+            got = _post(url + "/get_weights_by_name", {"name": "model.norm.weight",
+                                                       "truncate_size": 1 << 30})
+            want = params["model.norm.weight"].float().cpu()
+            if not torch.equal(torch.tensor(got, dtype=torch.float32), want):
+                raise RuntimeError("the engine does not hold the weights sent")
+        finally:
+            packed.close()
+            proc.terminate()
+            proc.wait(60)
+    pack_s = statistics.median(pack_times[1:])
+    results.append({"mode": "handles", "seconds": seconds, "times": times, "pack_s": pack_s})
+    what = "d2d copy_" if device.type == "cuda" else "memcpy"
+    print(f"  {what + ' floor (same bytes)':32s} {floor_s:8.3f} s  {total / floor_s / 1e9:6.2f} "
+          f"GB/s  (runs: {', '.join(f'{t:.3f}' for t in floor_times)})", flush=True)
+    print(f"  {'handles (pack + route + load)':32s} {seconds:8.3f} s  {total / seconds / 1e9:6.2f}"
+          f" GB/s  x{seconds / floor_s:5.2f} of the floor; pack {pack_s:.3f} s, route and engine "
+          f"load {seconds - pack_s:.3f} s  (runs: {', '.join(f'{t:.3f}' for t in times)})",
+          flush=True)
+    return results
+
+
+def _post(url: str, body: Any) -> Any:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
+
+
 # -- pause window ---------------------------------------------------------------------------------
 
 
@@ -302,6 +422,10 @@ def main() -> int:
     p.add_argument("--receivers", type=int, default=2)
     p.add_argument("--no-load", action="store_true")
     p.add_argument("--skip-pause", action="store_true")
+    p.add_argument("--skip-broadcast", action="store_true")
+    p.add_argument("--skip-handles", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="the handles section: shared memory (cpu) or CUDA IPC (cuda)")
     p.add_argument("--pause-trials", type=int, default=5)
     p.add_argument("--json", default=None, metavar="PATH",
                    help="write the comparison rows (benchmarks/results.py) there")
@@ -312,26 +436,47 @@ def main() -> int:
         args.rank = args.receiver_rank
         receiver(args)
         return 0
-    print("1. weight broadcast", flush=True)
-    results = sender(args)
+    results = []
+    if not args.skip_broadcast:
+        print("1. weight broadcast", flush=True)
+        results = sender(args)
+    by_hand = []
+    if not args.skip_handles:
+        print(f"2. by handle on one host ({args.device})", flush=True)
+        by_hand = by_handle(args)
     pauses = []
     if not args.skip_pause:
-        print("2. rollout pause window (tiny model, built-in engine, 8 groups x 2 generating)",
+        print("3. rollout pause window (tiny model, built-in engine, 8 groups x 2 generating)",
               flush=True)
         pauses = asyncio.run(pause_window(args.pause_trials))
         ps = [x["pause_s"] for x in pauses]
         print(f"  Pause -> Paused: median {statistics.median(ps) * 1000:.1f} ms, "
               f"max {max(ps) * 1000:.1f} ms", flush=True)
-    print(json.dumps({"broadcast": results, "pause": pauses}))
-    write(args.json, rows(args, results, pauses))
+    print(json.dumps({"broadcast": results, "handles": by_hand, "pause": pauses}))
+    write(args.json, rows(args, results, pauses, by_hand))
     return 0
 
 
-def rows(args: argparse.Namespace, results: list[dict], pauses: list[dict]) -> list[dict]:
+def rows(args: argparse.Namespace, results: list[dict], pauses: list[dict],
+         by_hand: list[dict]) -> list[dict]:
+    out = []
+    if by_hand:
+        floor, sync = by_hand
+        out.append(row(
+            f"weight sync by handle ({args.device}) vs a copy of the same bytes",
+            sync["seconds"], floor["seconds"], "s",
+            baseline_name=("one device-to-device copy_" if args.device == "cuda"
+                           else "one memcpy between preallocated host buffers"),
+            higher_is_better=False, target=1.5,
+            note=f"{args.layers} layers {args.dtype}, median of {args.repeats}; pack into "
+                 f"{'CUDA IPC memory' if args.device == 'cuda' else 'shared memory'} "
+                 f"({sync['pack_s']:.3f} s) + /update_weights_from_tensor + the engine "
+                 "process's copy into its model"))
+    if not results:
+        return out
     floor = next(r for r in results if r["mode"] == "floor")
     flattened = [r for r in results if r["mode"] == "flattened_bucket"]
     snapshot = next((r for r in results if r["mode"] == "snapshot"), None)
-    out = []
     if flattened and snapshot:
         best = min(flattened, key=lambda r: r["seconds"])
         out.append(row(
