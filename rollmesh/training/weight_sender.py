@@ -15,6 +15,11 @@ of its bytes (SGLang and the built-in engine both take it), pipelined: bucket i+
 bucket i is on the wire. Memory on rank 0: one gathered tensor, plus at most two bucket buffers
 (kept between syncs) when buckets travel flattened.
 
+By handle (`sync.transport = "handles"`, or "auto" with every engine on this host): no group
+and no broadcast; `_send_handles` packs the weights into one buffer kept between syncs (shared
+memory, or CUDA memory shared by IPC) and sends each engine its handles on
+`/update_weights_from_tensor` (`rollmesh.weight_sync.handles`); the rest of the flow is the same.
+
 In-place pause (`sync.pause_mode = "in_place"`): the rollouter pauses without cancelling
 anything, and rank 0 pauses the engines in place (`/pause_generation {"mode": "in_place"}`, the
 requests and their KV kept) right after SyncGo, before the first bucket, and resumes them

@@ -13,7 +13,6 @@ import pickle
 
 import msgpack
 import pytest
-import torch
 
 from rollmesh.training.weight_sender import finish_sync, sync_weights
 from rollmesh.weight_sync.handles import SHM_DIR
