@@ -36,7 +36,7 @@
    segment and copies every tensor into its model; the reply ends the clock. Beside it the
    memcpy floor: one `copy_` of the same bytes between two preallocated host buffers. On a GPU
    (`--device cuda`) the trainer's buffer is CUDA memory sent by IPC handle and the floor one
-   device-to-device `copy_`.
+   device-to-device `copy_`. Both processes run one torch thread (--engine-threads).
 3. The rollout pause window: the real rollout side (built-in engine with the tiny model,
    MessageQueue, rollouter, agent and reward workers, as tests/helpers/rollout_stack.py starts them)
    generating long responses; the time from Pause sent to Paused received (every in-flight
@@ -287,6 +287,9 @@ def by_handle(args: argparse.Namespace) -> list[dict]:
     """The handles path into a real engine process, beside the memcpy (or d2d copy) floor."""
     from benchmarks.engine_proc import start_engine
 
+    # one thread in this process and (--engine-threads) in the engine, as the broadcast's
+    # processes: on a small host two multi-threaded processes would fight for the cores
+    torch.set_num_threads(1)
     device = torch.device(args.device)
     dtype = dtype_from_name(args.dtype)
     specs = qwen25_05b_specs(dtype, args.layers)
@@ -307,7 +310,8 @@ def by_handle(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = qwen_checkpoint(Path(tmp) / "qwen", dtype, args.layers)
         proc, url = start_engine("--model", str(ckpt), "--dtype", args.dtype, "--device",
-                                 args.device, "--weight-version", "0", python=sys.executable,
+                                 args.device, "--weight-version", "0",
+                                 "--threads", str(args.engine_threads), python=sys.executable,
                                  timeout_s=900)
         packed = handles.Packed(device)
         entries, size = handles.layout(specs)
@@ -424,6 +428,8 @@ def main() -> int:
     p.add_argument("--skip-pause", action="store_true")
     p.add_argument("--skip-broadcast", action="store_true")
     p.add_argument("--skip-handles", action="store_true")
+    p.add_argument("--engine-threads", type=int, default=1,
+                   help="the handles section: torch threads of the engine process")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="the handles section: shared memory (cpu) or CUDA IPC (cuda)")
     p.add_argument("--pause-trials", type=int, default=5)
