@@ -358,6 +358,8 @@ class WeightSender:
             return handles.tensor_body([table], handles.LOAD_FORMAT, str(version), flush)
 
         if self.engine_kind == "sglang":  # SGLang 0.5.23 loads only inside a session
+            with contextlib.suppress(EngineError):  # one a failed trainer left open
+                await members.weight_update_session(begin=False)
             await members.weight_update_session(begin=True)
         try:
             await members.update_weights_from_tensor(body_for)

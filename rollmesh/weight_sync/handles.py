@@ -106,9 +106,13 @@ class Packed:
         if self.device.type == "cuda":
             self.flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             return self.flat
-        Packed._count += 1
-        name = f"{SEGMENT_PREFIX}{os.getpid()}_{Packed._count}"
-        self.shm = SharedMemory(name=name, create=True, size=nbytes)  # mode 0600
+        while self.shm is None:
+            Packed._count += 1
+            name = f"{SEGMENT_PREFIX}{os.getpid()}_{Packed._count}"
+            try:
+                self.shm = SharedMemory(name=name, create=True, size=nbytes)  # mode 0600
+            except FileExistsError:  # left by a dead process that had this pid: not ours
+                continue
         self.flat = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes)
         return self.flat
 
@@ -126,7 +130,10 @@ class Packed:
         self.flat = None  # the buffer export goes before the segment closes
         if self.shm is not None:
             shm, self.shm = self.shm, None
-            shm.close()
+            try:
+                shm.close()
+            except BufferError:  # a view still alive (a failed sync's frame): unmapped with it
+                pass
             try:
                 shm.unlink()
             except FileNotFoundError:

@@ -143,3 +143,20 @@ def test_sglangs_payload_is_written_only_for_cuda_tensors():
     # its form (torch's CUDA reduction, device as UUID) is checked in tests/gpu/test_sync_cuda.py
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         sglang_payload([("w", torch.zeros(2))])
+
+
+def test_a_segment_left_under_our_name_is_not_reused_and_a_live_view_does_not_block_close():
+    stale = f"rollmesh_w_{os.getpid()}_{Packed._count + 1}"
+    from multiprocessing.shared_memory import SharedMemory
+    left = SharedMemory(name=stale, create=True, size=64)  # a dead process's, same pid
+    try:
+        packed = Packed(CPU)
+        flat = packed.ensure(128)
+        assert packed.name != stale and flat.numel() == 128
+        view = flat[:8]  # e.g. held by a failed sync's frame
+        name = packed.name
+        packed.close()
+        assert not os.path.exists(os.path.join(SHM_DIR, name)) and view.numel() == 8
+    finally:
+        left.close()
+        left.unlink()
