@@ -604,6 +604,13 @@ class ExperimentConfig:
                 f"expected int <= {self.staleness.max_staleness + 1} (staleness.max_staleness + 1, "
                 f"or samples go stale before the next sync), got {self.sync.sync_every}",
             )
+        if (self.sync.transport == "handles" and self.engine.kind == "sglang"
+                and self.trainer.device == "cpu"):
+            raise _Invalid(
+                "sync.transport",
+                "expected broadcast or auto with engine.kind = \"sglang\" and a CPU trainer "
+                "(SGLang takes handles only as CUDA IPC, from a GPU trainer), got handles",
+            )
         samples = self.rollout.batch_groups * self.data.group_size
         if self.trainer.mini_batches > samples:
             raise _Invalid(

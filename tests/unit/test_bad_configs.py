@@ -136,6 +136,11 @@ EXPERIMENTS = [
     ("sync_every_past_staleness", exp(add="\n[sync]\nsync_every = 3\n"),
      "{file}: sync.sync_every: expected int <= 2 (staleness.max_staleness + 1, or samples go "
      "stale before the next sync), got 3"),
+    ("handles_for_sglang_from_a_cpu_trainer",
+     exp(add='\n[sync]\ntransport = "handles"\n[engine]\nkind = "sglang"\n'
+             '[trainer]\ndevice = "cpu"\n'),
+     '{file}: sync.transport: expected broadcast or auto with engine.kind = "sglang" and a CPU '
+     'trainer (SGLang takes handles only as CUDA IPC, from a GPU trainer), got handles'),
     ("context_too_short", exp(drop="max_context = 512", section="model", extra="max_context = 70\n"),
      "{file}: model.max_context: expected int >= 80 (data.max_prompt_tokens + "
      "rollout.max_new_tokens), got 70"),

@@ -160,3 +160,27 @@ def test_a_segment_left_under_our_name_is_not_reused_and_a_live_view_does_not_bl
     finally:
         left.close()
         left.unlink()
+
+
+CUDA_FIELDS = {"device_uuid": "GPU-0", "handle": b"h" * 64, "size": 256, "offset": 0,
+               "ref_counter_handle": b"r", "ref_counter_offset": 0, "event_handle": b"e",
+               "event_sync_required": True, "storage_offset": 0}
+
+
+def test_a_cuda_table_needs_every_ipc_field_of_its_type():
+    row = [["model.norm.weight", "float32", [64], 0, 256]]
+    assert decode_handles(_b64({"kind": "cuda", "cuda": CUDA_FIELDS, "tensors": row}))["cuda"] \
+        == CUDA_FIELDS
+    for key, bad in (("handle", "not-bytes"), ("size", "256"), ("device_uuid", 0)):
+        with pytest.raises(WeightUpdateError, match="cuda handle: expected the fields"):
+            decode_handles(_b64({"kind": "cuda", "cuda": {**CUDA_FIELDS, key: bad},
+                                 "tensors": row}))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of an engine without CUDA")
+def test_a_cuda_table_is_refused_by_an_engine_without_cuda():
+    model, _ = build_tiny("tiny")
+    table = decode_handles(_b64({"kind": "cuda", "cuda": CUDA_FIELDS, "tensors": [
+        ["model.norm.weight", "float32", [64], 0, 256]]}))
+    with pytest.raises(WeightUpdateError, match="a CUDA handle sent to an engine without CUDA"):
+        load_from_handles(model, table)
