@@ -68,7 +68,7 @@ import gc
 import math
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from itertools import islice
 from typing import Any
 
@@ -316,12 +316,28 @@ class WeightSender:
             if in_place:  # the engines keep their requests (and KV) while the weights land
                 assert self.members is not None
                 await self.members.pause("in_place")
-            if self.transport == "handles":
-                return await self._send_handles(specs, version, tensors, snapshot)
-            return await self._broadcast(specs, tensors, version, snapshot)
+            async with self._update_session():
+                if self.transport == "handles":
+                    return await self._send_handles(specs, version, tensors, snapshot)
+                return await self._broadcast(specs, tensors, version, snapshot)
         finally:
             if in_place:
                 await self.resume_engines()
+
+    @contextlib.asynccontextmanager
+    async def _update_session(self) -> AsyncIterator[None]:
+        """SGLang 0.5.23 loads weights (from a broadcast or from tensors) only between
+        /begin_weight_update and /end_weight_update (its weight_updater refuses them
+        otherwise). Sent to every engine kind: the built-in engine answers the session as SGLang
+        does and counts updates outside one."""
+        assert self.members is not None
+        with contextlib.suppress(EngineError):  # one a failed trainer left open
+            await self.members.weight_update_session(begin=False)
+        await self.members.weight_update_session(begin=True)
+        try:
+            yield
+        finally:
+            await self.members.weight_update_session(begin=False)
 
     async def _send_handles(self, specs: list[WeightSpec], version: int,
                             tensors: Iterator[torch.Tensor] | None,
@@ -357,15 +373,7 @@ class WeightSender:
                                                  segment_size=size))
             return handles.tensor_body([table], handles.LOAD_FORMAT, str(version), flush)
 
-        if self.engine_kind == "sglang":  # SGLang 0.5.23 loads only inside a session
-            with contextlib.suppress(EngineError):  # one a failed trainer left open
-                await members.weight_update_session(begin=False)
-            await members.weight_update_session(begin=True)
-        try:
-            await members.update_weights_from_tensor(body_for)
-        finally:
-            if self.engine_kind == "sglang":
-                await members.weight_update_session(begin=False)
+        await members.update_weights_from_tensor(body_for)
         return sum(e.nbytes for e in entries)
 
     # -- overlapped syncs (rank 0) ------------------------------------------------------------

@@ -46,6 +46,7 @@ def test_blocking_and_overlapped_syncs_by_handle_land_bit_exact(tmp_path, engine
                     assert await rig.engine_version() == str(version)
                     assert_same_bits(await rig.engine_weights(names), sent)
                 rows.append(rig.publisher.take_finished())
+                assert await rig.engine_sessions() == (False, 0)
                 assert os.path.exists(os.path.join(SHM_DIR, *segments))
             return segments, rows, rig.sync.stats()
 

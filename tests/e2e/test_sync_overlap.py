@@ -58,6 +58,7 @@ def test_blocking_and_overlapped_syncs_land_bit_exact_in_the_engine(tmp_path, en
                     assert await rig.engine_version() == str(version)
                     assert_same_bits(await rig.engine_weights(names), sent)
                 rows.append(rig.publisher.take_finished())
+                assert await rig.engine_sessions() == (False, 0)
                 return rows, rig.sync.stats(), rig.mq.requests
 
     rows, stats, mq = asyncio.run(body())

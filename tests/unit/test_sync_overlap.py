@@ -111,6 +111,12 @@ class Rig:
     async def engine_version(self) -> str:
         return (await asyncio.to_thread(self.engine.get, "/get_model_info"))[1]["weight_version"]
 
+    async def engine_sessions(self) -> tuple[bool, int]:
+        """(a weight-update session is open, updates the engine took outside one): SGLang 0.5.23
+        refuses an update outside /begin_weight_update ... /end_weight_update."""
+        info = (await asyncio.to_thread(self.engine.get, "/get_server_info"))[1]
+        return info["weight_update_session_open"], info["weight_updates_outside_session"]
+
 
 def assert_same_bits(engine: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
     assert engine.keys() == sent.keys()

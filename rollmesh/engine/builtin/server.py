@@ -394,6 +394,8 @@ class EngineServer:
             "vocab_size": self.limits.vocab_size, "skip_tokenizer_init": False,
             "weight_version": self.scheduler.weight_version,
             "weight_update_groups": sorted(self.weights.groups),
+            "weight_update_session_open": self.weights.session_open,
+            "weight_updates_outside_session": self.weights.updates_outside_session,
             # SGLang's scheduler_info (scheduler.py `get_init_info`)
             "status": "ready", "max_total_num_tokens": self._token_capacity(),
             "max_req_input_len": self.limits.context_length - 1,

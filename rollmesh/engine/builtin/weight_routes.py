@@ -61,6 +61,8 @@ class WeightRoutes:
         # Receive buffer for flattened buckets that cannot land in the model directly (another
         # dtype than the model's) or are drained; kept while a weight-update group exists.
         self._recv_buffer: torch.Tensor | None = None
+        self.session_open = False  # between /begin_weight_update and /end_weight_update
+        self.updates_outside_session = 0
 
     def register(self, router: web.UrlDispatcher) -> None:
         router.add_post("/init_weights_update_group", self.init_weights_update_group)
@@ -109,6 +111,7 @@ class WeightRoutes:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         b = await read_body(request)
+        self._count_outside_session("update_weights_from_distributed")
         names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
         if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
             return _result(False, "names, dtypes and shapes must be lists")
@@ -175,6 +178,7 @@ class WeightRoutes:
         one), each entry rollmesh's msgpack handle table; the tensors are copied from the
         trainer's shared memory (or CUDA IPC buffer) into the model on the scheduler thread."""
         b = await read_body(request)
+        self._count_outside_session("update_weights_from_tensor")
         load_format, entries = b.get("load_format"), b.get("serialized_named_tensors")
         if load_format != HANDLES_FORMAT:
             return _result(False, f"load_format {load_format!r}: this engine takes only "
@@ -212,10 +216,28 @@ class WeightRoutes:
         return _result(True, f"Succeeded to update parameter online ({n} tensors).")
 
     async def weight_update_session(self, request: web.Request) -> web.Response:
-        """/begin_weight_update and /end_weight_update: SGLang 0.5.23 takes weight updates only
-        inside such a session; this engine needs none, and answers both as SGLang does."""
+        """/begin_weight_update and /end_weight_update, answered as SGLang 0.5.23 answers them
+        (`scheduler_components/weight_updater.py`: one session at a time). SGLang refuses a
+        weight update outside a session; this engine loads it anyway but counts and logs it
+        (`weight_updates_outside_session`), so that a sender that would fail against SGLang
+        shows here."""
         await read_body(request, optional=True)
+        begin = request.path.endswith("/begin_weight_update")
+        if begin and self.session_open:
+            return _result(False, "a weight-update session is already open; "
+                                  "call end_weight_update() first")
+        if not begin and not self.session_open:
+            return _result(False, "no weight-update session is open; "
+                                  "call begin_weight_update() first")
+        self.session_open = begin
         return _result(True, "Success")
+
+    def _count_outside_session(self, route: str) -> None:
+        if not self.session_open:
+            self.updates_outside_session += 1
+            self.server.log.warning("weight_update_outside_session", route=route,
+                                    hint="SGLang 0.5.23 refuses it: call /begin_weight_update "
+                                         "first and /end_weight_update after")
 
     def _warn_unflushable(self, body: dict[str, Any], source: str) -> None:
         """An update asking `flush_cache` (the default) while requests are kept (an in-place
