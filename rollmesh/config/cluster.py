@@ -257,6 +257,13 @@ class ClusterConfig:
         "let an engine and trainer ranks use the same GPUs (one GPU for both; the experiment's "
         "sync.backend must then be gloo: NCCL refuses two ranks on one device)", False
     )
+    colocate: bool = _field(
+        "colocated mode: the engines and the trainer take turns on the same devices (verl's "
+        "hybrid engine, slime's --colocate): while the trainer steps, rollout is paused and the "
+        "engines give back the memory of engine.release_while_training; the weights are synced "
+        "after every step, then rollout resumes (implies share_gpus; the experiment needs "
+        "sync.pause_mode = 'abort', sync.sync_every = 1, sync.overlap = false)", False
+    )
     slurm: SlurmConfig | None = _field(
         "run inside a Slurm allocation: hosts from it, processes as job steps (see below)", None
     )
@@ -340,6 +347,15 @@ class ClusterConfig:
         self._check_gpus_given_once()
         self._check_ports()
 
+    def shared_gpus(self) -> list[str]:
+        """The GPUs an engine and a trainer rank both have ("host:gpu"; share_gpus, colocate)."""
+        roles: dict[tuple[str, int], set[str]] = {}
+        for proc in self.processes():
+            if proc.role in ("engine", "trainer"):
+                for gpu in proc.gpus:
+                    roles.setdefault((proc.host, gpu), set()).add(proc.role)
+        return [f"{h}:{g}" for (h, g), r in sorted(roles.items()) if len(r) == 2]
+
     def _check_gpus_given_once(self) -> None:
         # Keyed by address: two host entries for one machine share its GPUs.
         owner: dict[tuple[str, int], str] = {}
@@ -348,7 +364,7 @@ class ClusterConfig:
             i, first = _placement_of(placements, proc.index)
             for g, gpu in enumerate(proc.gpus):
                 slot = (self.hosts[proc.host].address, gpu)
-                if self.share_gpus and proc.role in ("engine", "trainer"):
+                if (self.share_gpus or self.colocate) and proc.role in ("engine", "trainer"):
                     # colocated: one engine and one trainer rank per GPU, never two of a role
                     slot = (*slot, proc.role)
                 if slot in owner:

@@ -400,6 +400,11 @@ class TrainerConfig:
     progress_timeout_s: float = _field(
         "stop the run with an error naming the cause when the trainer makes no step for this "
         "long while samples are dropped or nothing is generated (seconds; 0: never)", 600.0, ge=0)
+    offload_optimizer: bool = _field(
+        "colocated mode (cluster file `colocate = true`): keep the optimizer state in host "
+        "memory (pinned on a GPU) while the engines generate and bring it back for each step; "
+        "frees 2x the fp32 parameters' bytes of device memory for the engines' KV cache, for two "
+        "host copies per step. Ignored when not colocated", False)
 
     def checkpoints_activations(self, device_type: str) -> bool:
         """`gradient_checkpointing` resolved for a trainer on `device_type` ('auto': see the
@@ -493,6 +498,11 @@ class EngineConfig:
         "its own requests), then to the group's next engine; `least_loaded` = each request to "
         "the engine with the fewest in flight (with engine.router, the router chooses)",
         "affinity")
+    release_while_training: list[Literal["kv_cache", "weights", "cuda_graph"]] = _field(
+        "colocated mode (cluster file `colocate = true`): the memory each engine gives back "
+        "while the trainer steps (SGLang's /release_memory_occupation tags); `weights` too "
+        "frees the engine's copy of the model, which the sync after the step fills again",
+        factory=lambda: ["kv_cache", "cuda_graph"])
 
     def validate(self) -> None:
         if self.kind == "builtin" and self.tp_size != 1:

@@ -183,6 +183,8 @@ def _check_against_experiment(cluster: ClusterConfig, exp: ExperimentConfig, ctx
         # 'auto' would pick nccl for a CUDA trainer
         ctx.fail("share_gpus", f"expected sync.backend = 'gloo' in {cluster.experiment} "
                                f"(NCCL refuses two ranks on one GPU), got {exp.sync.backend!r}")
+    if cluster.colocate:
+        _check_colocated(ctx, cluster, exp)
     if exp.engine.kind == "sglang":
         placements = cluster.roles.engine
         for i, p in enumerate(placements):
@@ -268,3 +270,22 @@ def _experiment_shape(data: dict[str, Any], source: str,
             except ConfigError:
                 pass
     return 1, 1, 1
+
+
+def _check_colocated(ctx: Any, cluster: ClusterConfig, exp: ExperimentConfig) -> None:
+    """`colocate = true`: the engines must be idle to give their KV back (abort pause), and the
+    trainer's step and the sync after it are one turn on the device."""
+    wanted = (("sync.pause_mode", exp.sync.pause_mode, "abort",
+               "an engine gives its KV cache back only when idle"),
+              ("sync.sync_every", exp.sync.sync_every, 1,
+               "each turn on the device is one step and the sync after it"),
+              ("sync.overlap", exp.sync.overlap, False,
+               "nothing overlaps the step: rollout is paused while it runs"))
+    for key, got, expected, why in wanted:
+        if got != expected:
+            ctx.fail("colocate", f"expected {key} = {expected!r} in {cluster.experiment} with "
+                                 f"colocate = true ({why}), got {got!r}")
+    if exp.sync.backend not in ("gloo",) and exp.sync.transport == "broadcast":
+        ctx.fail("colocate", f"expected sync.backend = 'gloo' or sync.transport = 'handles' in "
+                             f"{cluster.experiment} with colocate = true (NCCL refuses two ranks "
+                             f"on one GPU), got sync.backend = {exp.sync.backend!r}")

@@ -97,3 +97,6 @@ class TrainerSettings:
         None)
     threads: int | None = _field("torch.set_num_threads; none: torch's default", None, ge=1)
     device_index: int = _field("the CUDA device of the rank", 0, ge=0)
+    colocate: bool = _field(
+        "colocated mode (the cluster file's `colocate`): the engines give the device back while "
+        "this trainer steps (training/colocate.py)", False)

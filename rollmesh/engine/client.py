@@ -557,6 +557,14 @@ class EngineClient:
     async def flush_cache(self) -> None:
         await self._all("POST", "/flush_cache")
 
+    async def release_memory(self, tags: list[str]) -> None:
+        """SGLang's /release_memory_occupation on every server (colocated mode: the engines
+        give the device back while the trainer steps; they must be idle)."""
+        await self._all("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        await self._all("POST", "/resume_memory_occupation", {"tags": tags})
+
     # -- health and info -----------------------------------------------------------------------
 
     async def health(self, url: str, *, generate: bool = False) -> bool:

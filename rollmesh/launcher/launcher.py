@@ -215,6 +215,14 @@ class Launcher:
                           file=self.run_dir / "logs" / "launcher.log")
         log.info("config", cluster=to_dict(self.cluster), experiment=to_dict(self.exp),
                  run_dir=str(self.run_dir))
+        shared = self.cluster.shared_gpus()
+        staleness = self.exp.staleness
+        if shared and staleness.max_staleness > 0 and not staleness.sync_mode:
+            log.warning("shared_gpu_staleness", gpus=shared,
+                        max_staleness=staleness.max_staleness, colocate=self.cluster.colocate,
+                        hint="engine and trainer share these GPUs: nothing overlaps on one "
+                             "device, so max_staleness > 0 buys no throughput there, only older "
+                             "samples (README, 'One GPU')")
         if self.cluster.launcher_cpus:
             log.info("launcher_cpus", cpus=format_cpulist(os.sched_getaffinity(0)),
                      before=format_cpulist(self.launcher_before))

@@ -111,6 +111,7 @@ class _Wiring:
         assert cluster.experiment_config is not None
         self.exp = cluster.experiment_config
         self.settings = cluster.settings
+        self.colocate = cluster.colocate
         self.run_dir = run_dir
         self.first: dict[str, Planned] = {}
         for p in plan:
@@ -242,6 +243,7 @@ def _trainer(w: _Wiring, p: Planned) -> TrainerSettings:
         # The weight-update group has 1 + sum(TP sizes) ranks: each engine's TP ranks join it
         # (rank_offset = 1 + the TP sizes before it).
         engine_tp_sizes=[w.exp.engine.tp_size] * len(w.engines),
+        colocate=w.colocate,
         metrics_path=(f"{w.run_dir}/metrics.jsonl" if p.host.local
                       else f"{run_here}/trainer/metrics.jsonl"),
         final_export_dir=f"{run_here}/policy", checkpoint_dir=f"{run_here}/checkpoints",

@@ -45,7 +45,7 @@ NO_STATUS_ROLES = {"engine"}  # HTTP servers: their liveness is the launcher's w
 TRAINER_KEYS = ("step", "version", "loss", "pg_loss", "reward_mean", "tokens_per_s",
                 "samples_consumed", "batch_staleness_max", "batch_admission_age_max",
                 "clip_frac", "approx_kl", "entropy", "grad_norm", "lr", "eval_reward_mean",
-                "eval_version")
+                "eval_version", "phase")
 SYNC_KEYS = ("version", "pause_s", "broadcast_s", "resume_s", "total_s", "trainer_idle_s")
 _HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
                      zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",

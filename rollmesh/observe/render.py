@@ -147,7 +147,8 @@ def _trainer_panel(snap: dict[str, Any]) -> Panel:
     optional = ("pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
                 "samples_consumed")  # the eval: its own panel
     return Panel(_fields(
-        [("step", tr.get("step")), ("weight version", tr.get("version")),
+        ([("device phase", tr["phase"])] if tr.get("phase") else [])  # colocated mode
+        + [("step", tr.get("step")), ("weight version", tr.get("version")),
          ("loss", tr.get("loss")), ("reward mean", tr.get("reward_mean")),
          ("reward history", spark), ("tokens/s", tr.get("tokens_per_s")),
          ("batch staleness max", tr.get("batch_staleness_max")),

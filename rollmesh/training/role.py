@@ -58,6 +58,7 @@ from rollmesh.wire.messages import Batch, EvalResult, Metrics, StatsRequest
 from rollmesh.training.ranks import close_ranks, init_ranks
 from rollmesh.runtime.process import RoleContext
 from rollmesh.training.batching import from_groups
+from rollmesh.training.colocate import Turn
 from rollmesh.training.state import TrainState, build_state
 from rollmesh.training.step import prepare, step_metrics, update_policy
 from rollmesh.wire.transport import RpcClient, RpcServer
@@ -96,6 +97,8 @@ class Link:
                                 {StatsRequest: self._stats}, name="trainer")
         self._serving: asyncio.Task | None = None
         self.last_metrics: dict[str, Any] = {}
+        # colocated mode's turn on the device (training/colocate.py); None: not colocated
+        self.phase: str | None = "generate" if settings.colocate else None
         metrics_path = settings.metrics_path
         self.metrics_path = Path(metrics_path) if metrics_path else None
         if self.metrics_path is not None:  # on another host, the run's directory is new there
@@ -131,6 +134,7 @@ class Link:
         s = self.state
         return Metrics(role="trainer", host=self.ctx.spec.host, values={
             "step": s.step, "version": s.version, "samples_consumed": s.samples_consumed,
+            "phase": self.phase,
             "last": self.last_metrics})
 
     def report(self, metrics: dict[str, Any]) -> None:
@@ -376,10 +380,17 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
         batch = await next_batch(ctx, state, link)
         if batch is None:
             break
-        metrics = await train_step(state, batch, waited)
+        if settings.colocate:  # the engines give the device back for the step
+            async with Turn(state, sender, link) as turn:
+                metrics = await train_step(state, batch, waited)
+            metrics.update(turn.metrics())
+        else:
+            metrics = await train_step(state, batch, waited)
         if state.step % exp.sync.sync_every == 0:
             metrics.update(await sync_weights(state, sender))
             await export_version(settings, state)
+        if link is not None and settings.colocate:
+            link.phase = "generate"
         if link is not None:
             evaluated = link.evals.unreported()  # each round once, the step after it arrives
             if evaluated is not None:

@@ -148,6 +148,8 @@ class Scheduler:
                              else PrefixCache(prefix_cache_tokens))
         self.paused = False
         self.busy_loading = False
+        # memory.py: tags given back (/release_memory_occupation); nothing is admitted meanwhile
+        self.memory_released: set[str] = set()
         self.decode_steps = 0
         # Every token sampled for a client, aborted requests' included: what a caller can check
         # against the tokens it received (nothing generated twice, nothing generated and lost).
@@ -196,6 +198,7 @@ class Scheduler:
             "running_requests": len(self.running),
             "waiting_requests": len(self.waiting),
             "paused": self.paused,
+            "memory_released": sorted(self.memory_released),
             "weight_version": self.weight_version,
             "decode_steps": self.decode_steps,
             "generated_tokens": self.generated_tokens,
@@ -219,14 +222,21 @@ class Scheduler:
                           tokens=self.prefix_cache.tokens)
             self.prefix_cache.clear()
 
+    def release_kv(self) -> None:
+        """(scheduler thread, idle) Drop every KV allocation: the batch's, the prefix cache's."""
+        self.kv.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     # ---- the loop (scheduler thread only below this line) ----
     def _run(self) -> None:
         try:
             with torch.inference_mode():
                 while not self._stop:
-                    idle = self.paused or not (self.running or self.waiting)
+                    held = self.paused or bool(self.memory_released)
+                    idle = held or not (self.running or self.waiting)
                     self._apply_commands(block=idle)
-                    if self._stop or self.paused:
+                    if self._stop or self.paused or self.memory_released:
                         continue
                     self._admit()
                     if self.running:

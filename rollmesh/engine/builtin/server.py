@@ -48,6 +48,7 @@ from rollmesh.engine.builtin.sampling import BadRequest
 from rollmesh.config import engine_args
 from rollmesh.engine.builtin.scheduler import Request, Scheduler
 from rollmesh.engine.builtin.weight_routes import WeightRoutes
+from rollmesh.engine.builtin.memory import MemoryRoutes
 from rollmesh.runtime.log import configure_logging
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -157,6 +158,7 @@ class EngineServer:
         for path in ("/tokenize", "/v1/tokenize"):
             r.add_post(path, self.tokenize)
         self.weights.register(r)  # /init_weights_update_group, /update_weights_from_..., ...
+        MemoryRoutes(self).register(r)  # /release_memory_occupation, /resume_memory_occupation
         openai_api.OpenAIRoutes(self).register(r)  # /v1/models, /v1/completions, /v1/chat/...
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
@@ -325,7 +327,7 @@ class EngineServer:
         if not self.scheduler.alive():
             return web.Response(status=503)
         s = self.scheduler
-        if s.paused or s.busy_loading:
+        if s.paused or s.busy_loading or s.memory_released:
             return web.Response(status=200)  # alive; it generates again once resumed
         if s.running:
             # Busy: decode steps advancing is proof enough, without queueing behind a full batch.

@@ -112,6 +112,8 @@ class WeightRoutes:
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         b = await read_body(request)
         self._count_outside_session("update_weights_from_distributed")
+        if (refused := self._released()) is not None:
+            return refused
         names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
         if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
             return _result(False, "names, dtypes and shapes must be lists")
@@ -179,6 +181,8 @@ class WeightRoutes:
         trainer's shared memory (or CUDA IPC buffer) into the model on the scheduler thread."""
         b = await read_body(request)
         self._count_outside_session("update_weights_from_tensor")
+        if (refused := self._released()) is not None:
+            return refused
         load_format, entries = b.get("load_format"), b.get("serialized_named_tensors")
         if load_format != HANDLES_FORMAT:
             return _result(False, f"load_format {load_format!r}: this engine takes only "
@@ -232,6 +236,13 @@ class WeightRoutes:
         self.session_open = begin
         return _result(True, "Success")
 
+    def _released(self) -> web.Response | None:
+        """A weight update while the weights are given back (memory.py) has nowhere to land."""
+        if "weights" in self.server.scheduler.memory_released:
+            return _result(False, "the weights are released (/release_memory_occupation): "
+                                  "resume them (/resume_memory_occupation) before an update")
+        return None
+
     def _count_outside_session(self, route: str) -> None:
         if not self.session_open:
             self.updates_outside_session += 1
@@ -276,6 +287,8 @@ class WeightRoutes:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         b = await read_body(request)
+        if (refused := self._released()) is not None:
+            return refused
         path = b.get("model_path")
         if not isinstance(path, str):
             raise MalformedBody("model_path (a checkpoint directory) is required")
