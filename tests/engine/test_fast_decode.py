@@ -232,3 +232,93 @@ def test_compiled_step_equals_eager():
         compiled = torch.compile(fast.forward_step, fullgraph=True)(*args, 16, 2)
     assert torch.equal(eager[0], compiled[0])
     torch.testing.assert_close(eager[1], compiled[1], atol=1e-4, rtol=1e-4)
+
+
+def _sampled(rid: str, ids: list[int], new: int, **kw) -> Request:
+    params = SamplingParams(**{"ignore_eos": True, **kw, "max_new_tokens": new})
+    r = Request(rid=rid, input_ids=ids, params=params, max_new_tokens=new,
+                on_progress=lambda _r: None)
+    return r
+
+
+def test_sampled_rows_logprobs_are_the_tempered_distribution():
+    """Rows sampled inside the fast step (temperature, top-k, top-p, min-p): each chosen
+    token's log-prob is HF's log_softmax(logits / T) at it (the unfiltered distribution, as
+    sampling.py reports), and each token lies inside the row's top-k."""
+    from rollmesh.models.loading import build_tiny
+
+    model, tok = build_tiny("tiny")
+    reqs = [_sampled("t", _prompt(6, 1), 12, temperature=0.7),
+            _sampled("k", _prompt(9, 2), 12, temperature=1.3, top_k=3),
+            _sampled("p", _prompt(4, 3), 12, temperature=1.0, top_p=0.8, min_p=0.05),
+            _greedy("g", _prompt(7, 4), 12)]
+    s = _run(model, tok, reqs)
+    assert s.fast is not None
+    for r in reqs:
+        full = torch.tensor([r.input_ids + r.output_ids])
+        logits = model(input_ids=full).logits[0, len(r.input_ids) - 1 : -1].float()
+        t = r.params.temperature if not r.params.greedy else 1.0
+        want = torch.log_softmax(logits / t, dim=-1)
+        chosen = torch.tensor(r.output_ids)
+        got = want.gather(1, chosen[:, None])[:, 0].tolist()
+        assert r.output_logprobs == pytest.approx(got, abs=LOGPROB_TOL), r.rid
+        if r.params.top_k > 0:
+            top = logits.topk(r.params.top_k, dim=-1).indices
+            assert (top == chosen[:, None]).any(dim=-1).all(), r.rid
+
+
+def test_filter_and_draw_equal_sampling_py():
+    """decoder._filter and its inverse-CDF draw are sampling.py's, row parameters as tensors:
+    the same uniforms pick the same tokens."""
+    from rollmesh.engine.builtin import sampling
+    from rollmesh.engine.builtin.decoder import _filter
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=g) * 3
+    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.7), SamplingParams(min_p=0.2),
+              SamplingParams(top_k=40, top_p=0.9, min_p=0.01), SamplingParams()]
+    want = sampling._filter(logits, params)
+    got = _filter(logits, torch.tensor([p.top_k if p.top_k > 0 else 300 for p in params]),
+                  torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+    assert torch.equal(torch.isinf(want), torch.isinf(got))
+    u = torch.rand(5, 1, generator=g, dtype=torch.float64)
+    shared = torch.Generator().manual_seed(1)
+    ref = sampling._inverse_cdf(torch.log_softmax(want, -1), [None] * 5, [False] * 5, shared)
+    cdf = torch.log_softmax(got, -1).exp().cumsum(-1, dtype=torch.float64)
+    mine = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    shared = torch.Generator().manual_seed(1)
+    u_ref = torch.rand(5, 1, generator=shared, dtype=torch.float64)
+    mine_ref = torch.searchsorted(cdf, u_ref * cdf[:, -1:], right=True)[:, 0]
+    assert torch.equal(ref, mine_ref)
+    assert torch.isfinite(got.gather(1, mine[:, None])).all()
+
+
+def test_general_sampler_rows_match_the_hf_path():
+    """Rows the fused sampler cannot serve exactly (their own seed, penalties, min_new_tokens
+    bans, top log-probs, logit_bias) go through sample_rows on the fast step's logits: the
+    same tokens as the HF decode path gives them, with greedy and fused rows beside them."""
+    from rollmesh.models.loading import build_tiny
+
+    model, tok = build_tiny("tiny")
+
+    def batch() -> list[Request]:
+        top = _sampled("top", _prompt(5, 11), 10, temperature=0.0)
+        top.top_logprobs_num = 3
+        return [_sampled("seed", _prompt(6, 12), 10, temperature=0.9, sampling_seed=5),
+                _sampled("pen", _prompt(7, 13), 10, temperature=0.0, repetition_penalty=1.5,
+                         frequency_penalty=0.5),
+                _sampled("min", _prompt(3, 14), 10, temperature=0.0, min_new_tokens=6,
+                         ignore_eos=False),
+                _sampled("bias", _prompt(8, 15), 10, temperature=0.0,
+                         logit_bias={7: 50.0}),
+                top, _greedy("g", _prompt(9, 16), 10)]
+
+    fast, hf = batch(), batch()
+    _run(model, tok, fast, backend="fast")
+    _run(model, tok, hf, backend="hf")
+    for a, b in zip(fast, hf):
+        assert a.output_ids == b.output_ids, a.rid
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=LOGPROB_TOL), a.rid
+        assert [[t for _, t in row] for row in a.output_top_logprobs] == \
+            [[t for _, t in row] for row in b.output_top_logprobs], a.rid
+    assert fast[3].output_ids.count(7) >= 9  # the bias reached the fast path's rows
