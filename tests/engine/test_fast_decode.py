@@ -159,6 +159,25 @@ def test_fused_weights_rebuilt_without_the_hook():
                        k.weight)
 
 
+def test_release_memory_then_decode_again():
+    """After release_memory (fused copies, graphs and an idle slot cache dropped) the next
+    requests rebuild them and still equal generate."""
+    tok = build_tokenizer("qwen3")
+    model = build_model("qwen3", tok, tied=True)
+    ids = _prompt(10, 3)
+    s = Scheduler(model, tok, weight_version="0", max_running_requests=4, seed=0)
+    for _ in range(2):
+        r = _greedy("a", ids, 9)
+        with torch.inference_mode():
+            s.waiting.append(r)
+            s._admit()
+            while s.running:
+                s._decode_step()
+        assert r.output_ids == _generate(model, ids, 9)
+        s.fast.release_memory()
+        assert s.fast.layers == [] and s.fast.kv.capacity == 16
+
+
 class _Count(TorchDispatchMode):
     SYNCS = ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal")
 

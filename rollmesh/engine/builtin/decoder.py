@@ -257,6 +257,19 @@ class FastDecoder:
         self.stale = False
         return True
 
+    def release_memory(self) -> None:
+        """Drop what this decoder holds beyond the model (fused copies, captured graphs, the
+        RoPE table, and the slot cache when no request holds a slot): for an engine that gives
+        its GPU memory back between rollouts. The next step rebuilds them."""
+        self.layers, self.stale, self._fingerprint = [], True, ()
+        self._graphs.clear()
+        self._pool = None
+        self._rope_len, self._cos, self._sin = 0, torch.empty(0), torch.empty(0)
+        kv = self.kv
+        if len(kv.free) == kv.slots:
+            kv.slots, kv.capacity, kv.k, kv.v, kv.free = 0, 0, [], [], []
+            kv._grow(1, MIN_WINDOW)
+
     def _qk_norm(self, attn: Any) -> tuple[torch.Tensor, float] | None:
         # One norm (and one rotation) over the q and k heads together: a [heads + kv_heads,
         # head_dim] weight, element for element what HF's two norms compute.
