@@ -4,7 +4,9 @@ Continuous batching: every loop iteration (1) applies the commands that arrived 
 aborts, pause/continue, weight loads), (2) admits waiting requests up to the running limit and
 prefills them (requests with prompts of equal length share one forward pass), and (3) runs one
 batched decode step for every running request; finished requests leave the batch right away.
-Aborts, pauses and weight loads therefore take effect between two decode steps.
+Aborts, pauses and weight loads therefore take effect between two decode steps. The decode
+step is decoder.py's (a slot KV cache, CUDA graphs on CUDA) for Llama/Qwen2/Qwen3, the
+model's own forward over kvcache.BatchKV for the rest (`decode_backend`).
 
 A GRPO group's prompt is prefilled once (unless the prefix cache is disabled, SGLang's
 `--disable-radix-cache`, which turns all sharing off): requests admitted together with the same
