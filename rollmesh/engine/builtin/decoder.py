@@ -295,8 +295,9 @@ class FastDecoder:
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                      min_p: torch.Tensor, u: torch.Tensor, window: int, mode: int,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One token for each row: (next tokens, their log-probs, the logits)."""
+                     in_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token for each row: (next tokens, their log-probs, the logits). in_order: row r
+        holds slot r (then attention reads the slots in place, no gather)."""
         b = tokens.shape[0]
         x = self.inner.embed_tokens(tokens)
         cos = self._cos[positions][:, None, :]
@@ -317,8 +318,11 @@ class FastDecoder:
             kc, vc = self.kv.k[i], self.kv.v[i]
             kc[slots, :, positions] = k
             vc[slots, :, positions] = v
-            keys = kc[:, :, :window].index_select(0, slots)
-            values = vc[:, :, :window].index_select(0, slots)
+            if in_order:
+                keys, values = kc[:b, :, :window], vc[:b, :, :window]
+            else:
+                keys = kc[:, :, :window].index_select(0, slots)
+                values = vc[:, :, :window].index_select(0, slots)
             att = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                                  scale=self.scale,
                                                  enable_gqa=self.heads != self.kv_heads)
@@ -360,13 +364,16 @@ class FastDecoder:
         top = max(positions) + 1
         self.kv.ensure(top)
         self._rope(top)
-        window = min(self.kv.capacity, max(MIN_WINDOW, 1 << (top - 1).bit_length()))
+        # A graph per window: windows in powers of two; eager: exactly the positions in use.
+        window = (min(self.kv.capacity, max(MIN_WINDOW, 1 << (top - 1).bit_length()))
+                  if self.graphs else top)
         greedy = all(t < GREEDY_EPS for t in temps)
         mode = GREEDY if greedy else (FILTER if any(
             t >= GREEDY_EPS and (k > 0 or p < 1.0 or m > 0.0)
             for t, k, p, m in zip(temps, top_k, top_p, min_p)) else SAMPLE)
         b = self.bucket(rows)
         pad = b - rows
+        in_order = pad == 0 and slots == list(range(rows))
         vocab = self.model.lm_head.weight.shape[0]
         ints = torch.tensor([tokens + [0] * pad, positions + [0] * pad,
                              slots + [self.kv.spare] * pad,
@@ -381,9 +388,9 @@ class FastDecoder:
              if mode != GREEDY else torch.zeros(b, device=self.device, dtype=torch.float64))
         args = [ints[0], ints[1], ints[2], floats[0], ints[3], floats[1], floats[2], u]
         if self.graphs:
-            chosen, logprobs, logits = self._replay((b, window, mode), args)
+            chosen, logprobs, logits = self._replay((b, window, mode, in_order), args)
         else:
-            chosen, logprobs, logits = self.forward_step(*args, window, mode)
+            chosen, logprobs, logits = self.forward_step(*args, window, mode, in_order)
         return (*self._to_host(chosen[:rows], logprobs[:rows]), logits[:rows])
 
     def _to_host(self, tokens: torch.Tensor, logprobs: torch.Tensor
@@ -418,22 +425,22 @@ class FastDecoder:
         return static_out
 
     def _capture(self, key: tuple, args: list[torch.Tensor]) -> tuple:
-        _, window, mode = key
+        _, window, mode, in_order = key
         static_in = [a.clone() for a in args]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             # Warm-up (allocator, kernels' workspaces): it writes the same k/v the replay will.
             for _ in range(2):
-                self.forward_step(*static_in, window, mode)
+                self.forward_step(*static_in, window, mode, in_order)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            static_out = self.forward_step(*static_in, window, mode)
+            static_out = self.forward_step(*static_in, window, mode, in_order)
         self.log.info("decode_graph_captured", batch=key[0], window=window, mode=mode,
-                      graphs=len(self._graphs) + 1)
+                      in_order=in_order, graphs=len(self._graphs) + 1)
         return graph, static_in, static_out
 
 
