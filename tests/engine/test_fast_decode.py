@@ -88,6 +88,13 @@ def test_backend_choice(family_model):
         Scheduler(model, tok, weight_version="0", max_running_requests=4, decode_backend="x")
 
 
+def test_length_dependent_rope_stays_on_the_hf_path():
+    tok = build_tokenizer("llama3.1")
+    model = build_model("llama3.1", tok, tied=False)
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    assert unsupported_reason(model) == "rope_type 'dynamic'"
+
+
 def test_greedy_equals_generate_joining_and_leaving(family_model):
     """Two slots for five requests of different lengths: requests join as others leave, and
     each one's tokens equal `generate` run on it alone; log-probs equal HF's log-softmax."""

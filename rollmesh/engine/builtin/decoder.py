@@ -49,6 +49,11 @@ def unsupported_reason(model: Any) -> str | None:
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
         return f"layer types {sorted(types)}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind_of_rope = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind_of_rope in ("dynamic", "longrope"):
+        # Their frequencies follow the sequence's current length: no fixed table is exact.
+        return f"rope_type {kind_of_rope!r}"
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         return "not the Llama/Qwen module layout (model.model.layers, rotary_emb)"
