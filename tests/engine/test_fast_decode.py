@@ -107,6 +107,34 @@ def test_greedy_equals_generate_joining_and_leaving(family_model):
         assert r.output_logprobs == pytest.approx(_hf_logprobs(model, r), abs=LOGPROB_TOL)
 
 
+def test_bucketed_shapes_equal_generate():
+    """The shapes CUDA graphs are captured with, run eagerly on CPU: the batch padded to a
+    power of two (padded rows writing into the spare slot) and power-of-two attention
+    windows; requests join and leave, and each equals generate."""
+    tok = build_tokenizer("qwen2.5")
+    model = build_model("qwen2.5", tok, tied=False)
+    lengths = [(7, 30), (3, 9), (20, 14), (5, 3), (9, 22)]
+    requests = [_greedy(f"r{i}", _prompt(n, 40 + i), new) for i, (n, new) in enumerate(lengths)]
+
+    slot_rows: list[list[int]] = []
+
+    def pad(s: Scheduler) -> None:
+        s.fast.buckets = True
+        step = s.fast.forward_step
+
+        def recorded(*args):
+            slot_rows.append(args[2].tolist())
+            return step(*args)
+
+        s.fast.forward_step = recorded
+
+    s = _run(model, tok, requests, running=3, before=pad)
+    assert slot_rows[0][3:] == [s.fast.kv.spare]  # 3 rows padded to 4: the spare slot
+    for r, (_, new) in zip(requests, lengths):
+        assert r.output_ids == _generate(model, r.input_ids, new), r.rid
+        assert r.output_logprobs == pytest.approx(_hf_logprobs(model, r), abs=LOGPROB_TOL)
+
+
 def test_greedy_batched_with_shared_prefix_joins(family_model):
     """A GRPO-like group (same prompt, prefix cache: later samples join with cached KV) in one
     batch with other prompts: every row equals `generate`."""

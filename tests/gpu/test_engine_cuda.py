@@ -44,7 +44,7 @@ def test_engine_on_cuda_is_transformers_generate(tmp_path, dtype):
 
 # ---- the fast decode path (decoder.py) on CUDA, in process ----
 def _fast_run(model, tok, prompts: list[list[int]], news: list[int], *, running: int,
-              graphs: bool, before=None):
+              graphs: bool, before=None, buckets: bool | None = None):
     import threading
 
     from rollmesh.engine.builtin.sampling import SamplingParams
@@ -53,6 +53,8 @@ def _fast_run(model, tok, prompts: list[list[int]], news: list[int], *, running:
     s = Scheduler(model, tok, weight_version="0", max_running_requests=running, seed=0,
                   decode_backend="fast", decode_graphs=graphs)
     assert s.fast is not None and s.fast.graphs == graphs
+    if buckets is not None:
+        s.fast.buckets = buckets
     reqs = [Request(rid=f"r{i}", input_ids=p, max_new_tokens=n, on_progress=lambda _r: None,
                     params=SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=n))
             for i, (p, n) in enumerate(zip(prompts, news))]
@@ -99,13 +101,14 @@ def test_fast_path_cuda_graphs_equal_generate_float32():
 
 
 def test_fast_path_cuda_graphs_bfloat16_match_eager():
-    """bfloat16 (the engine's default on a GPU): the graphs replay the eager step's kernels,
-    so both give the same tokens; and every log-prob is a finite log-probability."""
+    """bfloat16 (the engine's default on a GPU): the graphs replay the eager step's kernels
+    (the eager run padded to the same buckets, so every shape is the same), so both give the
+    same tokens; and every log-prob is a finite log-probability."""
     model, tok = build_tiny("tiny:hidden=128,layers=4,heads=4,kv_heads=2")
     model = model.to("cuda", torch.bfloat16)
     prompts, news = _prompts(5), [16, 30, 8, 21, 12]
     _, graphed = _fast_run(model, tok, prompts, news, running=4, graphs=True)
-    _, eager = _fast_run(model, tok, prompts, news, running=4, graphs=False)
+    _, eager = _fast_run(model, tok, prompts, news, running=4, graphs=False, buckets=True)
     for a, b, n in zip(graphed, eager, news):
         assert len(a.output_ids) == n
         assert a.output_ids == b.output_ids, a.rid

@@ -184,6 +184,9 @@ class FastDecoder:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        # Static shapes (batch padded to a bucket, power-of-two windows): what graphs need;
+        # eager steps run exact shapes unless told otherwise (a test comparing the two).
+        self.buckets = self.graphs
         self.log = get_logger("rollmesh.engine.builtin.decoder")
         self.kv = SlotKV(len(self.inner.layers), self.kv_heads, self.head_dim, self.dtype,
                          self.device, slots, 256)
@@ -352,7 +355,7 @@ class FastDecoder:
 
     # ---- one step for the scheduler ----
     def bucket(self, rows: int) -> int:
-        if not self.graphs:
+        if not self.buckets:
             return rows  # eager: no padding needed
         b = 1
         while b < rows:
@@ -371,7 +374,7 @@ class FastDecoder:
         self._rope(top)
         # A graph per window: windows in powers of two; eager: exactly the positions in use.
         window = (min(self.kv.capacity, max(MIN_WINDOW, 1 << (top - 1).bit_length()))
-                  if self.graphs else top)
+                  if self.buckets else top)
         greedy = all(t < GREEDY_EPS for t in temps)
         mode = GREEDY if greedy else (FILTER if any(
             t >= GREEDY_EPS and (k > 0 or p < 1.0 or m > 0.0)
