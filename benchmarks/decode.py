@@ -10,9 +10,11 @@ so each step can be timed (synchronised on CUDA); `generate` gets the same promp
 in one batch, its steps timed by a logits processor. Reported: tokens/s over the whole decode
 (prefill included), the median per-step ms, and aten ops and host syncs per step (counted by a
 TorchDispatchMode over separate, untimed steps). Goals (issue 31): fast >= 1.0x generate on
-CPU, >= 5x on a GPU at the Qwen2.5-0.5B shape (`benchmarks/real_scale.py` writes it:
-`python -c "from benchmarks.real_scale import write_checkpoint as w; from pathlib import
-Path; w(Path('/tmp/q05'))"`, then `--device cuda --model /tmp/q05`).
+CPU, >= 5x on a GPU at the Qwen2.5-0.5B shape, which `benchmarks/real_scale.py` writes:
+
+    PYTHONPATH=$PWD .venv/bin/python -c "from pathlib import Path; \
+        from benchmarks.real_scale import write_checkpoint as w; w(Path('/tmp/q05'))"
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/decode.py --device cuda --model /tmp/q05
 """
 
 from __future__ import annotations
