@@ -64,8 +64,11 @@ def part_engine(args: argparse.Namespace, device: torch.device) -> list[dict]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     prompts = real_scale.prompts(args.requests)
+    # --decode-backend fast: the slot-cache step (CUDA graphs on CUDA); refused, not silently
+    # replaced by the HF path, if the checkpoint cannot take it.
     proc, url = start_engine("--model", str(args.dir), "--device", device.type, "--dtype",
-                             _dtype(device), python=sys.executable, timeout_s=600)
+                             _dtype(device), "--decode-backend", "fast",
+                             python=sys.executable, timeout_s=600)
     try:
         wall = asyncio.run(real_scale.generate_all(url, prompts, args.new_tokens))
     finally:

@@ -48,6 +48,11 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="tokens of prompt KV the prefix cache keeps (least recently used "
                         "evicted first; every weight update clears it); 0: share prefills only "
                         "among requests admitted together")
+    p.add_argument("--decode-backend", choices=["auto", "fast", "hf"], default="auto",
+                   help="fast: the slot-cache decode step (Llama/Qwen2/Qwen3); hf: the model's "
+                        "own forward; auto: fast where the architecture allows it")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run the fast decode step eagerly on CUDA too, as SGLang's flag")
     p.add_argument("--api-key-file", default=None,
                    help="require `Authorization: Bearer <key>` on every route but /health, the "
                         "key read from this file (mode 0600); `rollmesh launch` makes one per run")

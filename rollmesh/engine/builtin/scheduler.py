@@ -4,7 +4,9 @@ Continuous batching: every loop iteration (1) applies the commands that arrived 
 aborts, pause/continue, weight loads), (2) admits waiting requests up to the running limit and
 prefills them (requests with prompts of equal length share one forward pass), and (3) runs one
 batched decode step for every running request; finished requests leave the batch right away.
-Aborts, pauses and weight loads therefore take effect between two decode steps.
+Aborts, pauses and weight loads therefore take effect between two decode steps. The decode
+step is decoder.py's (a slot KV cache, CUDA graphs on CUDA) for Llama/Qwen2/Qwen3, the
+model's own forward over kvcache.BatchKV for the rest (`decode_backend`).
 
 A GRPO group's prompt is prefilled once (unless the prefix cache is disabled, SGLang's
 `--disable-radix-cache`, which turns all sharing off): requests admitted together with the same
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch
 
+from rollmesh.engine.builtin.decoder import FastDecoder, SlotBatch, unsupported_reason
 from rollmesh.engine.builtin.kvcache import (
     KV,
     BatchKV,
@@ -127,10 +130,13 @@ class _Command:
 class Scheduler:
     def __init__(self, model: Any, tokenizer: Any, *, weight_version: str,
                  max_running_requests: int, seed: int | None = None,
-                 prefix_cache_tokens: int | None = DEFAULT_PREFIX_CACHE_TOKENS) -> None:
+                 prefix_cache_tokens: int | None = DEFAULT_PREFIX_CACHE_TOKENS,
+                 decode_backend: str = "auto", decode_graphs: bool | None = None) -> None:
         """prefix_cache_tokens: the prefix cache's size in tokens; None = no sharing of prompt
         prefills at all (`--disable-radix-cache`), 0 = share only among requests admitted
-        together."""
+        together. decode_backend: fast (decoder.py's slot cache and step), hf (the model's own
+        forward over BatchKV) or auto (fast where the architecture allows it); decode_graphs:
+        capture the fast step as CUDA graphs (None: on CUDA)."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -143,7 +149,8 @@ class Scheduler:
 
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.kv = BatchKV()
+        self.fast = self._decoder(model, decode_backend, decode_graphs)
+        self.kv: BatchKV | SlotBatch = BatchKV() if self.fast is None else SlotBatch(self.fast.kv)
         self.prefix_cache = (None if prefix_cache_tokens is None
                              else PrefixCache(prefix_cache_tokens))
         self.paused = False
@@ -215,8 +222,24 @@ class Scheduler:
                 self.prefix_cache.evicted_tokens if self.prefix_cache else 0,
         }
 
+    def _decoder(self, model: Any, backend: str, graphs: bool | None) -> FastDecoder | None:
+        if backend not in ("auto", "fast", "hf"):
+            raise ValueError(f"decode backend must be auto, fast or hf, got {backend!r}")
+        reason = "decode backend hf asked" if backend == "hf" else unsupported_reason(model)
+        if reason is not None and backend == "fast":
+            raise ValueError(f"decode backend fast: {reason}")
+        if reason is not None:
+            self.log.info("decode_backend", backend="hf", reason=reason)
+            return None
+        fast = FastDecoder(model, slots=self.max_running, graphs=graphs)
+        self.log.info("decode_backend", backend="fast", cuda_graphs=fast.graphs)
+        return fast
+
     def weights_changing(self) -> None:
-        """Called (scheduler thread) before the weights change: cached KV is theirs."""
+        """Called (scheduler thread) before the weights change: cached KV is theirs, and the
+        fast decoder's fused weight copies are rebuilt before its next step."""
+        if self.fast is not None:
+            self.fast.stale = True
         if self.prefix_cache is not None and self.prefix_cache.tokens:
             self.log.info("prefix_cache_cleared", reason="weight update",
                           tokens=self.prefix_cache.tokens)
@@ -468,8 +491,7 @@ class Scheduler:
         index = torch.tensor(rows, device=self.device)
         if len(rows) != len(prompts):
             select_rows(cache, index)
-        self.kv.merge(cache)
-        self.running.extend(requests)
+        self._merge(cache, requests)
         self.prefill_seconds += time.perf_counter() - start
         self._sample_and_advance(logits[:, -1, :].index_select(0, index),
                                  first_row=len(self.running) - len(requests))
@@ -497,9 +519,15 @@ class Scheduler:
                     r.input_logprobs = [None]
                     if r.top_logprobs_num > 0:
                         r.input_top_logprobs = [None]
-        self.kv.merge(cache)
-        self.running.extend(requests)
+        self._merge(cache, requests)
         self.prefill_seconds += time.perf_counter() - start
+
+    def _merge(self, cache: Any, requests: list[Request]) -> None:
+        if self.fast is None:
+            self.kv.merge(cache)
+        else:
+            self.kv.merge(cache, [r.length for r in requests])
+        self.running.extend(requests)
 
     def _score(self, r: Request) -> None:
         """A request with max_new_tokens 0 generates nothing; with input log-probs asked (a
@@ -537,6 +565,9 @@ class Scheduler:
 
     # ---- decoding ----
     def _decode_step(self) -> None:
+        if self.fast is not None:
+            self._fast_step()
+            return
         rows = self.running
         seq_len = self.kv.seq_len
         # A row's newest token: its last output token, or its prompt's last one when it
@@ -555,16 +586,52 @@ class Scheduler:
         self._sample_and_advance(out.logits[:, -1, :], first_row=0)
         self.decode_steps += 1
 
-    def _sample_and_advance(self, logits: torch.Tensor, first_row: int) -> None:
-        rows = self.running[first_row:]
+    def _fast_step(self) -> None:
+        """One decode step on the fast path: sampling runs inside it for the rows whose
+        parameters it covers exactly; the others (penalties, banned tokens, logit_bias, top
+        log-probs, their own seed) go through sample_rows on the logits, as on the HF path."""
+        rows = self.running
+        ps = [r.params for r in rows]
+        tokens, logprobs, logits = self.fast.step(
+            self.kv.slots, [r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in rows],
+            [r.length for r in rows], [0.0 if p.greedy else p.temperature for p in ps],
+            [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps], self.generator)
+        for r in rows:
+            r.length += 1
+        self.peak_running = max(self.peak_running, len(rows))
+        tops: list[list] = [[] for _ in rows]
+        general = [i for i, r in enumerate(rows) if self._general(r)]
+        if general:
+            sub = [rows[i] for i in general]
+            s = self._sample(logits.index_select(0, torch.tensor(general, device=logits.device)),
+                             sub)
+            for j, i in enumerate(general):
+                tokens[i], logprobs[i], tops[i] = s.tokens[j], s.logprobs[j], s.top[j]
+        self._advance(rows, tokens, logprobs, tops)
+        self.decode_steps += 1
+
+    def _general(self, r: Request) -> bool:
+        p = r.params
+        return bool(p.penalised or p.logit_bias or r.top_logprobs_num or r.generator is not None
+                    or self._banned(r))
+
+    def _sample(self, logits: torch.Tensor, rows: list[Request]) -> Any:
         banned = [self._banned(r) for r in rows]
         penalised = any(r.params.penalised for r in rows)
-        s = sample_rows(logits, [r.params for r in rows], [r.generator for r in rows],
-                        self.generator, banned=banned,
-                        outputs=[r.output_ids for r in rows] if penalised else None,
-                        top_logprobs=[r.top_logprobs_num for r in rows])
+        return sample_rows(logits, [r.params for r in rows], [r.generator for r in rows],
+                           self.generator, banned=banned,
+                           outputs=[r.output_ids for r in rows] if penalised else None,
+                           top_logprobs=[r.top_logprobs_num for r in rows])
+
+    def _sample_and_advance(self, logits: torch.Tensor, first_row: int) -> None:
+        rows = self.running[first_row:]
+        s = self._sample(logits, rows)
+        self._advance(rows, s.tokens, s.logprobs, s.top)
+
+    def _advance(self, rows: list[Request], tokens: list[int], logprobs: list[float],
+                 tops: list[list]) -> None:
         self.generated_tokens += sum(not r.internal for r in rows)
-        for r, token, logprob, top in zip(rows, s.tokens, s.logprobs, s.top):
+        for r, token, logprob, top in zip(rows, tokens, logprobs, tops):
             # The token itself last: a response built meanwhile on the event loop copies
             # output_ids first, and finds log-probs and weight-version spans for all of them.
             r.output_logprobs.append(logprob)

@@ -127,7 +127,9 @@ class EngineServer:
             model, tokenizer, weight_version=args.weight_version,
             max_running_requests=args.max_running_requests, seed=args.seed,
             prefix_cache_tokens=None if args.disable_radix_cache
-            else args.prefix_cache_max_tokens)
+            else args.prefix_cache_max_tokens,
+            decode_backend=getattr(args, "decode_backend", "auto"),
+            decode_graphs=False if getattr(args, "disable_cuda_graph", False) else None)
         self.weights = WeightRoutes(self)  # the weight routes and the groups they joined
         # /generate requests by rid until they finish: a second request with a live rid is
         # refused, as SGLang's tokenizer manager refuses it (its rid_to_state).
