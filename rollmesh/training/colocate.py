@@ -82,9 +82,8 @@ class Turn:
             self.timings["colocate_release_s"] = time.monotonic() - released
         if self.exp.trainer.offload_optimizer:
             loaded = time.monotonic()
-            moved = await asyncio.to_thread(self._move, self.state.device)
+            await asyncio.to_thread(self._move, self.state.device)
             self.timings["colocate_optimizer_load_s"] = time.monotonic() - loaded
-            self.timings["colocate_optimizer_bytes"] = moved
         self.started = started
         self.stepping = time.monotonic()
         return self
@@ -93,8 +92,9 @@ class Turn:
         self.timings["colocate_step_s"] = time.monotonic() - self.stepping
         if self.exp.trainer.offload_optimizer:
             offloaded = time.monotonic()
-            await asyncio.to_thread(self._move, torch.device("cpu"))
+            moved = await asyncio.to_thread(self._move, torch.device("cpu"))
             self.timings["colocate_optimizer_offload_s"] = time.monotonic() - offloaded
+            self.timings["colocate_optimizer_bytes"] = moved  # each way
         if self.state.ranks.is_main and self.sender is not None:
             resumed = time.monotonic()
             await self._resume()

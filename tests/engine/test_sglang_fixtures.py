@@ -266,6 +266,8 @@ def test_client_against_sglang_bodies():
         ("POST", "/update_weights_from_tensor"): "update_weights_from_tensor",
         ("POST", "/begin_weight_update"): "begin_weight_update",
         ("POST", "/end_weight_update"): "end_weight_update",
+        ("POST", "/release_memory_occupation"): "release_memory_occupation",
+        ("POST", "/resume_memory_occupation"): "resume_memory_occupation",
     }
     stub = StubSGLang(routes)
 
@@ -280,6 +282,8 @@ def test_client_against_sglang_bodies():
             await client.pause("retract")
             await client.resume()
             await client.flush_cache()
+            await client.release_memory(["kv_cache"])  # colocated mode's turn
+            await client.resume_memory(["kv_cache"])
             await client.abort_all()
             assert await client.weight_versions() == ["default"]
             info = (await client.server_info())[0]

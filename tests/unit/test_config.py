@@ -259,7 +259,7 @@ BROKEN = [
         "cluster_top_unknown",
         "cluster",
         "foo = 1\n" + cluster(),
-        "{file}: foo: unknown key (expected one of: name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, slurm, launcher_cpus, settings)",
+        "{file}: foo: unknown key (expected one of: name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, colocate, slurm, launcher_cpus, settings)",
     ),
     (
         "host_unknown_key",

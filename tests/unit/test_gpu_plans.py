@@ -106,3 +106,25 @@ def test_8gpu_example_plans_sglang_engines_and_nccl_ranks(tmp_path, checkpoint, 
     client = EngineClient(trainer0["engines"], tp_sizes=trainer0["engine_tp_sizes"])
     assert client.weight_group_world_size == 1 + engines * tp
     assert client.rank_offsets() == [1 + i * tp for i in range(engines)]
+
+
+def test_the_colocated_plan_shares_gpu_0_and_tells_the_trainer(tmp_path):
+    plan = plan_of("launch/single_gpu_colocated.toml", tmp_path / "r")
+    assert plan["engine[0]"].engine.env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert plan["trainer[0]"].proc.gpus == (0,)
+    assert plan["trainer[0]"].config["colocate"] is True
+    assert load_cluster(ROOT / "launch/single_gpu_colocated.toml").shared_gpus() == ["local:0"]
+    assert plan_of("launch/local.toml", tmp_path / "r")["trainer[0]"].config["colocate"] is False
+    assert load_cluster(ROOT / "launch/local.toml").shared_gpus() == []
+
+
+@pytest.mark.parametrize("setting, key", [
+    ('sync.pause_mode="in_place"', "sync.pause_mode = 'abort'"),
+    ("sync.sync_every=2", "sync.sync_every = 1"),
+    ("sync.overlap=true", "sync.overlap = False"),
+    ('sync.backend="nccl"', "sync.backend = 'gloo' or sync.transport = 'handles'"),
+])
+def test_colocated_mode_refuses_what_cannot_take_turns(setting, key):
+    with pytest.raises(ConfigError, match=f"colocate: expected {key}".replace("(", r"\(")):
+        load_cluster(ROOT / "launch/single_gpu_colocated.toml", [setting])
+    load_cluster(ROOT / "launch/single_gpu.toml", [setting] if "nccl" not in setting else [])

@@ -76,7 +76,9 @@ class MemoryRoutes:
         error = await self.server.scheduler_call("call", release)
         if error is not None:
             return _error(error)
-        self.server.log.info("memory_released", tags=tags)
+        # decode_steps: a colocated run's check that nothing decodes while it is released
+        self.server.log.info("memory_released", tags=tags,
+                             decode_steps=self.server.scheduler.decode_steps)
         return web.json_response(None)
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -94,7 +96,8 @@ class MemoryRoutes:
         error = await self.server.scheduler_call("call", resume)
         if error is not None:
             return _error(error)
-        self.server.log.info("memory_resumed", tags=tags)
+        self.server.log.info("memory_resumed", tags=tags,
+                             decode_steps=self.server.scheduler.decode_steps)
         return web.json_response(None)
 
 

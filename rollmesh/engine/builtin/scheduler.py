@@ -246,10 +246,15 @@ class Scheduler:
             self.prefix_cache.clear()
 
     def release_kv(self) -> None:
-        """(scheduler thread, idle) Drop every KV allocation: the batch's, the prefix cache's."""
+        """(scheduler thread, idle) Drop every KV allocation: the batch's, the prefix cache's,
+        and the fast decoder's slot cache, graphs and fused copies (rebuilt at the next step)."""
         self.kv.clear()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        if self.fast is not None:
+            self.fast.release_memory()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- the loop (scheduler thread only below this line) ----
     def _run(self) -> None:
