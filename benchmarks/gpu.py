@@ -12,12 +12,14 @@
             backward, AdamW) on the same tokens, the batch in one pass as the plain step takes
             it, and again in passes of 2 x --tokens (trainer.micro_batch_tokens); peak GPU
             memory of each;
-    sync    one weight sync CUDA trainer -> CUDA engine on the same GPU over gloo through host
-            memory (NCCL refuses two ranks on one device), the real path (gather, buckets,
-            HTTP, the engine's load), vs one raw gloo broadcast of the same bytes;
-    launch  `rollmesh launch launch/single_gpu.toml` (engine and trainer sharing the GPU):
-            samples/s consumed by the trainer over --launch-steps steps, async (max_staleness 1)
-            vs the synchronous baseline (staleness.sync_mode) on the same GPU.
+    sync    one weight sync CUDA trainer -> CUDA engine on the same GPU, the real path (gather,
+            HTTP, the engine's load): over gloo through host memory (NCCL refuses two ranks on
+            one device) vs one raw gloo broadcast of the same bytes, and by handle (CUDA IPC,
+            sync.transport = "handles") vs one device-to-device copy of the same bytes;
+    launch  benchmarks/one_device.py on this GPU: samples/s consumed by the trainer over
+            --launch-steps steps with engine and trainer on the one GPU three ways: share_gpus
+            async (launch/single_gpu.toml, the baseline), colocated
+            (launch/single_gpu_colocated.toml) and the synchronous baseline (sync_mode).
 
 The model is Qwen2.5-0.5B's shape with random weights (benchmarks/real_scale.py writes it once
 into --dir); --small uses the random `tiny` model instead. Needs CUDA unless --device cpu.
@@ -27,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import real_scale  # noqa: E402
-from benchmarks.engine_proc import start_engine, with_repo_on_path  # noqa: E402
+from benchmarks.engine_proc import start_engine  # noqa: E402
 from benchmarks.results import row, write  # noqa: E402
 
 GIB = 2**30
@@ -122,7 +122,6 @@ def part_train(args: argparse.Namespace, device: torch.device) -> list[dict]:
         update_policy(state, prepare(state, data))
         _sync(device)
         out = time.perf_counter() - start, _peak(device)
-        del state
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -171,74 +170,84 @@ def part_train(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 
 def part_sync(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """One weight sync trainer -> engine on the same device, both transports: the weight-update
+    group over gloo (through host memory) beside one raw gloo broadcast, and by handle (CUDA
+    IPC; shared memory on CPU) beside one device-to-device copy of the same bytes."""
     from rollmesh.training.state import build_state
     from rollmesh.training.weight_sender import WeightSender
     from rollmesh.wire.transport import Transport
 
-    exp = real_scale.experiment(args.dir, f'trainer.device="{device.type}"',
-                                f'model.dtype="{_dtype(device)}"')
-    state = build_state(exp, device=device)
-    proc, url = start_engine("--model", str(args.dir), "--device", device.type, "--dtype",
-                             _dtype(device), python=sys.executable, timeout_s=600)
+    rows = []
+    for transport in ("broadcast", "handles"):
+        exp = real_scale.experiment(args.dir, f'trainer.device="{device.type}"',
+                                    f'model.dtype="{_dtype(device)}"',
+                                    f'sync.transport="{transport}"')
+        state = build_state(exp, device=device)
+        proc, url = start_engine("--model", str(args.dir), "--device", device.type, "--dtype",
+                                 _dtype(device), python=sys.executable, timeout_s=600)
 
-    async def two_syncs() -> tuple[float, int]:
-        with Transport() as t:
-            publisher = WeightSender(t, {"engines": [url], "synchronizer": "tcp://127.0.0.1:9"},
-                                  exp.sync, device)
-            await publisher.open()
-            try:
-                await publisher.broadcast(state.model, state.compute_dtype, 1)  # builds the group
-                start = time.perf_counter()
-                sent = await publisher.broadcast(state.model, state.compute_dtype, 2)
-                return time.perf_counter() - start, sent
-            finally:
-                await publisher.close()
+        async def two_syncs() -> tuple[float, int]:
+            with Transport() as t:
+                publisher = WeightSender(t, {"engines": [url],
+                                             "synchronizer": "tcp://127.0.0.1:9"},
+                                         exp.sync, device)
+                await publisher.open()
+                try:  # the first builds the group (broadcast) or the buffer (handles)
+                    await publisher.broadcast(state.model, state.compute_dtype, 1)
+                    start = time.perf_counter()
+                    sent = await publisher.broadcast(state.model, state.compute_dtype, 2)
+                    return time.perf_counter() - start, sent
+                finally:
+                    await publisher.close()
 
-    try:
-        seconds, sent = asyncio.run(two_syncs())
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    floor = real_scale.floor_broadcast(args, sent)
-    print(f"sync: {seconds:.2f} s for {sent / 1e9:.2f} GB, raw gloo broadcast {floor:.2f} s",
-          flush=True)
-    return [row(f"weight sync trainer -> engine on one {device.type} device over gloo", seconds,
-                floor, "s", baseline_name="one raw gloo broadcast of the same bytes",
-                higher_is_better=False,
-                note=f"{sent / 1e9:.2f} GB {_dtype(device)}, flattened buckets, a sync after "
-                     "the first (which also builds the group)")]
+        try:
+            seconds, sent = asyncio.run(two_syncs())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        if transport == "broadcast":
+            floor = real_scale.floor_broadcast(args, sent)
+            what, base = "over gloo", "one raw gloo broadcast of the same bytes"
+        else:
+            floor = _copy_floor(device, sent)
+            what = "by handle (CUDA IPC)" if device.type == "cuda" else "by handle (shared memory)"
+            base = f"one {'device-to-device' if device.type == 'cuda' else 'memcpy'} copy of " \
+                   "the same bytes"
+        print(f"sync {transport}: {seconds:.3f} s for {sent / 1e9:.2f} GB, floor {floor:.3f} s",
+              flush=True)
+        rows.append(row(f"weight sync trainer -> engine on one {device.type} device {what}",
+                        seconds, floor, "s", baseline_name=base, higher_is_better=False,
+                        target=1.5 if transport == "handles" else None,
+                        note=f"{sent / 1e9:.2f} GB {_dtype(device)}, the real path (HTTP, the "
+                             "engine's load), a sync after the first"))
+    return rows
 
 
-def _launch(args: argparse.Namespace, *sets: str) -> float:
-    """samples/s consumed by the trainer, from the run's metrics (first to last step)."""
-    run_dir = Path(tempfile.mkdtemp(prefix="rollmesh-gpu-bench-")) / "run"
-    overrides = [f"trainer.total_steps={args.launch_steps}", "rollout.eval_every=0", *sets]
-    if args.small:
-        overrides.append("model.path=tiny")
-    else:
-        overrides += [f"model.path={args.dir}", "model.max_context=1024"]
-    cmd = [sys.executable, "-m", "rollmesh", "launch", "launch/single_gpu.toml", "--quiet",
-           "--run-dir", str(run_dir)]
-    for s in overrides:
-        cmd += ["--set", s]
-    subprocess.run(cmd, cwd=REPO, check=True, env=with_repo_on_path(REPO))
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
-    first, last = rows[0], rows[-1]
-    return ((last["samples_consumed"] - first["samples_consumed"])
-            / (last["time"] - first["time"]))
+def _copy_floor(device: torch.device, nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def part_launch(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """benchmarks/one_device.py on this GPU: share_gpus async (launch/single_gpu.toml),
+    colocated (launch/single_gpu_colocated.toml) and sync_mode, samples/s side by side."""
     if device.type != "cuda":
-        print("launch: skipped (launch/single_gpu.toml places the engine on CUDA)")
+        print("launch: skipped (launch/single_gpu.toml places the engine on CUDA; "
+              "benchmarks/one_device.py --device cpu is the CPU comparison)")
         return []
-    ours = _launch(args, "staleness.max_staleness=1")
-    base = _launch(args, "staleness.sync_mode=true")
-    print(f"launch: async {ours:.1f} samples/s, sync {base:.1f} samples/s", flush=True)
-    return [row("launch/single_gpu.toml samples/s", ours, base, "samples/s",
-                baseline_name="the same launch with staleness.sync_mode = true",
-                higher_is_better=True,
-                note=f"{args.launch_steps} trainer steps, engine and trainer on one GPU")]
+    from benchmarks import one_device
+
+    sets = (["model.path=tiny"] if args.small
+            else [f"model.path={args.dir}", "model.max_context=1024"])
+    return one_device.compare("cuda", args.launch_steps, sets)
 
 
 PARTS = {"engine": part_engine, "train": part_train, "sync": part_sync, "launch": part_launch}
