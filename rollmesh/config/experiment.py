@@ -458,7 +458,7 @@ class SyncConfig:
         "(/update_weights_from_tensor: shared memory from a CPU trainer, CUDA IPC from a GPU "
         "one; SGLang engines need a GPU trainer); `auto` = handles when every engine URL is "
         "on the trainer's host and the engine kind takes them, else broadcast",
-        "broadcast",
+        "auto",
     )
 
 

@@ -105,7 +105,8 @@ def test_two_ranks_retry_a_broadcast_an_engine_failed(tmp_path):
                      "trainer.total_steps=3", "trainer.lr=1e-3", "sync.sync_every=1",
                      "sync.bucket_mb=0.5", "trainer.micro_batch_tokens=512",
                      'sync.load_format="flattened_bucket"', "sync.timeout_s=120",
-                     "algorithm.entropy_coef=0.05")
+                     "algorithm.entropy_coef=0.05",
+                     'sync.transport="broadcast"')  # the weight-update group's retry
 
     async def body():
         with Transport() as t:

@@ -144,7 +144,8 @@ def test_an_overlapped_sync_is_retried_and_its_failure_fails_the_next_sync(tmp_p
     async def body():
         with Transport() as t:
             async with Rig(tmp_path, t, engine, "sync.overlap=true",
-                           'sync.load_format="flattened_bucket"') as rig:
+                           'sync.load_format="flattened_bucket"',
+                           'sync.transport="broadcast"') as rig:  # the group's retry
                 await rig.step()
                 await sync_weights(rig.state, rig.publisher)
                 await finish_sync(rig.state, rig.publisher)

@@ -125,6 +125,10 @@ def test_the_colocated_plan_shares_gpu_0_and_tells_the_trainer(tmp_path):
     ('sync.backend="nccl"', "sync.backend = 'gloo' or sync.transport = 'handles'"),
 ])
 def test_colocated_mode_refuses_what_cannot_take_turns(setting, key):
+    sets = [setting, 'sync.transport="broadcast"'] if "nccl" in setting else [setting]
     with pytest.raises(ConfigError, match=f"colocate: expected {key}".replace("(", r"\(")):
+        load_cluster(ROOT / "launch/single_gpu_colocated.toml", sets)
+    if "nccl" not in setting:  # the resident pair takes it
+        load_cluster(ROOT / "launch/single_gpu.toml", sets)
+    else:  # by handle (the default, auto, on one host) NCCL is never used
         load_cluster(ROOT / "launch/single_gpu_colocated.toml", [setting])
-    load_cluster(ROOT / "launch/single_gpu.toml", [setting] if "nccl" not in setting else [])
