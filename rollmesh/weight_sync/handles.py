@@ -81,6 +81,24 @@ def layout(specs: Sequence[WeightSpec]) -> tuple[list[Entry], int]:
     return entries, at
 
 
+def _quiet_resource_tracker() -> None:
+    """multiprocessing's resource tracker unlinks the segment if this process dies without
+    closing it (kill -9): wanted. It also warns about that on the stderr it inherits, which is
+    the role's JSON log; started here with stderr on /dev/null, it cleans up silently."""
+    from multiprocessing import resource_tracker
+
+    if getattr(resource_tracker._resource_tracker, "_fd", None) is not None:
+        return  # running already
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class Packed:
     """The trainer's flat buffer, kept from sync to sync: a shared-memory segment (CPU) or one
     CUDA tensor (GPU), regrown when the model's bytes do not fit it."""
@@ -106,6 +124,7 @@ class Packed:
         if self.device.type == "cuda":
             self.flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             return self.flat
+        _quiet_resource_tracker()
         while self.shm is None:
             Packed._count += 1
             name = f"{SEGMENT_PREFIX}{os.getpid()}_{Packed._count}"
