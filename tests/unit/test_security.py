@@ -140,6 +140,14 @@ def test_launcher_writes_private_keys(tmp_path, monkeypatch):
 
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "jsonpickle",
                   "multiprocessing", "concurrent.futures.process"}
+# multiprocessing is banned whole (its queues and pools pickle), but for these names, which read
+# no pickle: a shared-memory segment and the tracker that unlinks it (sync by handle), and the
+# pickler that WRITES SGLang's /update_weights_from_tensor payload (weight_sync/handles.py);
+# ForkingPickler's loads, and anything else of multiprocessing, stay banned.
+NOT_DESERIALISING = {"multiprocessing.shared_memory.SharedMemory",
+                     "multiprocessing.resource_tracker",
+                     "multiprocessing.resource_tracker.ensure_running",
+                     "multiprocessing.reduction.ForkingPickler"}
 BANNED_CALLS = {
     "marshal.load", "marshal.loads", "joblib.load", "pandas.read_pickle", "pd.read_pickle",
     "yaml.unsafe_load", "yaml.full_load", "yaml.unsafe_load_all",
@@ -179,6 +187,8 @@ def pickle_uses(source: str, filename: str) -> list[str]:
             for a in node.names:
                 full = f"{node.module}.{a.name}"
                 aliases[a.asname or a.name] = full
+                if full in NOT_DESERIALISING:
+                    continue
                 if (node.module in BANNED_MODULES or root in BANNED_MODULES
                         or full in BANNED_MODULES or a.name in BANNED_METHODS
                         or full in BANNED_CALLS):
@@ -191,6 +201,8 @@ def pickle_uses(source: str, filename: str) -> list[str]:
         full = f"{aliases.get(head, head)}.{rest}" if rest else aliases.get(head, head)
         last = name.rsplit(".", 1)[-1]
         where = f"{filename}:{node.lineno}"
+        if full in NOT_DESERIALISING:
+            continue
         if (full in BANNED_CALLS or name in BANNED_CALLS or last in BANNED_METHODS
                 or full.split(".")[0] in BANNED_MODULES):
             found.append(f"{where}: {name}()")
@@ -226,12 +238,20 @@ joblib.load("x")
 sock.recv_pyobj()
 sock.send_pyobj(1)
 torch.distributed.broadcast_object_list(objs)
+from multiprocessing.reduction import ForkingPickler
+ForkingPickler.loads(b"")
+from multiprocessing import Queue
 """
     hits = pickle_uses(bad, "bad.py")
-    assert [h.split(":")[1] for h in hits] == [
-        "2", "4", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15"]
+    assert sorted((h.split(":")[1] for h in hits), key=int) == [
+        "2", "4", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "17", "18"]
     ok = """
+import io
 import numpy as np, torch, yaml
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.reduction import ForkingPickler
+SharedMemory(name="rollmesh_w_1_1", create=True, size=8)
+ForkingPickler(io.BytesIO()).dump([1])
 np.load("x.npy")
 np.load("x.npy", allow_pickle=False)
 torch.load("x.pt", weights_only=True)
