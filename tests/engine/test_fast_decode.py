@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from hf_checkpoints import build_model, build_tokenizer  # noqa: E402
+# (as a package module: tests/helpers on sys.path would shadow the stdlib's `queue` with
+# tests/helpers/queue.py in every process spawned later, and the two-rank pools hung)
+from tests.helpers.hf_checkpoints import build_model, build_tokenizer  # noqa: E402
 
 from rollmesh.engine.builtin.decoder import FastDecoder, unsupported_reason  # noqa: E402
 from rollmesh.engine.builtin.sampling import SamplingParams  # noqa: E402
@@ -262,30 +263,49 @@ def test_ops_and_syncs_per_step(batch):
     assert fast.syncs == 0 and hf.syncs >= 4
 
 
+COMPILED_STEP = """
+import torch
+from rollmesh.engine.builtin.decoder import FastDecoder
+from rollmesh.models.loading import build_tiny
+
+model, _ = build_tiny("tiny")
+fast = FastDecoder(model, slots=4)
+kv = fast.kv
+torch.manual_seed(0)
+prompt_kv = [(torch.randn(fast.kv_heads, 6, fast.head_dim),
+              torch.randn(fast.kv_heads, 6, fast.head_dim)) for _ in fast.layers]
+for slot in range(3):
+    kv.write(kv.take(), prompt_kv, 6)
+fast._rope(64)
+args = [torch.tensor([5, 9, 11]), torch.tensor([6, 6, 6]), torch.tensor([0, 1, 2]),
+        torch.tensor([0.0, 0.7, 1.0]), torch.tensor([4, 100000, 100000]),
+        torch.tensor([1.0, 0.9, 1.0]), torch.tensor([0.0, 0.0, 0.1]),
+        torch.tensor([0.3, 0.6, 0.9], dtype=torch.float64)]
+with torch.inference_mode():
+    eager = fast.forward_step(*args, 16, 2)
+    compiled = torch.compile(fast.forward_step, fullgraph=True)(*args, 16, 2)
+assert torch.equal(eager[0], compiled[0]), (eager[0], compiled[0])
+torch.testing.assert_close(eager[1], compiled[1], atol=1e-4, rtol=1e-4)
+print("compiled step equals eager")
+"""
+
+
 @pytest.mark.slow
 def test_compiled_step_equals_eager():
     """torch.compile(fullgraph=True) of the step traces without a graph break and gives the
     eager step's tokens (what CUDA-graph capture needs: no host sync, no Python branching on
-    tensor values)."""
-    from rollmesh.models.loading import build_tiny
+    tensor values). In a process of its own, so that inductor's compile workers and caches stay
+    out of the test process."""
+    import os
+    import subprocess
 
-    model, _ = build_tiny("tiny")
-    fast = FastDecoder(model, slots=4)
-    kv = fast.kv
-    prompt_kv = [(torch.randn(fast.kv_heads, 6, fast.head_dim),
-                  torch.randn(fast.kv_heads, 6, fast.head_dim)) for _ in fast.layers]
-    for slot in range(3):
-        kv.write(kv.take(), prompt_kv, 6)
-    fast._rope(64)
-    args = [torch.tensor([5, 9, 11]), torch.tensor([6, 6, 6]), torch.tensor([0, 1, 2]),
-            torch.tensor([0.0, 0.7, 1.0]), torch.tensor([4, 100000, 100000]),
-            torch.tensor([1.0, 0.9, 1.0]), torch.tensor([0.0, 0.0, 0.1]),
-            torch.tensor([0.3, 0.6, 0.9], dtype=torch.float64)]
-    with torch.inference_mode():
-        eager = fast.forward_step(*args, 16, 2)
-        compiled = torch.compile(fast.forward_step, fullgraph=True)(*args, 16, 2)
-    assert torch.equal(eager[0], compiled[0])
-    torch.testing.assert_close(eager[1], compiled[1], atol=1e-4, rtol=1e-4)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", COMPILED_STEP], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "compiled step equals eager" in out.stdout, \
+        out.stderr[-3000:]
 
 
 def _sampled(rid: str, ids: list[int], new: int, **kw) -> Request:
