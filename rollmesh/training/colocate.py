@@ -69,9 +69,10 @@ class Turn:
         self.state, self.sender, self.link = state, sender, link
         self.exp = state.exp
         self.timings: dict[str, Any] = {}
+        self.released: list[str] = []  # the tags the engines were asked to give back
 
     async def __aenter__(self) -> Turn:
-        started = time.monotonic()
+        self.started = time.monotonic()
         if self.state.ranks.is_main and self.sender is not None:
             self._phase("train")
             go = await self.sender.synchronizer.request(
@@ -84,7 +85,6 @@ class Turn:
             loaded = time.monotonic()
             await asyncio.to_thread(self._move, self.state.device)
             self.timings["colocate_optimizer_load_s"] = time.monotonic() - loaded
-        self.started = started
         self.stepping = time.monotonic()
         return self
 
@@ -130,7 +130,7 @@ class Turn:
                     error=str(error)[:500])
 
     async def _resume(self) -> None:
-        tags = getattr(self, "released", None)
+        tags = self.released
         if not tags:
             return
         try:
