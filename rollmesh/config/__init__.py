@@ -36,6 +36,7 @@ from rollmesh.config.experiment import (
     AlgorithmConfig,
     DataConfig,
     EngineConfig,
+    LoraConfig,
     ExperimentConfig,
     MetricsConfig,
     ModelConfig,

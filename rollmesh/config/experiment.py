@@ -19,6 +19,41 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 DistBackend = Literal["auto", "gloo", "nccl"]
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    rank: int = _field(
+        "LoRA rank r; 0 = off (full-weight training). On: only the adapters train (peft), the "
+        "reference is the base model with the adapters off, and each sync sends the adapters "
+        "alone (written to the trainer's lora_dir, loaded by the engines by path: same host or "
+        "a shared filesystem)", 0, ge=0)
+    alpha: float | None = _field("LoRA alpha (scale alpha / r); none: 2 * rank", None, gt=0)
+    dropout: float = _field("dropout on the adapters' input", 0.0, ge=0, lt=1)
+    target_modules: list[str] = _field(
+        "module names the adapters wrap (peft's target_modules): by default the attention and "
+        "MLP projections of Qwen/Llama-class models", factory=lambda: list(LORA_TARGETS))
+    use_rslora: bool = _field("rank-stabilised scale alpha / sqrt(r) (peft's use_rslora)", False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale_alpha(self) -> float:
+        return float(self.alpha if self.alpha is not None else 2 * self.rank)
+
+    def validate(self) -> None:
+        if self.enabled and not self.target_modules:
+            raise _Invalid("target_modules",
+                           "expected at least one module name with model.lora.rank > 0, got []")
+        bad = [m for m in self.target_modules if not m or not m.replace("_", "").isalnum()]
+        if bad:
+            raise _Invalid("target_modules",
+                           f"expected module names (letters, digits, _), got {bad}")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = _field(
@@ -29,6 +64,8 @@ class ModelConfig:
     dtype: Dtype = _field("parameter dtype for training and inference", "float32")
     trust_remote_code: bool = _field("allow the checkpoint's own modelling code to run", False)
     max_context: int = _field("longest sequence (prompt + response) in tokens", 4096, gt=0)
+    lora: LoraConfig = _field("LoRA adapters instead of full-weight training",
+                              factory=LoraConfig)
 
 
 @dataclass(kw_only=True)
@@ -607,6 +644,18 @@ class ExperimentConfig:
                 f"expected int <= {algo.overlong_max_tokens} (algorithm.overlong_max_tokens, by "
                 f"default rollout.max_new_tokens), got {algo.overlong_buffer}",
             )
+        if self.model.lora.enabled:
+            # SGLang binds a running request to its adapter and unloads an adapter only once
+            # its requests are done: an adapter cannot change under a running request.
+            for key, got, expected, why in (
+                    ("sync.pause_mode", self.sync.pause_mode, "abort",
+                     "SGLang unloads an adapter only once the requests using it are finished, "
+                     "so a sync aborts them (partial rollouts resume under the new adapter)"),
+                    ("sync.overlap", self.sync.overlap, False,
+                     "an adapter sync moves megabytes; there is nothing to overlap")):
+                if got != expected:
+                    raise _Invalid(key, f"expected {expected!r} with model.lora.rank > 0 "
+                                        f"({why}), got {got!r}")
         if self.sync.sync_every > self.staleness.max_staleness + 1:
             # Just before a sync the trainer is sync_every - 1 versions ahead of the engines.
             raise _Invalid(

@@ -95,6 +95,9 @@ class TrainerSettings:
     export_dir: str | None = _field(
         "where each published version is exported (evaluation, tests); none: not exported",
         None)
+    lora_dir: str | None = _field(
+        "model.lora.rank > 0: where rank 0 writes each synced version's adapter for the "
+        "engines to load (this host's or a shared filesystem)", None)
     threads: int | None = _field("torch.set_num_threads; none: torch's default", None, ge=1)
     device_index: int = _field("the CUDA device of the rank", 0, ge=0)
     colocate: bool = _field(

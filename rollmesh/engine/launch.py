@@ -94,9 +94,11 @@ def builtin_argv(model_path: str, host: str, port: int, *, dtype: str = "auto",
 def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int, *,
                   gpus: Sequence[int] = (), seed: int | None = None, weight_version: str = "0",
                   python: str = sys.executable, api_key: str | None = None,
-                  api_key_file: str | None = None) -> EngineLaunch:
+                  api_key_file: str | None = None, lora_dir: str | None = None) -> EngineLaunch:
     """The server the experiment asks for, on `host:port`, pinned to `gpus`; with the run's
-    API key (SGLang: `--api-key`; the built-in engine reads `api_key_file`)."""
+    API key (SGLang: `--api-key`; the built-in engine reads `api_key_file`). Under LoRA
+    (`model.lora.rank > 0`) it starts through `rollmesh.engine.lora_init`, which writes the
+    identity adapter to `lora_dir` first, and serves it as `policy` (SGLang's LoRA flags)."""
     dtype = model.dtype
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
     if engine.kind == "sglang":
@@ -115,7 +117,27 @@ def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int
                             trust_remote_code=model.trust_remote_code,
                             extra_args=engine.extra_args)
         check_builtin_args(engine.extra_args)
+    if model.lora.enabled:
+        argv = lora_argv(argv, model, lora_dir, python)
     return EngineLaunch(engine.kind, host, port, argv, env)
+
+
+def lora_argv(argv: list[str], model: ModelConfig, lora_dir: str | None,
+              python: str) -> list[str]:
+    """`argv` with SGLang's LoRA flags (both servers take them), behind the step that writes
+    the identity adapter they start with (`rollmesh.engine.lora_init`)."""
+    if not lora_dir:
+        raise ValueError("model.lora.rank > 0: the engine needs a directory for its initial "
+                         "adapter (lora_dir)")
+    lora = model.lora
+    flags = ["--enable-lora", "--lora-paths", f"policy={lora_dir}",
+             "--max-lora-rank", str(lora.rank),
+             "--lora-target-modules", *lora.target_modules]
+    init = [python, "-m", "rollmesh.engine.lora_init", "--model", model.path,
+            "--rank", str(lora.rank), "--alpha", str(lora.scale_alpha),
+            "--targets", ",".join(lora.target_modules), "--out", lora_dir]
+    init += ["--rslora"] * lora.use_rslora + ["--trust-remote-code"] * model.trust_remote_code
+    return init + ["--"] + argv + flags
 
 
 def start(launch: EngineLaunch, *, log_path: str | None = None) -> subprocess.Popen:

@@ -188,7 +188,9 @@ def _plan_engine(p: Planned, exp: ExperimentConfig, run_dir: str,
     p.engine = engine_launch(exp.engine, exp.model, bind_host, p.port("http"), gpus=p.proc.gpus,
                              seed=exp.seed, weight_version="0", python=p.host.python(),
                              api_key=engine_key,
-                             api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None)
+                             api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None,
+                             lora_dir=f"{run_dir if p.host.local else f'runs/{Path(run_dir).name}'}"
+                                      f"/lora/initial-{p.port('http')}")
     if p.cpus:  # the prelude sets its affinity, then execs the server
         p.engine.argv = pinned(p.engine.argv, p.cpus, p.who, python=p.host.python())
     if p.proc.cpus:  # the built-in engine's --threads (engine.extra_args) still wins
@@ -247,6 +249,7 @@ def _trainer(w: _Wiring, p: Planned) -> TrainerSettings:
         metrics_path=(f"{w.run_dir}/metrics.jsonl" if p.host.local
                       else f"{run_here}/trainer/metrics.jsonl"),
         final_export_dir=f"{run_here}/policy", checkpoint_dir=f"{run_here}/checkpoints",
+        lora_dir=f"{run_here}/lora" if w.exp.model.lora.enabled else None,
         # torch.set_num_threads in the rank
         threads=threads_for(p.proc.cpus, p.host.cfg.env) if p.proc.cpus else None)
 

@@ -23,6 +23,12 @@ shard. No pickle anywhere: torch.load and torch.distributed.checkpoint are not u
 
 `export_hf` writes the policy alone as a Hugging Face model directory in a chosen dtype, which
 transformers (`AutoModelForCausalLM.from_pretrained`) and `rollmesh engine --model DIR` load.
+
+LoRA (`model.lora.rank > 0`): a checkpoint's model.safetensors and optimizer.safetensors hold
+the adapters alone (the base weights are the model path's, read again on resume; config.json
+is the base model's); trainer_state.json says `"lora": true`, and a run of the other kind
+refuses to resume from it. `export_hf` writes the merged model (W + scaling * B @ A, the base
+model's names) and the adapters alone in peft's format in `adapter/`.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rollmesh.runtime.durable_log import fsync_dir, write_atomic
+from rollmesh.config import LoraConfig
+from rollmesh.models.lora import config_dict, has_adapters, is_adapter, write_adapter
+from rollmesh.training.lora import adapter_tensors, merged_state_dict
 from rollmesh.training.ranks import Ranks, full_tensor
 
 FORMAT = 1
@@ -98,6 +107,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """What a checkpoint holds of `model`: every parameter, or under LoRA the adapters alone
+    (the base weights are the model path's, read again on resume)."""
+    if has_adapters(model):
+        return [(n, p) for n, p in model.named_parameters() if is_adapter(n)]
     return list(model.named_parameters())
 
 
@@ -181,6 +194,7 @@ def save(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.opti
             "optimizer": {"param_groups": _hyper(optimizer)},
             "scheduler": _scheduler_state(scheduler),
             "data_cursor": data_cursor, "extra": extra or {},
+            "lora": has_adapters(model),
         }
         if critic is not None:
             save_file(critic_params, tmp / "critic.safetensors", metadata={"format": "pt"})
@@ -278,6 +292,11 @@ def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Opt
     if critic is not None and "critic" not in state:
         raise ValueError(f"{path}: the checkpoint holds no critic (it was saved by a run without "
                          "algorithm.advantage = 'gae'); a GAE run cannot resume from it")
+    if bool(state.get("lora")) != has_adapters(model):
+        raise ValueError(
+            f"{path}: a checkpoint of a {'LoRA' if state.get('lora') else 'full-weight'} run "
+            f"cannot resume a {'LoRA' if has_adapters(model) else 'full-weight'} one "
+            "(model.lora.rank differs)")
     _load_parameters(path / "model.safetensors", model)
     if optimizer is not None:
         _load_optimizer(path / "optimizer.safetensors", model, optimizer,
@@ -300,9 +319,19 @@ def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Opt
 
 
 def export_hf(path: str | Path, *, model: torch.nn.Module, tokenizer: Any,
-              dtype: torch.dtype = torch.float32, ranks: Ranks = Ranks()) -> Path | None:
-    """The policy as a Hugging Face model directory (every rank calls; rank 0 writes)."""
-    tensors = full_state_dict(model, ranks, dtype)
+              dtype: torch.dtype = torch.float32, ranks: Ranks = Ranks(),
+              lora: LoraConfig | None = None) -> Path | None:
+    """The policy as a Hugging Face model directory (every rank calls; rank 0 writes). Under
+    LoRA (`lora` given, the model holding adapters): the merged model, and the adapters alone
+    in peft's format in its `adapter/` folder."""
+    adapters = has_adapters(model)
+    if adapters and lora is None:
+        raise ValueError("export_hf: the model holds LoRA adapters; pass its `lora` config")
+    if adapters:
+        tensors = merged_state_dict(model, ranks.is_main, dtype)
+        adapter = dict(adapter_tensors(model))
+    else:
+        tensors = full_state_dict(model, ranks, dtype)
     if not ranks.is_main:
         return None
     path = Path(path)
@@ -314,6 +343,10 @@ def export_hf(path: str | Path, *, model: torch.nn.Module, tokenizer: Any,
         config = json.loads((tmp / "config.json").read_text())
         config["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if adapters:
+            assert lora is not None
+            write_adapter(tmp / "adapter", adapter,
+                          config_dict(lora, getattr(model.config, "_name_or_path", None)))
         if path.exists():
             shutil.rmtree(path)
         os.rename(tmp, path)

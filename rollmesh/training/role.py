@@ -409,7 +409,8 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
         await save_checkpoint(ctx, state, link, ckpt_dir)
     if settings.final_export_dir:  # the policy the run ends with, in Hugging Face format
         await run(checkpoint.export_hf, Path(settings.final_export_dir), model=state.model,
-                  tokenizer=state.tokenizer, dtype=state.compute_dtype, ranks=state.ranks)
+                  tokenizer=state.tokenizer, dtype=state.compute_dtype, ranks=state.ranks,
+                  lora=state.exp.model.lora)
 
 
 async def publish_resumed(ctx: RoleContext, state: TrainState,
@@ -442,7 +443,7 @@ async def export_version(settings: TrainerSettings, state: TrainState) -> None:
     if export_dir:
         await run(checkpoint.export_hf, Path(export_dir) / f"version_{state.version}",
                   model=state.model, tokenizer=state.tokenizer, dtype=state.compute_dtype,
-                  ranks=state.ranks)
+                  ranks=state.ranks, lora=state.exp.model.lora)
 
 
 def trim_metrics(path: Path, step: int, log: Any) -> None:

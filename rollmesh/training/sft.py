@@ -193,7 +193,8 @@ def train(exp: ExperimentConfig, log: Any, *, progress: Any = None) -> dict[str,
                 progress(f"rollmesh sft: step {step + 1}/{exp.sft.steps} loss {loss:.4f} "
                          f"elapsed {time.monotonic() - started:.0f}s")
     out = Path(exp.model.path)
-    checkpoint.export_hf(out, model=state.model, tokenizer=state.tokenizer)
+    checkpoint.export_hf(out, model=state.model, tokenizer=state.tokenizer,
+                         lora=state.exp.model.lora)
     summary = {"init": exp.sft.init, "data_path": exp.sft.data_path, "examples": len(examples),
                "steps": exp.sft.steps, "batch_size": exp.sft.batch_size,
                "lr": warm.trainer.lr, "seconds": round(time.monotonic() - started, 1),

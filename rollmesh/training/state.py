@@ -28,9 +28,11 @@ import torch
 from torch import Tensor
 
 from rollmesh.algorithms import head, lr_lambda
-from rollmesh.config import ExperimentConfig
+from rollmesh.config import ExperimentConfig, LoraConfig
 from rollmesh.models.loading import is_tiny, load_model, load_tokenizer
+from rollmesh.models.lora import has_adapters, inject, is_adapter
 from rollmesh.runtime.log import get_logger
+from rollmesh.training.lora import initial_values
 from rollmesh.training.ranks import Ranks
 from rollmesh.models.sharded import UnsupportedCheckpoint, load_causal_lm
 from rollmesh.models.varlen import use_packed_attention
@@ -119,20 +121,25 @@ def _new_critic(lm: Any, seed: int) -> tuple[Critic, dict[str, Tensor]]:
 
 def load_models(exp: ExperimentConfig, ranks: Ranks, device: torch.device,
                 prepare: Callable[[torch.nn.Module], None], *,
-                critic_seed: int | None = None, whole: bool = False) -> tuple[Any, Any]:
+                critic_seed: int | None = None, whole: bool = False,
+                lora_seed: int | None = None) -> tuple[Any, Any]:
     """(model, tokenizer): the policy's architecture and weights (`critic_seed` given: the critic
     around its decoder), `prepare`d, then sharded over the ranks, float32 master weights.
 
     A checkpoint directory is built on meta and each rank reads only its shards
     (`rollmesh.models.sharded`), so K ranks hold one model between them, not K; a checkpoint that
     loader cannot read (it says why in the log), `whole`, and tiny specs (seeded, built the same
-    in every process) are built whole on every rank, then sharded."""
+    in every process) are built whole on every rank, then sharded. `lora_seed` given: the
+    policy with `[model.lora]`'s adapters (`rollmesh.training.lora`), their first values drawn
+    from that seed."""
     path, dtype = exp.model.path, torch.float32
     compute_dtype = dtype_from_name(exp.model.dtype)
     shard_fn = functools.partial(shard, ranks=ranks, device=device, compute_dtype=compute_dtype)
     if not is_tiny(path) and not whole:
         wrap = (None if critic_seed is None
                 else functools.partial(_new_critic, seed=critic_seed))
+        if lora_seed is not None:
+            wrap = functools.partial(_with_adapters, cfg=exp.model.lora, seed=lora_seed)
         try:
             model = load_causal_lm(path, device, dtype, shard_fn, prepare=prepare, wrap=wrap,
                                    trust_remote_code=exp.model.trust_remote_code)
@@ -143,6 +150,12 @@ def load_models(exp: ExperimentConfig, ranks: Ranks, device: torch.device,
     lm, tokenizer = load_model(path, device, dtype, tokenizer_path=exp.model.tokenizer_path,
                                trust_remote_code=exp.model.trust_remote_code)
     model = lm
+    if lora_seed is not None:
+        model, values = _with_adapters(lm, exp.model.lora, lora_seed)
+        with torch.no_grad():
+            for name, value in values.items():
+                param = model.get_parameter(name)
+                param.copy_(value.to(device=param.device, dtype=param.dtype))
     if critic_seed is not None:
         model, head = _new_critic(lm, critic_seed)
         with torch.no_grad():
@@ -151,6 +164,13 @@ def load_models(exp: ExperimentConfig, ranks: Ranks, device: torch.device,
         model = model.to(device=device, dtype=dtype)
     prepare(model)
     return shard_fn(model), tokenizer
+
+
+def _with_adapters(lm: Any, cfg: LoraConfig, seed: int) -> tuple[Any, dict[str, Tensor]]:
+    """The LM with peft's adapters in it, and their first values (`load_causal_lm`'s `wrap`:
+    on meta, the values fill them after sharding)."""
+    inject(lm, cfg)
+    return lm, initial_values(lm, seed)
 
 
 def _tokenizer(exp: ExperimentConfig) -> Any:
@@ -180,9 +200,13 @@ def shard(model: torch.nn.Module, ranks: Ranks, device: torch.device,
 def _trainable(gradient_checkpointing: bool) -> Callable[[torch.nn.Module], None]:
     def prepare(model: torch.nn.Module) -> None:
         model.train()
-        model.requires_grad_(True)
+        adapters = has_adapters(model)
+        for name, p in model.named_parameters():  # under LoRA the adapters alone
+            p.requires_grad_(not adapters or is_adapter(name))
         if gradient_checkpointing:  # the critic: on its decoder
             (model.model if isinstance(model, Critic) else model).gradient_checkpointing_enable()
+            if adapters:  # checkpointed layers whose inputs need no grad would give none
+                model.enable_input_require_grads()
     return prepare
 
 
@@ -222,15 +246,16 @@ def build_state(exp: ExperimentConfig, ranks: Ranks = Ranks(),
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
+    lora = exp.model.lora.enabled
     model, tokenizer = load_models(exp, ranks, device, _policy_prepare(t.checkpoints_activations(device.type)),
-                                   whole=whole)
+                                   whole=whole, lora_seed=seed - ranks.rank if lora else None)
     compute_dtype = dtype_from_name(exp.model.dtype)
     ref_model = None
-    if exp.algorithm.use_reference:
+    if exp.algorithm.use_reference and not lora:  # LoRA: the base is the policy, adapters off
         ref_model, _ = load_models(exp, ranks, device, _frozen, whole=whole)
     head.set_compile(t.compile == "on" or (t.compile == "auto" and device.type == "cuda"))
     packed = [model, ref_model]
-    optimizer = adamw(model.parameters(), lr=t.lr, betas=tuple(t.betas),
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=t.lr, betas=tuple(t.betas),
                       weight_decay=t.weight_decay)
     # The schedule is in trainer steps: every mini-batch update of one step has the same rate.
     schedule = functools.partial(_lr_multiplier, mini_batches=t.mini_batches,

@@ -52,6 +52,7 @@ from rollmesh.training.ranks import full_tensor
 from rollmesh.training import batching
 from rollmesh.training.batching import BatchData
 from rollmesh.training.forward import token_logprobs_of
+from rollmesh.training.lora import adapters_disabled
 from rollmesh.training.state import TrainState
 
 
@@ -161,6 +162,11 @@ def old_logprobs(state: TrainState, data: BatchData) -> Tensor | None:
 
 
 def reference_logprobs(state: TrainState, data: BatchData) -> Tensor | None:
+    """The reference's log-probs [B, T]: the frozen reference model's, or under LoRA the base
+    model's (the policy itself with its adapters off; no second copy of the weights)."""
+    if state.exp.model.lora.enabled and state.exp.algorithm.use_reference:
+        with adapters_disabled(state.model):
+            return batch_logprobs(state, data, state.model)
     if state.ref_model is None:
         return None
     return batch_logprobs(state, data, state.ref_model)

@@ -25,6 +25,16 @@ anything, and rank 0 pauses the engines in place (`/pause_generation {"mode": "i
 requests and their KV kept) right after SyncGo, before the first bucket, and resumes them
 (`/continue_generation`) after the broadcast, whether it worked or not, before SyncDone.
 
+LoRA (`model.lora.rank > 0`): every rank gathers the adapters alone (`adapter_tensors`, in
+lock-step as for a broadcast) and rank 0 writes them in peft's format to `<lora_dir>/v<N>`
+(`send_adapter`); every engine then unloads the adapter `policy`, loads the new directory under
+that name (SGLang's `/unload_lora_adapter`, `/load_lora_adapter`) and is told the version
+(`/update_weight_version`). Rollout is paused in abort mode meanwhile (in-place is refused:
+SGLang unloads an adapter only once its requests finish), so no request runs between the
+unload and the load, and resumed partial rollouts name `policy` again. The directory of the
+previous version is kept (an engine restarted mid-sync may still read it), older ones go.
+Same attempts, verify and SyncDone as a broadcast; no group.
+
 Engines that die: the group is built with the engines that answer /health (`choose_members`),
 so a sync never waits for one the launcher is restarting. After a broadcast every serving engine
 must report the new version (`verify`, and the synchronizer checks again before publishing it);
@@ -66,10 +76,12 @@ import asyncio
 import contextlib
 import gc
 import math
+import shutil
 import time
 import traceback
 from collections.abc import AsyncIterator, Iterator
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +97,8 @@ from rollmesh.weight_sync.buckets import (
 )
 from rollmesh.weight_sync.group import init_weight_update_group
 from rollmesh.weight_sync import handles
+from rollmesh.models.lora import ADAPTER_NAME, config_dict, write_adapter
+from rollmesh.training.lora import adapter_tensors
 
 log = get_logger("rollmesh.weight_sync")
 
@@ -116,6 +130,18 @@ def forget_frames(e: BaseException) -> None:
 def weight_specs(model: torch.nn.Module, dtype: torch.dtype) -> list[WeightSpec]:
     """What the engines receive: every parameter, model order, in the engines' dtype."""
     return [WeightSpec(name, dtype, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def gather_along(state: Any) -> None:
+    """A rank other than 0, once per sync attempt: the gathers rank 0 makes (collectives), in
+    the same order (the adapters alone under LoRA)."""
+    if state.exp.model.lora.enabled:
+        for _ in adapter_tensors(state.model):
+            pass
+        return
+    names = [s.name for s in weight_specs(state.model, state.compute_dtype)]
+    for _ in gathered(state.model, names):
+        pass
 
 
 def gathered(model: torch.nn.Module, names: list[str]) -> Iterator[torch.Tensor]:
@@ -168,6 +194,8 @@ class WeightSender:
         self.transport = handles.choose_transport(sync.transport, config["engines"],
                                                   self.address, self.engine_kind, device)
         self.packed: handles.Packed | None = None  # the handles' flat buffer, kept
+        # LoRA: where rank 0 writes each version's adapter for the engines to load
+        self.lora_dir = config.get("lora_dir")
 
     async def open(self) -> None:
         await self.engines.__aenter__()
@@ -376,6 +404,33 @@ class WeightSender:
         await members.update_weights_from_tensor(body_for)
         return sum(e.nbytes for e in entries)
 
+    async def send_adapter(self, model: torch.nn.Module, version: int, lora: Any,
+                           base_path: str) -> int:
+        """LoRA: the adapters gathered (with the other ranks, whatever fails), written to
+        `<lora_dir>/v<version>`, and loaded by every engine under `policy` at `version`
+        (module docstring); returns the bytes of the adapter's tensors."""
+        if not self.lora_dir:
+            raise ValueError("trainer settings: model.lora.rank > 0 but `lora_dir` (where the "
+                             "adapters go for the engines) is not set")
+        tensors = adapter_tensors(model)
+        try:
+            named = await asyncio.to_thread(dict, tensors)
+        finally:
+            await asyncio.to_thread(lambda: [None for _ in tensors])
+        root = Path(self.lora_dir).absolute()
+        path = root / f"v{version}"
+        sent = await asyncio.to_thread(write_adapter, path, named,
+                                       config_dict(lora, base_path))
+        if self.members is None:
+            await self.choose_members()
+        members = self.members
+        assert members is not None
+        await members.unload_lora_adapter(ADAPTER_NAME, missing_ok=True)
+        await members.load_lora_adapter(ADAPTER_NAME, str(path))
+        await members.update_weight_version(str(version))
+        await asyncio.to_thread(_prune_adapters, root, version)
+        return sent
+
     # -- overlapped syncs (rank 0) ------------------------------------------------------------
 
     def take_snapshot(self, model: torch.nn.Module, dtype: torch.dtype,
@@ -548,6 +603,14 @@ class WeightSender:
         return sent
 
 
+def _prune_adapters(root: Path, version: int) -> None:
+    """The adapter directories of versions before `version - 1` (and unfinished writes) go."""
+    for d in root.iterdir():
+        if d.name.startswith(".tmp-") or (
+                d.name[:1] == "v" and d.name[1:].isdigit() and int(d.name[1:]) < version - 1):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
     """`fn(*args)` with `stream` as this thread's current CUDA stream."""
     with torch.cuda.stream(stream):
@@ -634,8 +697,7 @@ async def sync_weights(state: Any, sender: WeightSender | None, *,
                 return {}
             if order["op"] != "broadcast":
                 raise RuntimeError(f"rank 0 could not sync version {version}")
-            names = [s.name for s in weight_specs(state.model, state.compute_dtype)]
-            await asyncio.to_thread(lambda: [None for _ in gathered(state.model, names)])
+            await asyncio.to_thread(gather_along, state)
     if sender is None:
         await asyncio.to_thread(ranks.share, {"op": "skip"})
         return {}
@@ -644,13 +706,19 @@ async def sync_weights(state: Any, sender: WeightSender | None, *,
         if sender.pending():  # the trainer checks first: never two syncs at once
             raise RuntimeError(f"version {version}: an overlapped sync is still in flight")
 
-        async def gather_along() -> None:
+        async def order_gather() -> None:
             await asyncio.to_thread(ranks.share, {"op": "broadcast"})
+
+        lora = state.exp.model.lora
+
+        def send() -> Any:
+            if lora.enabled:
+                return sender.send_adapter(state.model, version, lora, state.exp.model.path)
+            return sender.broadcast(state.model, state.compute_dtype, version)
 
         timings = await _attempts(
             sender, version, state.step, state.version, ranks.world, republish=republish,
-            before_each=gather_along,
-            send=lambda: sender.broadcast(state.model, state.compute_dtype, version))
+            before_each=order_gather, send=send)
         told = True
         await asyncio.to_thread(ranks.share, {"op": "done"})
     except BaseException:
