@@ -8,7 +8,9 @@ model keeps its class and its `model.layers`). Each wrapped Linear keeps its wei
 `save_pretrained` writes: `adapter_config.json` + `adapter_model.safetensors`, keys
 `base_model.model.<module>.lora_{A,B}.weight` (`peft_key`), which SGLang's `/load_lora_adapter`
 and the built-in engine read. `identity_adapter`: zeros of every adapter's shape, the engines'
-version 0 (it changes nothing, as the trainer's first adapter, whose B is zero).
+version 0 (it changes nothing, as the trainer's first adapter, whose B is zero). `cfg` is
+`[model.lora]` (`rollmesh.config.LoraConfig`: rank, scale_alpha, dropout, target_modules,
+use_rslora); this folder imports no other.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from rollmesh.config import LoraConfig
 
 ADAPTER = "default"  # peft's adapter name inside the modules
 PEFT_PREFIX = "base_model.model."  # what peft's saved keys start with
@@ -34,7 +35,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def peft_config(cfg: LoraConfig, base_path: str | None = None) -> Any:
+def peft_config(cfg: Any, base_path: str | None = None) -> Any:
     import peft
 
     return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.scale_alpha, lora_dropout=cfg.dropout,
@@ -42,11 +43,11 @@ def peft_config(cfg: LoraConfig, base_path: str | None = None) -> Any:
                            bias="none", base_model_name_or_path=base_path)
 
 
-def scale(cfg: LoraConfig) -> float:
+def scale(cfg: Any) -> float:
     return cfg.scale_alpha / (math.sqrt(cfg.rank) if cfg.use_rslora else cfg.rank)
 
 
-def inject(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+def inject(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
     """peft's LoRA layers into `model` (in place); only the adapters require grad. Raises
     ValueError naming the targets when none of them is in the model."""
     import peft
@@ -77,7 +78,7 @@ def peft_key(name: str) -> str:
         f".lora_B.{ADAPTER}.", ".lora_B.")
 
 
-def config_dict(cfg: LoraConfig, base_path: str | None) -> dict[str, Any]:
+def config_dict(cfg: Any, base_path: str | None) -> dict[str, Any]:
     """adapter_config.json's content, as peft writes it (sets as sorted lists)."""
     d = peft_config(cfg, base_path).to_dict()
     return json.loads(json.dumps(d, default=lambda v: sorted(v) if isinstance(v, set)
@@ -105,7 +106,7 @@ def write_adapter(path: str | Path, tensors: dict[str, Tensor], config: dict[str
     return (path / WEIGHTS_FILE).stat().st_size
 
 
-def identity_adapter(model: torch.nn.Module, cfg: LoraConfig) -> dict[str, Tensor]:
+def identity_adapter(model: torch.nn.Module, cfg: Any) -> dict[str, Tensor]:
     """Zeros of every adapter's shape (an adapter that changes nothing: version 0 on the
     engines), peft keys, float32."""
     return {peft_key(n): torch.zeros(tuple(p.shape), dtype=torch.float32)
