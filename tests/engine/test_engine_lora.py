@@ -6,6 +6,7 @@ leaves the engine's tokens as they were."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -177,8 +178,29 @@ def test_requests_and_routes_the_engine_refuses(tmp_path, refs):
         assert status == 400 and "unloaded" in reply["meta_info"]["finish_reason"]["message"]
         assert tokens(e, refs, None) == base
         assert load(e, v1)[0] == 200 and tokens(e, refs) == refs["v1"]
+        asyncio.run(client_sync(e, refs))
     finally:
         e.stop()
+
+
+async def client_sync(e: Engine, refs) -> None:
+    """EngineClient's side of a sync, as the trainer runs it, and its lora_path."""
+    from rollmesh.engine.client import EngineClient, EngineError
+
+    v1, v2 = str(refs["root"] / "v1"), str(refs["root"] / "v2")
+    async with EngineClient([e.url], retries=0, lora_path="policy") as c:
+        await c.unload_lora_adapter("policy", missing_ok=True)
+        await c.unload_lora_adapter("policy", missing_ok=True)  # not loaded: ignored
+        with pytest.raises(EngineError, match="LoRA with name policy does not exist"):
+            await c.unload_lora_adapter("policy")
+        with pytest.raises(EngineError, match="is not an existing directory"):
+            await c.load_lora_adapter("policy", "/no/such/adapter")
+        await c.load_lora_adapter("policy", v2)
+        out = await c.generate(refs["prompts"][1], {"max_new_tokens": N, "temperature": 0,
+                                                    "ignore_eos": True})
+        assert out.output_ids == refs["v2"][1]
+        await c.unload_lora_adapter("policy")
+        await c.load_lora_adapter("policy", v1)
 
 
 def hostile_adapters(root: Path, good: Path) -> dict[str, Path]:
