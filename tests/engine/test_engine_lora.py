@@ -130,6 +130,9 @@ def test_requests_and_routes_the_engine_refuses(tmp_path, refs):
         # merged: a base request, another name, a name never loaded, a mixed batch
         status, reply = gen()
         assert status == 400 and "must name it" in reply["error"]["message"], reply
+        status, reply = e.post("/v1/completions", {"model": "tiny", "prompt": "Hi",
+                                                   "max_tokens": 1})
+        assert status == 400 and "must name it" in json.dumps(reply), reply
         status, reply = gen(lora_path="nope")
         assert status == 400, reply
         assert reply["error"]["message"].startswith(
