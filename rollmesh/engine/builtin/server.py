@@ -4,10 +4,13 @@
         [--weight-version default] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
         [--max-running-requests 64] [--seed S] [--threads N]
         [--disable-radix-cache] [--prefix-cache-max-tokens 65536]
+        [--enable-lora] [--lora-paths NAME=PATH] [--max-lora-rank R]
+        [--lora-target-modules MODULE ...]
 
 This module owns the HTTP side and the process lifecycle: the aiohttp routes of
 docs/sglang-api.md (the weight routes in weight_routes.py, the OpenAI ones in openai_api.py),
-start-up (load, warm up, serve) and graceful shutdown on SIGTERM/SIGINT.
+start-up (load, merge the `--lora-paths` adapter, warm up, serve) and graceful shutdown on
+SIGTERM/SIGINT. LoRA adapters (lora.py) are merged into the weights, one at a time.
 The model itself belongs to the scheduler thread (scheduler.py); handlers only submit work to it
 and await the answer, so the event loop stays responsive even while a weight broadcast blocks
 the scheduler inside a collective.
