@@ -22,6 +22,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def parser(description: str | None = None) -> argparse.ArgumentParser:
     """The built-in engine's command line (`rollmesh engine`), which it parses at start."""
     p = argparse.ArgumentParser(prog="rollmesh engine", description=description,
@@ -61,6 +68,25 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="parse tool calls of /v1/chat/completions outputs into `tool_calls`, "
                         "as SGLang's parser of that name (default: none, as SGLang)")
+    # LoRA, SGLang's flags (server_args: the `lora` namespace); the built-in engine merges one
+    # adapter into its weights (rollmesh/engine/builtin/lora.py)
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters (/load_lora_adapter, /generate lora_path); set by "
+                        "--lora-paths too, as SGLang's flag. The built-in engine merges one "
+                        "adapter at a time into its weights")
+    p.add_argument("--lora-paths", nargs="*", default=None, metavar="ADAPTER",
+                   help="adapters loaded at start, each NAME=PATH, PATH, or JSON "
+                        '{"lora_name": ..., "lora_path": ...} (SGLang\'s forms); the built-in '
+                        "engine takes at most one")
+    p.add_argument("--max-lora-rank", type=_positive, default=None,
+                   help="refuse adapters whose r is larger")
+    p.add_argument("--lora-target-modules", nargs="*", default=None, metavar="MODULE",
+                   help="the modules adapters may target (e.g. q_proj v_proj, or all); an "
+                        "adapter with a factor for another module is refused")
+    p.add_argument("--max-loaded-loras", type=_positive, default=None,
+                   help="accepted as SGLang's flag; the built-in engine holds one adapter")
+    p.add_argument("--max-loras-per-batch", type=_positive, default=8,
+                   help="accepted as SGLang's flag; the built-in engine serves one adapter")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 1 for a tiny model, whose matmuls are "
                         "too small to split and whose extra threads only fight the other roles "

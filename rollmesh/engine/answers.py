@@ -60,6 +60,7 @@ def error_message(text: str) -> str:
     """What an error body says, in any of SGLang's shapes (docs/sglang-api.md, "Errors"):
     `{"error": {"message": ...}}` (a request its tokenizer manager refuses),
     `{"error": "..."}` (the /generate schema check, a missing API key),
+    `{"success": false, "error_message": ...}` (the LoRA routes),
     `{"object": "error", "message": ...}` (FastAPI validation), `{"success": false,
     "message": ...}` (weight routes), `{"detail": ...}` (FastAPI's 404), or plain text
     (/flush_cache). Unparseable text is returned as it is, cut to 500 characters."""
@@ -73,7 +74,7 @@ def error_message(text: str) -> str:
             return err["message"]
         if isinstance(err, str):
             return err
-        for key in ("message", "detail"):
+        for key in ("message", "error_message", "detail"):
             if isinstance(body.get(key), str):
                 return body[key]
     return text.strip()[:500]

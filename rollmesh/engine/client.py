@@ -111,6 +111,7 @@ class EngineClient:
         routing: str = "affinity",
         affinity_load_factor: float = 1.25,
         affinity_slack: int = 32,
+        lora_path: str | None = None,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one server URL")
@@ -140,6 +141,8 @@ class EngineClient:
         self.routing = routing
         self.affinity_load_factor = affinity_load_factor
         self.affinity_slack = affinity_slack
+        # The LoRA adapter every /generate names (SGLang's `lora_path`), None: the base model
+        self.lora_path = lora_path
         self._wake_prober = asyncio.Event()  # a server went down: probe it soon
         self._probe_delay = health_interval_s
         self._server_up = asyncio.Event()  # replaced each time a server comes back
@@ -510,6 +513,8 @@ class EngineClient:
         rid = rid or self.new_rid()
         body = {"rid": rid, "input_ids": list(input_ids), "sampling_params": sampling_params,
                 "return_logprob": return_logprob}
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
         server, out = await self._with_retries(
             "/generate", body, timeout_s, rid=rid,
             wait_s=self.wait_s if wait_s is None else wait_s, cancel=cancel, affinity=affinity)
@@ -678,6 +683,29 @@ class EngineClient:
         await self._all("POST", "/update_weight_version",
                         {"new_version": new_version, "abort_all_requests": False},
                         only_healthy=False)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """SGLang's /load_lora_adapter on every server: the peft adapter directory `path`
+        (adapter_config.json + adapter_model.safetensors, readable by the engines) under
+        `name`; raises EngineError with the engine's message unless all succeed."""
+        await self._checked("load_lora_adapter", [
+            self._call(s, "POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                       self.control_timeout_s) for s in self.servers])
+
+    async def unload_lora_adapter(self, name: str, *, missing_ok: bool = False) -> None:
+        """SGLang's /unload_lora_adapter on every server; with `missing_ok`, a server that
+        has no adapter of that name (SGLang's "LoRA with name ... does not exist") counts as
+        done."""
+        async def one(server: _Server) -> Any:
+            try:
+                return await self._call(server, "POST", "/unload_lora_adapter",
+                                        {"lora_name": name}, self.control_timeout_s)
+            except EngineRequestError as e:
+                if missing_ok and f"LoRA with name {name} does not exist" in str(e):
+                    return {"success": True}
+                raise
+
+        await self._checked("unload_lora_adapter", [one(s) for s in self.servers])
 
     async def _checked(self, what: str, calls: list[Any]) -> list[Any]:
         replies = await asyncio.gather(*calls)

@@ -126,3 +126,27 @@ def greedy_decode(model: Any, prompt: list[int], n: int) -> list[int]:
         logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
+
+
+def write_lora_adapter(path: Path, model: Any, modules: list[str], r: int = 8,
+                       seed: int = 0) -> None:
+    """A LoRA adapter for `model` in peft's saved format (adapter_config.json +
+    adapter_model.safetensors), random A and B, on the Linear modules named `modules`, without
+    peft itself."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name in modules:
+        out_features, in_features = model.get_submodule(name).weight.shape
+        prefix = f"base_model.model.{name}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_features, generator=gen) * 0.1
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, r, generator=gen) * 0.1
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    short = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": short,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "base_model_name_or_path": "tiny"}))

@@ -318,7 +318,8 @@ def test_client_against_sglang_bodies():
                                              ("error_generate_schema", 400),
                                              ("error_validation", 400),
                                              ("error_unauthorized", 401),
-                                             ("update_weights_from_disk_failed", 400)])
+                                             ("update_weights_from_disk_failed", 400),
+                                             ("load_lora_adapter_failed", 400)])
 def test_client_error_names_sglangs_message(name, status):
     fx = load(name)
     routes = {(fx["method"], fx["path"]): name}
@@ -332,11 +333,39 @@ def test_client_error_names_sglangs_message(name, status):
                     await client.update_weights_from_disk("/no/such/dir", "3")
                 elif fx["path"] == "/pause_generation":
                     await client.pause("abort")
+                elif fx["path"] == "/load_lora_adapter":
+                    await client.load_lora_adapter("policy", "/ckpt/lora/v3")
                 else:
                     await client.model_info()
             assert e.value.status == status
             assert error_message(json.dumps(fx["response"])) in str(e.value)
             assert "{" not in str(e.value).split(f"HTTP {status}: ", 1)[1][:1]
+
+    asyncio.run(main())
+
+
+def test_client_lora_against_sglang_bodies():
+    """The trainer's LoRA sync and a rollout client naming the adapter, against SGLang's
+    bodies: the requests have SGLang's field types."""
+    routes = {("POST", "/generate"): "generate_lora",
+              ("POST", "/load_lora_adapter"): "load_lora_adapter",
+              ("POST", "/unload_lora_adapter"): "unload_lora_adapter"}
+    stub = StubSGLang(routes)
+
+    async def main() -> None:
+        async with stub as url, EngineClient([url], retries=0, lora_path="policy") as client:
+            await client.unload_lora_adapter("policy", missing_ok=True)
+            await client.load_lora_adapter("policy", "/ckpt/lora/v3")
+            out = await client.generate([5, 6, 7], {"max_new_tokens": 4, "temperature": 0},
+                                        return_logprob=False)
+            assert out.output_ids == load("generate_lora")["response"]["output_ids"]
+        assert stub.requests["generate_lora"][0]["lora_path"] == "policy"
+        errors = []
+        for name, sent in stub.requests.items():
+            for body in sent:
+                errors += _request_type_errors(name, body)
+        assert errors == []
+        assert set(stub.requests) == set(routes.values())
 
     asyncio.run(main())
 
@@ -399,8 +428,10 @@ def _template(sequence: list[dict[str, Any]], i: int, n: int) -> dict[str, Any]:
     return sequence[1] if len(sequence) > 2 else sequence[0]
 
 
-# generate_abort needs an abort while it runs: test_engine_abort_has_sglangs_shape
-GENERATE = [n for n in NAMES if n.startswith("generate") and n != "generate_abort"]
+# generate_abort needs an abort while it runs: test_engine_abort_has_sglangs_shape;
+# generate_lora an adapter loaded: test_engine_lora_routes_have_sglangs_shape
+GENERATE = [n for n in NAMES if n.startswith("generate")
+            and n not in ("generate_abort", "generate_lora")]
 
 
 @pytest.mark.slow
@@ -611,3 +642,43 @@ def test_engine_refusals_as_sglang(engine):
     assert status == 200 and reply["loads"][0]["dp_rank"] == 0
     status, reply = engine.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 200 and reply["count"] == len(reply["tokens"]) > 0
+
+
+@pytest.mark.slow
+def test_engine_lora_routes_have_sglangs_shape(tmp_path):
+    """A LoRA-enabled engine (SGLang's flags without an initial adapter): load, a refused
+    second load, a /generate naming the adapter, unload, against the fixtures; the fixtures'
+    lora_path is replaced by an adapter directory written for the tiny model."""
+    from engine_harness import write_lora_adapter
+
+    from rollmesh.models.loading import build_tiny
+
+    adapter = tmp_path / "adapter"
+    model, _ = build_tiny("tiny")
+    write_lora_adapter(adapter, model, ["model.layers.0.self_attn.q_proj",
+                                        "model.layers.1.mlp.down_proj"])
+    e = Engine(tmp_path / "engine.log", "--enable-lora", "--max-lora-rank", "8",
+               "--lora-target-modules", "all")
+    try:
+        for name in ("load_lora_adapter", "load_lora_adapter_failed", "generate_lora",
+                     "unload_lora_adapter"):
+            fx = load(name)
+            body = json.loads(json.dumps(fx["request"]))
+            if "lora_path" in body and name != "generate_lora":
+                body["lora_path"] = str(adapter)
+            if name == "generate_lora":
+                body["sampling_params"]["ignore_eos"] = True
+            status, reply = e.post(fx["path"], body)
+            assert status == fx["status"], (name, reply)
+            assert Shape(fx).errors(reply, fx["response"]) == [], (name, reply)
+            if name.endswith("_failed"):
+                assert reply["error_message"] == fx["response"]["error_message"]
+            if name == "load_lora_adapter":
+                assert reply["loaded_adapters"] == {"policy": str(adapter)}
+        status, reply = e.post("/unload_lora_adapter", {"lora_name": "policy"})
+        assert status == 400 and Shape(load("unload_lora_adapter")).errors(
+            reply, load("unload_lora_adapter")["response"]) == []
+        assert reply["error_message"] == ("LoRA with name policy does not exist. Loaded LoRAs: "
+                                          "dict_keys([])") and reply["loaded_adapters"] is None
+    finally:
+        e.stop()

@@ -31,7 +31,7 @@ from rollmesh.engine.builtin.scheduler import Request
 
 # GenerateReqInput fields this engine implements.
 _FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
-           "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+           "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora_path"}
 # GenerateReqInput fields that do not change the answer here (metrics, scheduling priority,
 # cache namespaces of a prefix cache this engine does not have, data-parallel routing).
 _NO_EFFECT = {"log_metrics", "priority", "extra_key", "cache_salt", "data_parallel_rank",
@@ -40,7 +40,7 @@ _NO_EFFECT = {"log_metrics", "priority", "extra_key", "cache_salt", "data_parall
 # to anything but null/false/empty.
 _REFUSED = ("input_embeds", "image_data", "video_data", "audio_data", "modalities",
             "token_ids_logprob", "return_hidden_states", "return_routed_experts",
-            "return_entropy", "session_params", "lora_path", "lora_id",
+            "return_entropy", "session_params", "lora_id",
             "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
             "bootstrap_pair_key", "input_multi_ids", "require_reasoning", "background")
 
@@ -97,6 +97,7 @@ def parse_generate_call(body: Any, limits: ModelLimits, tokenizer: Any) -> Gener
     starts = _option(body, "logprob_start_len", -1, len(prompts), lists, _integer(-1))
     tops = _option(body, "top_logprobs_num", 0, len(prompts), lists, _integer(0))
     rids = _rids(body.get("rid"), len(prompts), n, batched)
+    lora = _lora_path(body.get("lora_path"), len(prompts), batched)
 
     requests: list[Request] = []
     for p, input_ids in enumerate(prompts):
@@ -111,7 +112,7 @@ def parse_generate_call(body: Any, limits: ModelLimits, tokenizer: Any) -> Gener
         for k in range(n):
             r = Request(rid=rids[p * n + k], input_ids=input_ids, params=sp,
                         max_new_tokens=max_new, on_progress=_noop, stream=stream,
-                        prefill_key=key)
+                        prefill_key=key, lora=lora)
             if return_logprob[p]:
                 # -1: output log-probs only; SGLang still lists the last prompt token (None),
                 # except for a prefill-only request (max_new_tokens 0), which lists none.
@@ -211,6 +212,28 @@ def _prompts(body: dict[str, Any], limits: ModelLimits,
             raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context "
                              f"length ({limits.context_length} tokens).{where}")
     return prompts, batched
+
+
+def _lora_path(value: Any, prompts: int, batched: bool) -> str | None:
+    """The LoRA adapter a call names (`lora_path`: a name, or for a batch a list of one per
+    prompt); the built-in engine serves one merged adapter (lora.py), so a batch must name
+    the same one (or none) for every prompt. Whether it is loaded is the server's check."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and batched:
+        if len(value) != prompts:
+            raise BadRequest(f"lora_path: {len(value)} adapters for a batch of {prompts} prompts")
+        if not all(v is None or isinstance(v, str) for v in value):
+            raise BadRequest("lora_path: a list must hold adapter names (strings) or null")
+        names = {v or None for v in value}
+        if len(names) > 1:
+            raise BadRequest(f"lora_path names different adapters in one batch "
+                             f"({sorted(map(str, names))}); the built-in engine serves one "
+                             "merged adapter: every prompt must name the same one")
+        return names.pop()
+    raise BadRequest("lora_path must be a string (or, for a batch, a list of strings)")
 
 
 def _token_ids(value: Any, vocab_size: int) -> list[int]:

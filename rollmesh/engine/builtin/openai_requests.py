@@ -151,7 +151,8 @@ def _model_name(body: dict[str, Any], served: ServedModel) -> str:
         adapter = model[len(prefix):] if model.startswith(prefix) else model.split(":", 1)[1]
         if adapter.strip():
             raise OpenAIError(f"model {model!r} names a LoRA adapter ({adapter.strip()!r}); the "
-                              f"built-in engine serves no adapters")
+                              f"built-in engine's OpenAI routes serve no adapter (it serves "
+                              f"one merged adapter on /generate, named by lora_path)")
     return model
 
 

@@ -100,6 +100,7 @@ class Request:
     # SGLang's weight_versions: [{"version", "start", "end"}], output tokens [start, end) per
     # weight version they were sampled with.
     weight_versions: list[dict[str, Any]] = field(default_factory=list)
+    lora: str | None = None  # [lora_path] the LoRA adapter it names (lora.py), None: none
 
     @property
     def finished(self) -> bool:
@@ -168,6 +169,7 @@ class Scheduler:
         self.prompt_tokens = 0  # prompt tokens of the requests admitted
         self.cached_prompt_tokens = 0  # of which not prefilled (their cached_tokens)
         self.fatal: BaseException | None = None
+        self.lora: Any = None  # the server's lora.LoRAState where LoRA is enabled
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
@@ -390,6 +392,11 @@ class Scheduler:
             for _ in group:
                 self.waiting.popleft()
             for r in group:
+                refused = (None if self.lora is None or r.internal
+                           else self.lora.admissible(r.lora))
+                if refused is not None:  # the adapter changed while it waited (lora.py)
+                    self._finish(r, abort_reason(refused, 400, "BadRequest"))
+                    continue
                 if r.max_new_tokens == 0:
                     self._score(r)  # prefill only: its input log-probs, if asked
                     self._finish(r, {"type": "length", "length": 0})

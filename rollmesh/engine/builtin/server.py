@@ -4,10 +4,13 @@
         [--weight-version default] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
         [--max-running-requests 64] [--seed S] [--threads N]
         [--disable-radix-cache] [--prefix-cache-max-tokens 65536]
+        [--enable-lora] [--lora-paths NAME=PATH] [--max-lora-rank R]
+        [--lora-target-modules MODULE ...]
 
 This module owns the HTTP side and the process lifecycle: the aiohttp routes of
 docs/sglang-api.md (the weight routes in weight_routes.py, the OpenAI ones in openai_api.py),
-start-up (load, warm up, serve) and graceful shutdown on SIGTERM/SIGINT.
+start-up (load, merge the `--lora-paths` adapter, warm up, serve) and graceful shutdown on
+SIGTERM/SIGINT. LoRA adapters (lora.py) are merged into the weights, one at a time.
 The model itself belongs to the scheduler thread (scheduler.py); handlers only submit work to it
 and await the answer, so the event loop stays responsive even while a weight broadcast blocks
 the scheduler inside a collective.
@@ -49,6 +52,7 @@ from rollmesh.config import engine_args
 from rollmesh.engine.builtin.scheduler import Request, Scheduler
 from rollmesh.engine.builtin.weight_routes import WeightRoutes
 from rollmesh.engine.builtin.memory import MemoryRoutes
+from rollmesh.engine.builtin import lora
 from rollmesh.runtime.log import configure_logging
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -131,6 +135,9 @@ class EngineServer:
             decode_backend=getattr(args, "decode_backend", "auto"),
             decode_graphs=False if getattr(args, "disable_cuda_graph", False) else None)
         self.weights = WeightRoutes(self)  # the weight routes and the groups they joined
+        self.lora = lora.LoRARoutes(self, lora_state(args))  # /load_lora_adapter, ...
+        if self.lora.state.enabled:
+            self.scheduler.lora = self.lora.state  # requests checked again at admission
         # /generate requests by rid until they finish: a second request with a live rid is
         # refused, as SGLang's tokenizer manager refuses it (its rid_to_state).
         self._live: dict[str, Request] = {}
@@ -160,6 +167,7 @@ class EngineServer:
         for path in ("/tokenize", "/v1/tokenize"):
             r.add_post(path, self.tokenize)
         self.weights.register(r)  # /init_weights_update_group, /update_weights_from_..., ...
+        self.lora.register(r)  # /load_lora_adapter, /unload_lora_adapter
         MemoryRoutes(self).register(r)  # /release_memory_occupation, /resume_memory_occupation
         openai_api.OpenAIRoutes(self).register(r)  # /v1/models, /v1/completions, /v1/chat/...
         app.on_startup.append(self._on_startup)
@@ -169,6 +177,10 @@ class EngineServer:
     # ---- lifecycle ----
     async def _on_startup(self, _app: web.Application) -> None:
         self.scheduler.start()
+        for name, path in lora.parse_lora_paths(getattr(self.args, "lora_paths", None)):
+            failed = await self.lora.load(name, path)  # --lora-paths: served from the start
+            if failed is not None:
+                raise RuntimeError(f"--lora-paths {name}={path}: {failed[0]}")
         # Warm up: a model the batch cache cannot serve fails here, not on the first client.
         warm, _ = api.parse_generate({"input_ids": [0, 0], "sampling_params": {
             "max_new_tokens": 2, "temperature": 0}}, self.limits, self.tokenizer)
@@ -232,6 +244,8 @@ class EngineServer:
                     loop.call_soon_threadsafe(progress.put_nowait, i)
             return on_progress
 
+        for req in requests:
+            self.lora.state.check_request(req.lora)  # BadRequest: an adapter it cannot have
         for i, req in enumerate(requests):
             req.on_progress = on_progress_of(i)
         self.claim_rids(requests)
@@ -400,6 +414,11 @@ class EngineServer:
             "weight_update_groups": sorted(self.weights.groups),
             "weight_update_session_open": self.weights.session_open,
             "weight_updates_outside_session": self.weights.updates_outside_session,
+            # SGLang's LoRA server arguments (as started; /load_lora_adapter's answer lists
+            # the adapters loaded now)
+            "enable_lora": self.lora.state.enabled or None,
+            "max_lora_rank": getattr(a, "max_lora_rank", None),
+            "lora_target_modules": getattr(a, "lora_target_modules", None),
             # SGLang's scheduler_info (scheduler.py `get_init_info`)
             "status": "ready", "max_total_num_tokens": self._token_capacity(),
             "max_req_input_len": self.limits.context_length - 1,
@@ -500,6 +519,29 @@ class EngineServer:
                                       "max_model_len": max_len})
         raise MalformedBody("prompt must be a string or a list of strings")
 
+def lora_state(args: argparse.Namespace) -> lora.LoRAState:
+    """The LoRA settings of the command line, checked as SGLang's check_lora_server_args
+    checks them (ValueError); `--lora-paths` enables LoRA unless --enable-lora is false."""
+    paths = lora.parse_lora_paths(getattr(args, "lora_paths", None))
+    enabled = bool(getattr(args, "enable_lora", None)) or bool(paths)
+    rank = getattr(args, "max_lora_rank", None)
+    targets = getattr(args, "lora_target_modules", None)
+    if enabled:
+        if not paths and not (rank and targets):
+            raise lora.LoRAError(
+                "When no initial --lora-paths is provided, you need to specify both "
+                "--max-lora-rank and --lora-target-modules for LoRA initialization.")
+        if targets and "all" in targets and len(targets) != 1:
+            raise lora.LoRAError("If 'all' is specified in --lora-target-modules, it should be "
+                                 "the only module specified.")
+        if len(paths) > 1:
+            raise lora.LoRAError(f"--lora-paths names {len(paths)} adapters: the built-in "
+                                 "engine merges one adapter into its weights and holds at most "
+                                 "one at a time")
+    return lora.LoRAState(enabled=enabled, max_rank=rank,
+                          target_modules=set(targets) if targets else None)
+
+
 def _parser() -> argparse.ArgumentParser:
     return engine_args.parser(description=__doc__)
 
@@ -507,6 +549,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     log = configure_logging("engine", port=args.port)
+    try:
+        lora_state(args)
+    except lora.LoRAError as e:
+        log.error("engine_bad_lora_args", error=str(e))
+        return 2
     try:
         args.api_key = read_api_key(args.api_key_file)
     except (OSError, ValueError) as e:

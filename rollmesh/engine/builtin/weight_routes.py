@@ -237,10 +237,15 @@ class WeightRoutes:
         return _result(True, "Success")
 
     def _released(self) -> web.Response | None:
-        """A weight update while the weights are given back (memory.py) has nowhere to land."""
+        """A weight update while the weights are given back (memory.py) has nowhere to land;
+        one while a LoRA adapter is merged into them (lora.py) would stale its base copy."""
         if "weights" in self.server.scheduler.memory_released:
             return _result(False, "the weights are released (/release_memory_occupation): "
                                   "resume them (/resume_memory_occupation) before an update")
+        lora = getattr(self.server, "lora", None)
+        refused = lora.refuse_weight_update() if lora is not None else None
+        if refused is not None:
+            return _result(False, refused)
         return None
 
     def _count_outside_session(self, route: str) -> None:
