@@ -30,6 +30,7 @@ from typing import Any
 from rollmesh.agents.loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops
 from rollmesh.config import ExperimentConfig, parse_config
 from rollmesh.engine.client import EngineClient, run_api_key
+from rollmesh.models.lora import ADAPTER_NAME
 from rollmesh.config import AgentWorkerSettings
 from rollmesh.wire.messages import Assign, Cancel, Held, Resume, Returned, Trajectory
 from rollmesh.runtime.process import RoleContext
@@ -144,7 +145,10 @@ async def main(ctx: RoleContext) -> None:
     # the least loaded; every worker's client picks alike for a group id, without talking
     async with EngineClient(settings.engines, api_key=run_api_key(ctx.spec.keys_dir),
                             wait_s=exp.rollout.engine_wait_s, router_url=settings.router,
-                            routing=exp.engine.routing) as client:
+                            routing=exp.engine.routing,
+                            # LoRA: every generation names the policy's adapter
+                            lora_path=ADAPTER_NAME if exp.model.lora.enabled else None,
+                            ) as client:
         worker = AgentWorker(ctx, exp, client, channel)
         serving = asyncio.create_task(worker.serve(settings.credits))
         ctx.set_status(worker.stats)

@@ -147,7 +147,7 @@ def test_a_launched_lora_run_survives_kill_9_of_the_trainer_and_the_engine(tmp_p
     assert config["r"] == 8
     assert not any(".lora_" in k for k in _keys(policy / "model.safetensors"))  # merged
     engine_log = (run_dir / "logs" / "engine-0.log").read_text()
-    assert "lora_adapter_loaded" in engine_log or "load_lora_adapter" in engine_log
+    assert engine_log.count("\"lora_loaded\"") >= 2  # at start, and a sync after the restart
 
 
 def _keys(path: Path) -> list[str]:
