@@ -38,8 +38,11 @@ FUSED_HEAD = frozenset({
 
 
 def fused_head_supported(model: torch.nn.Module) -> bool:
+    """The fused head computes lm_head(hidden) from the head's weight: not for a head wrapped
+    by a LoRA adapter (`model.lora.target_modules` naming lm_head), whose own forward adds it."""
     names = {cls.__name__ for cls in type(model).__mro__}
-    return bool(names & FUSED_HEAD) and model.get_output_embeddings() is not None
+    head = model.get_output_embeddings()
+    return bool(names & FUSED_HEAD) and head is not None and not hasattr(head, "base_layer")
 
 
 @contextlib.contextmanager

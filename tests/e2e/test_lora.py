@@ -18,6 +18,7 @@ from rollmesh.wire.messages import StatsRequest
 from rollmesh.wire.transport import RpcClient, Transport
 from tests.e2e.test_launcher import (
     assert_nothing_trained_twice,
+    assert_staleness_rule,
     check_accounting,
     finish,
     kill_and_await_restart,
@@ -111,15 +112,16 @@ def test_after_a_lora_sync_the_engine_decodes_exactly_as_the_trainers_adapted_mo
 
 
 def test_a_launched_lora_run_survives_kill_9_of_the_trainer_and_the_engine(tmp_path):
-    """`launch/local.toml` with `model.lora.rank=8`, a checkpoint every 4 steps: kill -9 of the
-    trainer (it resumes from its checkpoint and sends the engines its adapter again) and of the
-    engine (it restarts with the identity adapter at version 0 and is sent the current one);
+    """`launch/lora_local.toml` (rank 8, lm_head among the targets), a checkpoint every 4 steps:
+    kill -9 of the trainer (it resumes from its checkpoint and sends the engines its adapter
+    again) and of the engine (it restarts with the identity adapter at version 0 and is sent
+    the current one);
     the run completes, accounts for every sample, trains nothing twice, and exports the merged
     policy with its adapter."""
     run_dir = tmp_path / "run"
     steps = 24
     proc = launch(run_dir, "--set", f"trainer.total_steps={steps}",
-                  "--set", "model.lora.rank=8", "--set", "trainer.checkpoint_every=4")
+                  "--set", "trainer.checkpoint_every=4", cluster="launch/lora_local.toml")
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 6, 300, "training under way", proc)
         kill_and_await_restart(run_dir, "trainer[0]")
@@ -138,7 +140,10 @@ def test_a_launched_lora_run_survives_kill_9_of_the_trainer_and_the_engine(tmp_p
     assert proc.returncode == 0, out[-3000:]
     rows = metrics(run_dir)
     assert max(r["step"] for r in rows) == steps
-    check_accounting(run_dir)
+    summary = check_accounting(run_dir)
+    assert_staleness_rule(rows, summary)  # per-token versions as with full weights
+    # generations cut by a sync were resumed under the next adapter, not thrown away
+    assert sum(r.get("samples_resumed", 0) for r in rows) > 0
     assert_nothing_trained_twice(rows)
     procs = {p["name"]: p for p in status(run_dir)["processes"]}
     assert procs["trainer[0]"]["restarts"] == 1 and procs["engine[0]"]["restarts"] == 1

@@ -25,7 +25,7 @@ from rollmesh.config import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ["configs/tiny_cpu.toml", "configs/gsm8k_grpo.toml"]
+EXAMPLES = ["configs/tiny_cpu.toml", "configs/gsm8k_grpo.toml", "configs/tiny_cpu_lora.toml"]
 
 EXP = '[model]\npath = "tiny"\n\n[data]\ntrain_path = "t.jsonl"\n'
 TOP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics, sft"

@@ -19,6 +19,7 @@ from rollmesh.models.loading import build_tiny
 from rollmesh.models.lora import inject, peft_key
 from rollmesh.training import checkpoint
 from rollmesh.training.batching import from_groups
+from rollmesh.training.forward import fused_head_supported
 from rollmesh.training.lora import adapters_disabled, merged_state_dict
 from rollmesh.training.state import build_state
 from rollmesh.training.step import batch_logprobs, prepare, update_policy
@@ -132,7 +133,11 @@ def test_export_is_the_merged_model_and_the_adapters_in_peft_format(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    state = lora_state()
+    # lm_head among the targets: its adapter too is merged and exported, and the trainer's
+    # fused head (which reads the head's weight) steps aside for the wrapped head's own forward
+    state = lora_state('model.lora.target_modules=["q_proj", "down_proj", "lm_head"]')
+    assert not fused_head_supported(state.model)
+    assert fused_head_supported(lora_state().model)
     with torch_threads(1):
         for seed in (3, 4):
             update_policy(state, prepare(state, from_groups(make_groups(seed))))
@@ -149,6 +154,7 @@ def test_export_is_the_merged_model_and_the_adapters_in_peft_format(tmp_path):
         assert torch.allclose(peft_model(input_ids=ids).logits, want, atol=1e-5)
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    assert sorted(config["target_modules"]) == ["down_proj", "lm_head", "q_proj"]
     with pytest.raises(ValueError, match="pass its `lora` config"):
         checkpoint.export_hf(tmp_path / "x", model=state.model, tokenizer=None)
 
