@@ -2,7 +2,7 @@
 
     python benchmarks/lora.py [--shape 0.5b|small] [--rank 16] [--device cpu|cuda]
         [--steps 3] [--seqs 8] [--prompt 64] [--response 192] [--repeats 3]
-        [--skip-train] [--skip-sync] [--json PATH]
+        [--checkpointing] [--skip-train] [--skip-sync] [--json PATH]
 
 Both on Qwen2.5-0.5B's shape by default (random weights, `benchmarks/real_scale.py`'s
 checkpoint; `--shape small` for a quick look), LoRA at `--rank` on every attention and MLP
@@ -20,7 +20,9 @@ projection (`model.lora`'s default targets, alpha = 2 * rank).
    --prompt + --response tokens, GRPO groups of 4; `trainer.update_policy`, one optimizer step
    per trainer step): median seconds over --steps after a first step, and the peak memory of
    the process (CPU: VmHWM, the whole process's high-water mark, model loading included;
-   CUDA: max_memory_allocated). Goal: LoRA's peak <= 0.6x full fine-tuning's.
+   CUDA: max_memory_allocated). Goal: LoRA's peak <= 0.6x full fine-tuning's. The activations
+   are the same in both variants (LoRA saves the gradients and AdamW's state of the frozen
+   weights), so the ratio depends on the batch; `--checkpointing` keeps them small in both.
 
 `--json PATH` writes the rows of benchmarks/results.py.
 """
@@ -58,10 +60,13 @@ def checkpoint(shape: str, root: Path) -> Path:
                             dict(QWEN25_05B) if shape == "0.5b" else dict(SMALL))
 
 
-def experiment(path: Path, device: str, rank: int, max_len: int) -> Any:
+def experiment(path: Path, device: str, rank: int, max_len: int,
+               checkpointing: bool = False) -> Any:
     from benchmarks.train_step import experiment as base
 
     overrides = ["trainer.lr=1e-4", "trainer.micro_batch_tokens=4096"]
+    if checkpointing:
+        overrides.append("trainer.gradient_checkpointing=true")
     if rank:
         overrides.append(f"model.lora.rank={rank}")
     return base(path, device, 4, max_len, 256, overrides)
@@ -86,7 +91,8 @@ def train_child(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(0)
     path = checkpoint(args.shape, Path(args.root))
-    exp = experiment(path, args.device, args.rank, args.prompt + args.response)
+    exp = experiment(path, args.device, args.rank, args.prompt + args.response,
+                     args.checkpointing)
     state = build_state(exp, device=torch.device(args.device))
     vocab = state.model.config.vocab_size
     batch = make_batch([(args.prompt, args.response)] * args.seqs, 4, vocab)
@@ -109,7 +115,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         cmd = [sys.executable, __file__, "--child", "--shape", args.shape, "--rank", str(rank),
                "--device", args.device, "--steps", str(args.steps), "--seqs", str(args.seqs),
                "--prompt", str(args.prompt), "--response", str(args.response),
-               "--root", args.root]
+               "--root", args.root] + ["--checkpointing"] * args.checkpointing
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
         if done.returncode:
@@ -233,6 +239,9 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--response", type=int, default=192)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--checkpointing", action="store_true",
+                   help="trainer.gradient_checkpointing = true in both variants (the GPU "
+                        "default at micro_batch_tokens >= 8192)")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-sync", action="store_true")
     p.add_argument("--json")

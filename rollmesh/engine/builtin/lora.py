@@ -263,6 +263,7 @@ class LoRAState:
         self.merged: Adapter | None = None
         self.known: dict[str, str] = {}  # every name loaded since start -> its latest path
         self._base: dict[str, torch.Tensor] = {}  # Linear module name -> base weight (host)
+        self._spare: dict[str, torch.Tensor] = {}  # the buffers of the last unload, for reuse
 
     @property
     def name(self) -> str | None:
@@ -280,9 +281,15 @@ class LoRAState:
             with torch.no_grad():
                 for module, (a, b) in adapter.factors.items():
                     w = linears[module].weight
-                    self._base[module] = w.detach().to("cpu", copy=True)
-                    delta = (b.to(w.device, torch.float32) @ a.to(w.device, torch.float32))
-                    w.copy_((w.float() + adapter.scale * delta).to(w.dtype))
+                    kept = self._spare.pop(module, None)  # last load's buffer: no new pages
+                    if kept is None or kept.shape != w.shape or kept.dtype != w.dtype:
+                        kept = torch.empty(w.shape, dtype=w.dtype, device="cpu")
+                    self._base[module] = kept.copy_(w.detach())
+                    a32, b32 = a.to(w.device, torch.float32), b.to(w.device, torch.float32)
+                    if w.dtype == torch.float32:  # one pass, no temporary of W's size
+                        w.addmm_(b32, a32, alpha=adapter.scale)
+                    else:
+                        w.copy_(torch.addmm(w.float(), b32, a32, alpha=adapter.scale))
         except BaseException:
             self.restore(model)
             raise
@@ -297,7 +304,8 @@ class LoRAState:
             for module, base in self._base.items():
                 linears[module].weight.copy_(base)
         n = len(self._base)
-        self._base.clear()
+        self._spare = self._base  # reused by the next merge (a sync unloads, then loads)
+        self._base = {}
         self.merged = None
         return n
 
