@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                      use_rslora=args.rslora)
     write_identity(args.out, args.model, cfg, trust_remote_code=args.trust_remote_code)
     sys.stdout.flush()
-    os.execv(engine[0], engine)
+    os.execvp(engine[0], engine)  # a bare `python3` is looked up on PATH
     return 0  # not reached
 
 
