@@ -210,7 +210,8 @@ async def sync(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         async def adapter() -> int:
             version[0] += 1
-            return await sender.send_adapter(model, version[0], lora_cfg, str(path))
+            return await sender.send_adapter(model, dtype, version[0], lora_cfg,
+                                             str(path))
         try:
             seconds, times, sent = await _time(adapter, args.repeats)
         finally:

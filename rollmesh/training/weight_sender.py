@@ -404,19 +404,19 @@ class WeightSender:
         await members.update_weights_from_tensor(body_for)
         return sum(e.nbytes for e in entries)
 
-    async def send_adapter(self, model: torch.nn.Module, version: int, lora: Any,
-                           base_path: str) -> int:
-        """LoRA: the adapters gathered (with the other ranks, whatever fails), written to
-        `<lora_dir>/v<version>`, and loaded by every engine under `policy` at `version`
-        (module docstring); returns the bytes of the adapter's tensors."""
-        if not self.lora_dir:
-            raise ValueError("trainer settings: model.lora.rank > 0 but `lora_dir` (where the "
-                             "adapters go for the engines) is not set")
-        tensors = adapter_tensors(model)
+    async def send_adapter(self, model: torch.nn.Module, dtype: torch.dtype, version: int,
+                           lora: Any, base_path: str) -> int:
+        """LoRA: the adapters gathered (with the other ranks, whatever fails), in the engines'
+        `dtype`, written to `<lora_dir>/v<version>`, and loaded by every engine under `policy`
+        at `version` (module docstring); returns the bytes of the adapter's tensors."""
+        tensors = adapter_tensors(model, dtype)
         try:
             named = await asyncio.to_thread(dict, tensors)
         finally:
             await asyncio.to_thread(lambda: [None for _ in tensors])
+        if not self.lora_dir:  # after the gather: the other ranks took part in it
+            raise ValueError("trainer settings: model.lora.rank > 0 but `lora_dir` (where the "
+                             "adapters go for the engines) is not set")
         root = Path(self.lora_dir).absolute()
         path = root / f"v{version}"
         sent = await asyncio.to_thread(write_adapter, path, named,
@@ -713,7 +713,8 @@ async def sync_weights(state: Any, sender: WeightSender | None, *,
 
         def send() -> Any:
             if lora.enabled:
-                return sender.send_adapter(state.model, version, lora, state.exp.model.path)
+                return sender.send_adapter(state.model, state.compute_dtype, version, lora,
+                                           state.exp.model.path)
             return sender.broadcast(state.model, state.compute_dtype, version)
 
         timings = await _attempts(
