@@ -144,6 +144,17 @@ async def _time(fn: Any, repeats: int) -> tuple[float, list[float], int]:
     return statistics.median(times), times, sent
 
 
+async def _time_then_stop(fn: Any, repeats: int, sender: Any,
+                          proc: subprocess.Popen) -> tuple[float, list[float], int]:
+    """`_time(fn)`, then the sender closed and the engine process stopped, whatever failed."""
+    try:
+        return await _time(fn, repeats)
+    finally:
+        await sender.close()
+        proc.terminate()
+        proc.wait(60)
+
+
 async def sync(args: argparse.Namespace) -> list[dict[str, Any]]:
     from benchmarks.engine_proc import start_engine
     from rollmesh.config import SyncConfig
@@ -180,12 +191,7 @@ async def sync(args: argparse.Namespace) -> list[dict[str, Any]]:
                 return await sender._send(
                     weight_specs(model, dtype), version[0],
                     tensors=(p.detach() for _, p in model.named_parameters()))
-            try:
-                seconds, times, sent = await _time(full, args.repeats)
-            finally:
-                await sender.close()
-                proc.terminate()
-                proc.wait(60)
+            seconds, times, sent = await _time_then_stop(full, args.repeats, sender, proc)
             rows.append({"mode": f"full_{transport}", "seconds": seconds, "times": times,
                          "bytes": sent})
             print(f"  sync full ({transport:9s}) {sent / 1e6:10.1f} MB  {seconds:8.3f} s  "
@@ -212,12 +218,7 @@ async def sync(args: argparse.Namespace) -> list[dict[str, Any]]:
             version[0] += 1
             return await sender.send_adapter(model, dtype, version[0], lora_cfg,
                                              str(path))
-        try:
-            seconds, times, sent = await _time(adapter, args.repeats)
-        finally:
-            await sender.close()
-            proc.terminate()
-            proc.wait(60)
+        seconds, times, sent = await _time_then_stop(adapter, args.repeats, sender, proc)
     rows.append({"mode": "lora", "rank": args.rank, "seconds": seconds, "times": times,
                  "bytes": sent})
     print(f"  sync LoRA r{args.rank:<3d}         {sent / 1e6:10.1f} MB  {seconds:8.3f} s  "

@@ -43,7 +43,7 @@ def write_identity(out: str, model_path: str, cfg: LoraConfig, *,
     model = _empty_model(model_path, trust_remote_code)
     with parameters_on_meta():
         inject(model, cfg)
-    write_adapter(out, identity_adapter(model, cfg), config_dict(cfg, model_path))
+    write_adapter(out, identity_adapter(model), config_dict(cfg, model_path))
 
 
 def main(argv: list[str] | None = None) -> int:

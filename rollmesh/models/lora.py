@@ -16,7 +16,6 @@ use_rslora); this folder imports no other.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import uuid
@@ -42,9 +41,6 @@ def peft_config(cfg: Any, base_path: str | None = None) -> Any:
                            target_modules=list(cfg.target_modules), use_rslora=cfg.use_rslora,
                            bias="none", base_model_name_or_path=base_path)
 
-
-def scale(cfg: Any) -> float:
-    return cfg.scale_alpha / (math.sqrt(cfg.rank) if cfg.use_rslora else cfg.rank)
 
 
 def inject(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
@@ -106,7 +102,7 @@ def write_adapter(path: str | Path, tensors: dict[str, Tensor], config: dict[str
     return (path / WEIGHTS_FILE).stat().st_size
 
 
-def identity_adapter(model: torch.nn.Module, cfg: Any) -> dict[str, Tensor]:
+def identity_adapter(model: torch.nn.Module) -> dict[str, Tensor]:
     """Zeros of every adapter's shape (an adapter that changes nothing: version 0 on the
     engines), peft keys, float32."""
     return {peft_key(n): torch.zeros(tuple(p.shape), dtype=torch.float32)

@@ -12,7 +12,7 @@
 - A sync sends the adapters alone, in peft's format (`adapter_tensors`,
   `rollmesh.models.lora.write_adapter`).
 - `merged_state_dict`: the policy with each adapter merged (W + scale * B @ A), under the base
-  model's own names: what `policy/` exports (`export_adapter`: the adapters alone as well).
+  model's own names: what `policy/` exports (`rollmesh.training.checkpoint.export_hf`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from rollmesh.config import LoraConfig
-from rollmesh.models.lora import ADAPTER, config_dict, is_adapter, peft_key, write_adapter
+from rollmesh.models.lora import ADAPTER, is_adapter, peft_key
 from rollmesh.training.ranks import full_tensor
 
 
@@ -98,10 +96,3 @@ def merged_state_dict(model: torch.nn.Module, is_main: bool,
             out[key] = (t if dtype is None else t.to(dtype)).cpu().contiguous()
     return out
 
-
-def export_adapter(path: str | Path, model: torch.nn.Module, cfg: LoraConfig, is_main: bool,
-                   base_path: str | None) -> None:
-    """The adapters alone, peft's format, at `path` (every rank calls; rank 0 writes)."""
-    tensors = dict(adapter_tensors(model))
-    if is_main:
-        write_adapter(path, tensors, config_dict(cfg, base_path))

@@ -304,14 +304,19 @@ def test_client_against_sglang_bodies():
                 lambda _s: tensor_body([table], HANDLES_FORMAT, "3", True))
             await client.weight_update_session(begin=False)
 
-        errors = []
-        for name, sent in stub.requests.items():
-            for body in sent:
-                errors += _request_type_errors(name, body)
-        assert errors == []
-        assert set(stub.requests) == set(routes.values())
+        _assert_sglang_requests(stub, routes)
 
     asyncio.run(main())
+
+
+def _assert_sglang_requests(stub: Any, routes: dict[tuple[str, str], str]) -> None:
+    """Every request the stub got has SGLang's field types, and every route was called."""
+    errors = []
+    for name, sent in stub.requests.items():
+        for body in sent:
+            errors += _request_type_errors(name, body)
+    assert errors == []
+    assert set(stub.requests) == set(routes.values())
 
 
 @pytest.mark.parametrize(("name", "status"), [("error_generate_duplicate_rid", 400),
@@ -360,12 +365,7 @@ def test_client_lora_against_sglang_bodies():
                                         return_logprob=False)
             assert out.output_ids == load("generate_lora")["response"]["output_ids"]
         assert stub.requests["generate_lora"][0]["lora_path"] == "policy"
-        errors = []
-        for name, sent in stub.requests.items():
-            for body in sent:
-                errors += _request_type_errors(name, body)
-        assert errors == []
-        assert set(stub.requests) == set(routes.values())
+        _assert_sglang_requests(stub, routes)
 
     asyncio.run(main())
 
