@@ -158,4 +158,7 @@ def test_a_launched_run_with_in_place_syncs_aborts_nothing(tmp_path):
                 v = t.versions[t.prompt_len:][t.loss_mask[t.prompt_len:] > 0]
                 assert (np.diff(v) >= 0).all(), v  # versions only grow along an answer
                 spans.append(len(set(v.tolist())))
-    assert spans and max(spans) >= 2, spans  # some answers were made by two versions
+    assert spans, "nothing reached the MessageQueue"
+    # (that some answer was made by two versions is likely, not certain: in one run of the
+    # whole suite on CI every sync found the engine between answers; the test above holds two
+    # answers across an in-place sync for certain and checks the stamps token by token)
