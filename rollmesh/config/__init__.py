@@ -56,7 +56,7 @@ from rollmesh.config.tuning import (
 from rollmesh.config.load import apply_overrides, load_cluster, load_experiment
 from rollmesh.config.parse import ConfigError, parse_config
 from rollmesh.config.write import field_reference, reference_markdown, to_dict, to_toml
-from rollmesh.config.roles import ROLE, ROLE_TABLE, START_ORDER
+from rollmesh.config.roles import ROLE, ROLE_TABLE, START_ORDER, default_shards
 from rollmesh.config.settings import (
     AgentWorkerSettings,
     MessageQueueSettings,
@@ -64,10 +64,13 @@ from rollmesh.config.settings import (
     RolloutSettings,
     SynchronizerSettings,
     TrainerSettings,
+    queue_addresses,
 )
 
 __all__ = [
     "ROLE",
+    "default_shards",
+    "queue_addresses",
     "ROLE_TABLE",
     "START_ORDER",
     "AgentWorkerSettings",

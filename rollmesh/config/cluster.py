@@ -130,10 +130,14 @@ class RolesConfig:
     """Where each role runs: one `[roles.<role>]` table, or `[[roles.<role>]]` per host."""
 
     engine: list[Placement] = _field("inference servers")
-    rollouter: list[Placement] = _field("the rollouter (one process)")
+    rollouter: list[Placement] = _field(
+        "rollouters: one, or several rollout shards (each with a shard of the prompts and "
+        "its own agent and reward workers)")
     agent_worker: list[Placement] = _field("agent-loop workers")
     reward_worker: list[Placement] = _field("reward workers")
-    message_queue: list[Placement] = _field("the MessageQueue (one process)")
+    message_queue: list[Placement] = _field(
+        "the MessageQueue: one, or several queue shards (groups routed by the rollouters, "
+        "each batch taken from all)")
     trainer: list[Placement] = _field("trainer ranks")
     synchronizer: list[Placement] = _field("the parameter synchronizer (one process)")
 
@@ -342,6 +346,12 @@ class ClusterConfig:
                         f"expected at most {_plural(p.count, 'GPU id')} (one per rank), "
                         f"got {_show(p.gpus)}",
                     )
+        shards = sum(p.count for p in self.roles.rollouter)
+        for role in ("agent_worker", "reward_worker"):
+            n = sum(p.count for p in getattr(self.roles, role))
+            if n < shards:
+                raise _Invalid(f"roles.{role}", f"expected at least {shards} in all (one per "
+                               f"rollouter: each rollout shard has its own), got {n}")
         if self.launcher_cpus is not None:
             _check_cpulist("launcher_cpus", self.launcher_cpus)
         self._check_gpus_given_once()

@@ -45,13 +45,17 @@ class RoleDef:
 ROLE_TABLE = (
     RoleDef("engine", None, singleton=False, restartable=False, start=0, ports=("http",)),
     # bind: the agent and reward workers' channel; control: Pause/Resume/stats (RPC)
-    RoleDef("rollouter", "rollmesh.rollout.role:main", singleton=True, restartable=True,
+    # Several rollouters (`count`) are rollout shards: each owns a disjoint shard of the prompts,
+    # its own workers and its share of the admission bound (rollmesh.rollout.core).
+    RoleDef("rollouter", "rollmesh.rollout.role:main", singleton=False, restartable=True,
              start=4, ports=("bind", "control")),
     RoleDef("agent_worker", "rollmesh.agents.role:main", singleton=False, restartable=True,
              start=5),
     RoleDef("reward_worker", "rollmesh.rewards.role:main", singleton=False, restartable=True,
              start=6),
-    RoleDef("message_queue", "rollmesh.mq.role:main", singleton=True, restartable=True,
+    # Several queues (`count`) are queue shards: each holds the groups its rollouters route to
+    # it, with its own log; the trainer takes a fixed share of every batch from each.
+    RoleDef("message_queue", "rollmesh.mq.role:main", singleton=False, restartable=True,
              start=1, ports=("bind",)),
     # rendezvous: rank 0's, the ranks' store (rollmesh.training.ranks)
     RoleDef("trainer", "rollmesh.training.role:main", singleton=False, restartable=False, start=3,
@@ -64,3 +68,19 @@ ROLES = tuple(ROLE)  # in port-plan order
 SINGLETON_ROLES = frozenset(r.name for r in ROLE_TABLE if r.singleton)
 # The roles the Supervisor starts, in start order (the engines are started and healthy first).
 START_ORDER = tuple(r.name for r in sorted(ROLE_TABLE, key=lambda r: r.start) if r.entry)
+
+
+# -- shard counts by default (the Slurm placement by rule; benchmarks/simulate.py --scale) -------
+# One rollouter thread carries about this many GPUs of a 7B-class async run at half a core, one
+# queue shard about three times as many (benchmarks/README.md, "Scaling on paper": measured
+# per-process costs, simulated rates per GPU). Larger models make fewer samples per GPU, so the
+# same counts leave them more room.
+GPUS_PER_ROLLOUTER = 1000
+GPUS_PER_QUEUE_SHARD = 3000
+
+
+def default_shards(gpus: int) -> tuple[int, int]:
+    """(rollouters, queue shards) for a cluster of `gpus` GPUs in all: one of each up to 1,000
+    GPUs, then one rollouter per started 1,000 GPUs and one queue shard per started 3,000."""
+    gpus = max(int(gpus), 1)
+    return -(-gpus // GPUS_PER_ROLLOUTER), -(-gpus // GPUS_PER_QUEUE_SHARD)

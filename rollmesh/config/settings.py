@@ -32,6 +32,9 @@ class MessageQueueSettings(QueueTuning):
     bind: str = _field("address its RPC server binds (tcp://host:port)")
     state_dir: str | None = _field(
         "directory of its write-ahead log (a durable queue); none: in memory", None)
+    shard: int = _field("this queue's index among the queue shards", 0, ge=0)
+    shards: int = _field("queue shards in the run: each holds its share of the capacity", 1,
+                         ge=1)
 
 
 @dataclass(kw_only=True)
@@ -40,9 +43,14 @@ class RolloutSettings:
     bind: str = _field("address of the channel the agent and reward workers connect to")
     control: str = _field("address of its RPC server (pause, resume, stats)")
     message_queue: str = _field("the MessageQueue's RPC address")
+    queue_shards: list[str] = _field(
+        "every queue shard's RPC address, in shard order, with more than one; empty: "
+        "message_queue alone", factory=list)
     engines: list[str] = _field(
         "engine URLs: admission stops while none is healthy; none: not watched", factory=list)
     state_dir: str | None = _field("directory of its journal; none: no journal", None)
+    shard: int = _field("this rollouter's index among the rollout shards", 0, ge=0)
+    shards: int = _field("rollout shards in the run (rollouters)", 1, ge=1)
 
 
 @dataclass(kw_only=True)
@@ -66,7 +74,13 @@ class SynchronizerSettings:
     experiment: ExperimentConfig = _field(_EXPERIMENT)
     bind: str = _field("address its RPC server binds", _LOCAL)
     rollouter: str = _field("the rollouter's control (RPC) address")
+    rollouters: list[str] = _field(
+        "every rollouter's control address, in shard order, with more than one; empty: "
+        "rollouter alone", factory=list)
     message_queue: str = _field("the MessageQueue's RPC address")
+    queue_shards: list[str] = _field(
+        "every queue shard's RPC address, in shard order, with more than one; empty: "
+        "message_queue alone", factory=list)
     engines: list[str] = _field(
         "engine URLs: their versions are checked before a version is published; none: not "
         "checked", factory=list)
@@ -79,6 +93,9 @@ class TrainerSettings:
     bind: str = _field("address of rank 0's stats server", _LOCAL)
     rendezvous: str | None = _field("rank 0's store (tcp://host:port); none: one rank", None)
     message_queue: str = _field("the MessageQueue's RPC address")
+    queue_shards: list[str] = _field(
+        "every queue shard's RPC address, in shard order, with more than one; empty: "
+        "message_queue alone", factory=list)
     synchronizer: str | None = _field(
         "the synchronizer's RPC address; none: no weight sync", None)
     engines: list[str] = _field("engine URLs (the weight-update group)", factory=list)
@@ -103,3 +120,8 @@ class TrainerSettings:
     colocate: bool = _field(
         "colocated mode (the cluster file's `colocate`): the engines give the device back while "
         "this trainer steps (training/colocate.py)", False)
+
+
+def queue_addresses(settings: RolloutSettings | SynchronizerSettings | TrainerSettings) -> list[str]:
+    """Every queue shard's address, in shard order (one: the MessageQueue)."""
+    return list(settings.queue_shards) or [settings.message_queue]

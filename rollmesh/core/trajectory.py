@@ -106,6 +106,15 @@ def is_stale(oldest: int | None, version: int, max_staleness: int) -> bool:
     return staleness(oldest, version) > max_staleness
 
 
+def group_origin(group_id: str) -> int:
+    """The rollout shard a group id comes from: `s<i>-...` is shard i's
+    (rollout.data.PromptSource), any other id (one rollouter) shard 0's."""
+    head, _, rest = group_id.partition("-")
+    if rest and len(head) > 1 and head[0] == "s" and head[1:].isdigit():
+        return int(head[1:])
+    return 0
+
+
 def append_observation(traj: Trajectory, ids: list[int]) -> None:
     """Tool, environment or template tokens: in the context, not in the loss."""
     append_tokens(traj, ids, None, -1)

@@ -114,8 +114,10 @@ class _Wiring:
         self.colocate = cluster.colocate
         self.run_dir = run_dir
         self.first: dict[str, Planned] = {}
+        self.every: dict[str, list[Planned]] = {}  # each role's processes, by index
         for p in plan:
             self.first.setdefault(p.proc.role, p)
+            self.every.setdefault(p.proc.role, []).append(p)
         self.engines = [f"http://{p.host.address}:{p.port('http')}" for p in plan
                         if p.proc.role == "engine"]
         self.router: PlannedRouter | None = None  # engine.router's (plan_router)
@@ -124,6 +126,18 @@ class _Wiring:
         """The address of `role`'s first process's port named `port`."""
         p = self.first[role]
         return _connect(p.host, p.port(port))
+
+    def shards(self, role: str, port: str) -> list[str]:
+        """The addresses of `role`'s processes' port `port`, in index order, when it has more
+        than one (rollout or queue shards); empty with one."""
+        every = self.every.get(role, [])
+        return [_connect(p.host, p.port(port)) for p in every] if len(every) > 1 else []
+
+    def rollouter_of(self, p: Planned) -> str:
+        """A worker's rollouter: workers are dealt to the rollout shards in turn."""
+        every = self.every["rollouter"]
+        r = every[p.proc.index % len(every)]
+        return _connect(r.host, r.port("bind"))
 
     def tuning(self, role: str) -> dict[str, Any]:
         """`role`'s [settings.<role>] table, as its settings' keyword arguments."""
@@ -197,36 +211,48 @@ def _plan_engine(p: Planned, exp: ExperimentConfig, run_dir: str,
         p.engine.env.update(thread_env(p.proc.cpus, p.host.cfg.env))
 
 
+def _state_dir(w: _Wiring, p: Planned) -> str:
+    """A role's state directory: `RUN/<role>` (the first shard's, as with one), `RUN/<role>-<i>`
+    for the other shards."""
+    suffix = f"-{p.proc.index}" if p.proc.index else ""
+    return f"{w.run_here(p.host)}/{p.proc.role}{suffix}"
+
+
 def _message_queue(w: _Wiring, p: Planned) -> MessageQueueSettings:
     # durable: its groups, uncommitted hand-outs and counters outlive a restart
     return MessageQueueSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
-                                state_dir=f"{w.run_here(p.host)}/message_queue",
+                                state_dir=_state_dir(w, p), shard=p.proc.index,
+                                shards=len(w.every["message_queue"]),
                                 **w.tuning("message_queue"))
 
 
 def _rollouter(w: _Wiring, p: Planned) -> RolloutSettings:
     return RolloutSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
-                           state_dir=f"{w.run_here(p.host)}/rollouter",
+                           state_dir=_state_dir(w, p),
                            control=_bind_named(p, "control"),
                            message_queue=w.connect("message_queue", "bind"),
-                           engines=w.engines)
+                           queue_shards=w.shards("message_queue", "bind"),
+                           engines=w.engines, shard=p.proc.index,
+                           shards=len(w.every["rollouter"]))
 
 
 def _agent_worker(w: _Wiring, p: Planned) -> AgentWorkerSettings:
-    return AgentWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
+    return AgentWorkerSettings(experiment=w.exp, rollouter=w.rollouter_of(p),
                                engines=w.engines, router=w.router.url if w.router else None,
                                **w.tuning("agent_worker"))
 
 
 def _reward_worker(w: _Wiring, p: Planned) -> RewardWorkerSettings:
-    return RewardWorkerSettings(experiment=w.exp, rollouter=w.connect("rollouter", "bind"),
+    return RewardWorkerSettings(experiment=w.exp, rollouter=w.rollouter_of(p),
                                 **w.tuning("reward_worker"))
 
 
 def _synchronizer(w: _Wiring, p: Planned) -> SynchronizerSettings:
     return SynchronizerSettings(experiment=w.exp, bind=_bind_named(p, "bind"),
                                 rollouter=w.connect("rollouter", "control"),
+                                rollouters=w.shards("rollouter", "control"),
                                 message_queue=w.connect("message_queue", "bind"),
+                                queue_shards=w.shards("message_queue", "bind"),
                                 engines=w.engines)
 
 
@@ -240,6 +266,7 @@ def _trainer(w: _Wiring, p: Planned) -> TrainerSettings:
         rendezvous=w.connect("trainer", "rendezvous"),
         weight_sync_address=w.first["trainer"].host.address,
         message_queue=w.connect("message_queue", "bind"),
+        queue_shards=w.shards("message_queue", "bind"),
         synchronizer=w.connect("synchronizer", "bind"),
         engines=w.engines,
         # The weight-update group has 1 + sum(TP sizes) ranks: each engine's TP ranks join it

@@ -288,3 +288,49 @@ class BatchFeed:
         self._close()
         self.have.clear()
 
+
+
+def shares(groups: int, shards: int) -> list[int]:
+    """Each queue shard's part of a batch of `groups` groups: as equal as can be, the first
+    shards one more; they sum to `groups`."""
+    return [groups // shards + (1 if j < groups % shards else 0) for j in range(shards)]
+
+
+class ShardedFeed:
+    """The trainer's batches from several queue shards: each step's batch is shard j's fixed
+    share (`shares`) from each shard's own stream (a `BatchFeed` each), in shard order. Each
+    shard keeps what it handed out for a step until a checkpoint covers it, so a restarted
+    trainer gets the same groups from every shard again: the batch is the same set of groups.
+    A share that came while another shard's did not is kept for the next `get` (the stream
+    would not send it again), so nothing waits on the slowest shard twice."""
+
+    def __init__(self, queues: list[RpcClient], groups: int, *, log: Any = None):
+        if groups < len(queues):
+            raise ValueError(f"ShardedFeed: a batch of {groups} groups cannot take a share from "
+                             f"each of {len(queues)} queue shards (rollout.batch_groups must be "
+                             f"at least the number of queue shards)")
+        self.feeds = [BatchFeed(mq, n, log=log) for mq, n in zip(queues, shares(groups,
+                                                                                  len(queues)))]
+
+    @property
+    def opened(self) -> int:
+        return sum(f.opened for f in self.feeds)
+
+    async def get(self, step: int, version: int, through_step: int, committed_step: int,
+                  timeout_s: float) -> Batch | None:
+        """The batch for `step` (every shard's share), or None if one did not come within
+        `timeout_s` (ask again)."""
+        parts = await asyncio.gather(*(f.get(step, version, through_step, committed_step,
+                                             timeout_s) for f in self.feeds))
+        if any(p is None for p in parts):
+            for feed, part in zip(self.feeds, parts):
+                if part is not None:
+                    feed.have[step] = part
+            return None
+        return Batch(groups=[g for p in parts for g in p.groups],
+                     version=max(p.version for p in parts), step=step,
+                     redelivered=any(p.redelivered for p in parts))
+
+    def close(self) -> None:
+        for f in self.feeds:
+            f.close()

@@ -65,12 +65,12 @@ class QueueRole:
     (`main` binds `handlers()` to an `RpcServer` and sets `server`, whose protocol error count
     the stats report), so a test can build one and call a handler alone."""
 
-    def __init__(self, queue: MessageQueue, *, log: Any, host: str = ""):
-        self.queue, self.log, self.host = queue, log, host
+    def __init__(self, queue: MessageQueue, *, log: Any, host: str = "", shard: int = 0):
+        self.queue, self.log, self.host, self.shard = queue, log, host, shard
         self.state = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="queue-state")
         self.changed = asyncio.Condition()
         self.consumer: _Stream | None = None  # the open stream, if any
-        self.status: dict[str, Any] = queue.stats()  # the latest stats, for the monitor
+        self.status: dict[str, Any] = {**queue.stats(), "shard": shard}  # for the monitor
         self.server: RpcServer | None = None
 
     def handlers(self) -> dict[type, Callable[..., Any]]:
@@ -89,12 +89,14 @@ class QueueRole:
 
     async def put_groups(self, msg: PutGroups, peer: bytes) -> PutGroupsReply:
         queue = self.queue
-        accepted, depth, stale = await self.call(
-            lambda: (queue.put_many(msg.groups), queue.depth_groups, queue.dropped["stale"]))
+        accepted, depth, stale, by_origin = await self.call(
+            lambda: (queue.put_many(msg.groups), queue.depth_groups, queue.dropped["stale"],
+                     dict(queue.stale_by_origin)))
         if accepted:
             async with self.changed:
                 self.changed.notify_all()
-        return PutGroupsReply(accepted=accepted, depth=depth, dropped_stale=stale)
+        return PutGroupsReply(accepted=accepted, depth=depth, dropped_stale=stale,
+                              stale_by_origin=by_origin)
 
     # -- hand-outs ---------------------------------------------------------------------------
 
@@ -204,13 +206,13 @@ class QueueRole:
 
     async def stats(self, msg: StatsRequest, peer: bytes) -> Metrics:
         return Metrics(role="message_queue", host=self.host,
-                       values={**await self.call(self.queue.stats),
+                       values={**await self.call(self.queue.stats), "shard": self.shard,
                                "protocol_errors": self.protocol_errors()})
 
     async def status_loop(self) -> None:  # the monitor's copy, taken in the queue's thread
         while True:
             await asyncio.sleep(0.5)
-            self.status.update(await self.call(self.queue.stats))
+            self.status.update(await self.call(self.queue.stats), shard=self.shard)
 
     async def fsync_loop(self, interval_s: float) -> None:
         """The batched fsync: nothing written stays unsynced longer than `interval_s`."""
@@ -245,7 +247,8 @@ async def main(ctx: RoleContext) -> None:
     fsync_interval_s = settings.fsync_interval_s
     started = time.monotonic()
     queue = MessageQueue(
-        settings.capacity_groups or default_capacity(exp), exp.staleness.max_staleness,
+        settings.capacity_groups or default_capacity(exp, settings.shards),
+        exp.staleness.max_staleness,
         measure=exp.staleness.measure, state_dir=settings.state_dir, fsync_interval_s=fsync_interval_s,
         compact_floor_bytes=settings.compact_floor_bytes,
         max_pending_batches=settings.max_pending_batches, log=ctx.log)
@@ -256,7 +259,7 @@ async def main(ctx: RoleContext) -> None:
                      dropped=dict(queue.dropped), version=queue.version,
                      seconds=round(time.monotonic() - started, 3))
         queue.journal.background_sync = True  # QueueRole.fsync_loop
-    role = QueueRole(queue, log=ctx.log, host=ctx.spec.host)
+    role = QueueRole(queue, log=ctx.log, host=ctx.spec.host, shard=settings.shard)
     server = role.server = RpcServer(ctx.transport, settings.bind, role.handlers(),
                                      name="message_queue")
     ctx.log.info("config", capacity_groups=queue.capacity, max_staleness=queue.max_staleness,

@@ -69,7 +69,9 @@ import msgpack
 
 from rollmesh.config import ExperimentConfig
 from rollmesh.config.settings import COMPACT_FLOOR_BYTES, MAX_PENDING_BATCHES
-from rollmesh.core.trajectory import admission_age, is_stale, oldest_version, staleness
+from rollmesh.core.trajectory import (
+    admission_age, group_origin, is_stale, oldest_version, staleness,
+)
 from rollmesh.runtime.durable_log import HEADER, DurableLog, record_size
 from rollmesh.runtime.log import get_logger
 from rollmesh.wire import protocol
@@ -206,6 +208,8 @@ class MessageQueue:
         self.redelivered_batches = 0
         self.evicted_batches = 0
         self.dropped: collections.Counter[str] = collections.Counter()
+        # samples dropped as stale by rollout shard ("<i>", core.trajectory.group_origin)
+        self.stale_by_origin: collections.Counter[str] = collections.Counter()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self.admission_age_hist: collections.Counter[int] = collections.Counter()
         self._consumed_times: collections.deque[tuple[float, int]] = collections.deque()
@@ -330,6 +334,8 @@ class MessageQueue:
                 k = len(g.trajectories)
                 self.depth_samples -= k
                 self.dropped[reason] += k
+                if reason == "stale":
+                    self.stale_by_origin[str(group_origin(g.group_id))] += k
                 self._forget([seq], [g])
             return None
         if kind == "commit":
@@ -355,6 +361,9 @@ class MessageQueue:
             self.duplicate_puts = int(s.get("duplicate_puts", 0))
             self.evicted_batches = int(s.get("evicted_batches", 0))
             self.dropped = collections.Counter({str(k): int(v) for k, v in s["dropped"].items()})
+            self.stale_by_origin = collections.Counter(  # absent in logs before issue 33
+                {str(k): int(v) for k, v in s.get("stale_by_origin", {"0": self.dropped["stale"]}
+                                                   if self.dropped["stale"] else {}).items()})
             self.staleness_hist = collections.Counter(
                 {int(k): int(v) for k, v in s["staleness_hist"].items()})
             self.admission_age_hist = collections.Counter(  # absent in logs before issue 30
@@ -384,7 +393,7 @@ class MessageQueue:
                 "next_seq": self.next_seq, "put_samples": self.put_samples,
                 "consumed_samples": self.consumed_samples, "rejected_puts": self.rejected_puts,
                 "duplicate_puts": self.duplicate_puts, "evicted_batches": self.evicted_batches,
-                "dropped": dict(self.dropped),
+                "dropped": dict(self.dropped), "stale_by_origin": dict(self.stale_by_origin),
                 "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
                 "admission_age_hist": {str(k): v for k, v in self.admission_age_hist.items()},
                 "seen_ids": sorted(self._seen_ids)}
@@ -596,8 +605,13 @@ class MessageQueue:
 
 
 
-def default_capacity(exp: ExperimentConfig) -> int:
-    """Enough for every group the staleness bound lets exist at once, and one batch more."""
+def default_capacity(exp: ExperimentConfig, shards: int = 1) -> int:
+    """Enough for every group the staleness bound lets exist at once, and one batch more; with
+    several queue shards, each shard's part of that and one more share of a batch (the
+    rollouters keep the shards even, not exactly equal)."""
     per_version = exp.rollout.batch_groups * exp.sync.sync_every
-    return (exp.staleness.max_staleness + 2) * per_version
+    whole = (exp.staleness.max_staleness + 2) * per_version
+    if shards == 1:
+        return whole
+    return -(-whole // shards) + -(-exp.rollout.batch_groups // shards)
 

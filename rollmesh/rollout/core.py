@@ -72,12 +72,22 @@ class GroupState:
     size: int
     version_admitted: int
     scored: list[Trajectory] = field(default_factory=list)
+    queue: int = 0  # the queue shard it goes to (journaled at admission)
+
+
+def share_of(total: int, shard: int, shards: int) -> int:
+    """Shard `shard`'s part of `total` split over `shards`: the parts sum to `total` exactly."""
+    return total // shards + (1 if shard < total % shards else 0)
 
 
 class RolloutCore:
     def __init__(self, exp: ExperimentConfig, source: PromptSource, tokenizer: Any,
-                 journal: Journal | None, log: Any):
+                 journal: Journal | None, log: Any, *, shard: int = 0, shards: int = 1,
+                 queues: int = 1):
         self.exp, self.source, self.tokenizer, self.log = exp, source, tokenizer, log
+        # Rollout shards: this one's index and how many there are (its share of the bound,
+        # `capacity`); queue shards: how many its accepted groups are routed over (`route`).
+        self.shard, self.shards, self.queues = shard, shards, queues
         self.journal = journal if journal is not None else Journal(None, log)
         self.group_filter = get_group_filter(exp.rollout.group_filter)
         self.version = 0
@@ -88,7 +98,12 @@ class RolloutCore:
         self.cancel_queue: collections.deque[Trajectory] = collections.deque()
         self.to_score: collections.deque[Trajectory] = collections.deque()
         self.groups: dict[str, GroupState] = {}
-        self.ready: collections.deque[Group] = collections.deque()  # accepted, not yet queued
+        # accepted, not yet queued: one deque per queue shard (`ready` is the first's)
+        self.readies: list[collections.deque[Group]] = [collections.deque()
+                                                        for _ in range(queues)]
+        self.ready = self.readies[0]
+        # Each queue shard's depth in groups, as its last reply said (`route`).
+        self.queue_depth = [0] * queues
         self.events: collections.Counter[str] = collections.Counter()
         self.announce_resume = False  # tell the agent workers at the next dispatch
         # Trajectories agent workers hold through the sync in progress (`Held`), and those
@@ -102,7 +117,10 @@ class RolloutCore:
         # Engine health (`engines_seen`): None until the first probe, or without engine URLs.
         self.engines: list[str] = []
         self.engines_healthy: int | None = None
-        self.queue_stale_groups = 0  # groups the MessageQueue dropped as stale (`queue_stale`)
+        # Groups of this rollouter each queue shard dropped as stale (`queue_stale`), and
+        # their sum.
+        self.queue_stale_by = [0] * queues
+        self.queue_stale_groups = 0
         # Groups dropped here as stale (`drop_stale`) with samples still out with workers:
         # group id -> those samples, dropped as stale too when they come back.
         self.stale_out: dict[str, int] = {}
@@ -115,8 +133,8 @@ class RolloutCore:
         """Every counter, read-only: this process's `events` and the journal's."""
         c = collections.Counter(self.events)
         c.update(self.journal.counters)
-        if self.ready:
-            c["accepted_groups"] += len(self.ready)
+        if self.ready_groups():
+            c["accepted_groups"] += self.ready_groups()
         return c
 
     @property
@@ -124,9 +142,13 @@ class RolloutCore:
         """Samples dropped, by reason (the journal's)."""
         return self.journal.dropped
 
+    def ready_groups(self) -> int:
+        """Groups accepted and not yet in a queue shard."""
+        return sum(map(len, self.readies))
+
     def accepted_groups(self) -> int:
         """Groups accepted: queued (the journal's) and ready to be put."""
-        return self.journal.counters["accepted_groups"] + len(self.ready)
+        return self.journal.counters["accepted_groups"] + self.ready_groups()
 
     # -- capacity and admission --------------------------------------------------------------
 
@@ -149,13 +171,17 @@ class RolloutCore:
         return min(r.over_sampling, 1.0 / (1.0 - rate))
 
     def capacity(self) -> int:
+        """With several rollout shards each has its share of the bound and of max_concurrent
+        (`share_of`: the shares sum to the whole), so the promise holds for the run."""
         r, s = self.exp.rollout, self.exp.staleness
         per_version = r.batch_groups * self.exp.sync.sync_every
-        concurrency = r.max_concurrent - self.running_groups
+        concurrent = max(1, share_of(r.max_concurrent, self.shard, self.shards))
+        concurrency = concurrent - self.running_groups
         # Groups the queue dropped as stale never reach the trainer: their places in the bound
         # are given back (else each stale drop would lower admission for good, down to 0).
-        headroom = ((s.max_staleness + self.version + 1) * per_version
-                    - (self.accepted_groups() - self.queue_stale_groups))
+        bound = share_of((s.max_staleness + self.version + 1) * per_version, self.shard,
+                         self.shards)
+        headroom = bound - (self.accepted_groups() - self.queue_stale_groups)
         staleness = int(max(0, headroom) * self.over_sampling()) - self.running_groups
         return min(concurrency, staleness)
 
@@ -176,10 +202,29 @@ class RolloutCore:
             if len(prompt) > self.exp.data.max_prompt_tokens:
                 self.events["skipped_prompts"] += 1
                 continue
-            self._start_group(group, prompt, self.version)
-            self.journal.admitted(group, self.source.state(), self.version)
+            queue = self.route()
+            self._start_group(group, prompt, self.version, queue)
+            self.journal.admitted(group, self.source.state(), self.version, queue)
 
-    def _start_group(self, group: PromptGroup, prompt: list[int], version: int) -> None:
+    def route(self) -> int:
+        """The queue shard a group admitted now goes to: the one with the fewest groups, as
+        its last reply said, plus this rollouter's groups bound for it (running or ready), so
+        that every shard holds about the same and none runs dry (the trainer takes the same
+        share of every batch from each). Ties go round by the admission serial. Journaled with
+        the admission: a group generated again after a restart goes to the same shard, which
+        knows it by its id."""
+        if self.queues == 1:
+            return 0
+        bound = [0] * self.queues
+        for g in self.groups.values():
+            bound[g.queue] += 1
+        load = [self.queue_depth[j] + bound[j] + len(self.readies[j])
+                for j in range(self.queues)]
+        turn = self.source.serial
+        return min(range(self.queues), key=lambda j: (load[j], (j - turn) % self.queues))
+
+    def _start_group(self, group: PromptGroup, prompt: list[int], version: int,
+                     queue: int = 0) -> None:
         loop = group.row.agent_loop or self.exp.data.default_agent_loop
         meta = {**group.row.metadata, "row": group.row.index,
                 **self.loop_metadata(group.row, loop)}
@@ -189,7 +234,8 @@ class RolloutCore:
             self.pending.append(new_trajectory(
                 f"{group.group_id}-{i:03d}", group.group_id, i, prompt, agent_loop=loop,
                 label=group.row.label, metadata=meta))
-        self.groups[group.group_id] = GroupState(group.group_size, version)
+        self.groups[group.group_id] = GroupState(group.group_size, version,
+                                                 queue=queue if queue < self.queues else 0)
 
     def loop_metadata(self, row: PromptRow, loop: str) -> dict[str, Any]:
         """What the row's loop needs besides the prompt's tokens: the row's chat messages (the
@@ -232,7 +278,7 @@ class RolloutCore:
         for gid, g in reopen:  # in flight in the lost process: generate them again
             row = rows[g.row]
             prompt = render_prompt(row, self.tokenizer, self.exp.data.system_prompt)
-            self._start_group(PromptGroup(gid, row, g.size, 0), prompt, g.version)
+            self._start_group(PromptGroup(gid, row, g.size, 0), prompt, g.version, g.queue)
         self.events["restored_groups"] = len(reopen)
         counters = self.counters
         self.log.warning("restored", records=j.replayed, version=self.version,
@@ -421,7 +467,7 @@ class RolloutCore:
         Returns the samples still out with workers (dropped when they come back)."""
         state = self.groups.pop(group_id)
         if group is not None:
-            self.ready.append(group)
+            self.readies[state.queue].append(group)
             return 0
         # Dropped: the scored ones and the failed ones are in hand; the rest are still out
         # somewhere and are dropped when they come back (see scored / returned).
@@ -435,6 +481,11 @@ class RolloutCore:
             q.extend(keep)
         self.journal.drop(group_id, reason, n, whole=True)
         return state.size - n
+
+    def queue_of(self, group: Group) -> int:
+        """The queue shard whose `ready` holds an accepted group."""
+        return next((j for j, ready in enumerate(self.readies) if ready and ready[-1] is group),
+                    0) if self.queues > 1 else 0
 
     def queued(self, group: Group) -> None:
         """The MessageQueue has the group (it left `ready`)."""
@@ -496,14 +547,15 @@ class RolloutCore:
 
     # -- what the role learns from the queue and the engines ---------------------------------
 
-    def queue_stale(self, groups: int) -> bool:
-        """The MessageQueue has dropped `groups` groups as stale in all: True if more than
-        known (their places in the bound come back)."""
-        if groups <= self.queue_stale_groups:
+    def queue_stale(self, groups: int, queue: int = 0) -> bool:
+        """Queue shard `queue` has dropped `groups` of this rollouter's groups as stale in
+        all: True if more than known (their places in the bound come back)."""
+        if groups <= self.queue_stale_by[queue]:
             return False
-        self.log.info("queue_dropped_stale", groups=groups - self.queue_stale_groups,
-                      total=groups)
-        self.queue_stale_groups = groups
+        self.log.info("queue_dropped_stale", groups=groups - self.queue_stale_by[queue],
+                      total=groups, queue=queue)
+        self.queue_stale_by[queue] = groups
+        self.queue_stale_groups = sum(self.queue_stale_by)
         return True
 
     def engines_seen(self, healthy: int, urls: list[str], now: float) -> bool:
@@ -535,7 +587,7 @@ class RolloutCore:
         return (len(self.pending) + train(self.cancel_queue) + train(self.to_score)
                 + sum(train(w.out.values()) for w in self.workers.values())
                 + sum(len(s.scored) for s in self.groups.values())
-                + sum(len(g.trajectories) for g in self.ready))
+                + sum(len(g.trajectories) for ready in self.readies for g in ready))
 
     def stats(self, *, protocol_errors: int, queue_unreachable_s: float | None,
               now: float) -> dict[str, Any]:
@@ -545,7 +597,8 @@ class RolloutCore:
             "in_flight": self.in_flight(), "pending": len(self.pending),
             "cancel_queue": len(self.cancel_queue), "to_score": len(self.to_score),
             "held": self.held_count,
-            "ready_groups": len(self.ready), "dropped": dict(self.dropped),
+            "ready_groups": self.ready_groups(), "dropped": dict(self.dropped),
+            "shard": self.shard, "shards": self.shards,
             "workers": {w.name: {"kind": w.kind, "credits": w.credits, "out": len(w.out)}
                         for w in self.workers.values()},
             "channel_protocol_errors": protocol_errors,

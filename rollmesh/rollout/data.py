@@ -538,28 +538,45 @@ class PromptSource:
     """A dataset, a cursor over it and the group size: what the rollouter draws prompts from."""
 
     def __init__(
-        self, rows: Sequence[PromptRow], group_size: int, *, seed: int = 0, shuffle: bool = True
+        self, rows: Sequence[PromptRow], group_size: int, *, seed: int = 0, shuffle: bool = True,
+        shard: int = 0, shards: int = 1,
     ) -> None:
+        """With several rollout shards (`shards` > 1) this source is shard `shard`'s: the rows
+        whose dataset index is `shard` modulo `shards`, and group ids that begin with
+        `s<shard>-` (unique across the shards; `group_origin`)."""
         if group_size < 1:
             raise ValueError(f"PromptSource: group_size: expected int >= 1, got {group_size}")
+        if not 0 <= shard < shards:
+            raise ValueError(f"PromptSource: expected 0 <= shard < shards, got shard={shard} "
+                             f"shards={shards}")
+        if shards > 1:
+            rows = [r for r in rows if r.index % shards == shard]
+            if not rows:
+                raise ValueError(f"PromptSource: rollout shard {shard} of {shards} has no "
+                                 f"prompt (the dataset has fewer rows than rollouters)")
         self.rows, self.group_size = rows, group_size
+        self.prefix = f"s{shard}-" if shards > 1 else ""
         self.cursor = PromptCursor(len(rows), seed, shuffle)
         self.serial = 0
 
     @classmethod
     def from_config(
-        cls, cfg: DataConfig, dataset: Sequence[PromptRow] | None = None
+        cls, cfg: DataConfig, dataset: Sequence[PromptRow] | None = None, *, shard: int = 0,
+        shards: int = 1,
     ) -> PromptSource:
-        """A source over `dataset`, or over the config's train file (loaded here)."""
+        """A source over `dataset`, or over the config's train file (loaded here); with
+        `shards` > 1, shard `shard` of it."""
         rows = dataset if dataset is not None else Dataset.from_config(cfg)
         seed = 0 if cfg.seed is None else cfg.seed
-        return cls(rows, cfg.group_size, seed=seed, shuffle=cfg.shuffle)
+        return cls(rows, cfg.group_size, seed=seed, shuffle=cfg.shuffle, shard=shard,
+                   shards=shards)
 
     def next_group(self) -> PromptGroup:
         pos = self.cursor.next()
         row = self.rows[pos]
         epoch = self.cursor.epoch
-        group = PromptGroup(f"e{epoch}-r{row.index}-g{self.serial}", row, self.group_size, epoch)
+        group = PromptGroup(f"{self.prefix}e{epoch}-r{row.index}-g{self.serial}", row,
+                            self.group_size, epoch)
         self.serial += 1
         return group
 

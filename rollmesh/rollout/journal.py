@@ -31,6 +31,7 @@ class OpenGroup:
     version: int
     dropped: int = 0  # samples already dropped (a dropped group's stragglers come back later)
     done: bool = False  # queued, or dropped as a whole
+    queue: int = 0  # the queue shard it goes to (RolloutCore.route)
 
 
 class JournalDiskError(OSError):
@@ -42,7 +43,8 @@ class Journal:
     `rollmesh launch --resume`) goes on where this one stood: an append-only log
     (`rollmesh.runtime.durable_log`) of msgpack records
 
-        admit   group id, row, size, version, the prompt cursor after it
+        admit   group id, row, size, version, the prompt cursor after it, the queue shard
+                it goes to (absent: 0)
         queued  group id (the MessageQueue accepted it)
         drop    group id, reason, samples
         pause   a Pause arrived (the synchronizer is about to broadcast)
@@ -93,7 +95,7 @@ class Journal:
             self.dropped = collections.Counter(r["dropped"])
             self.groups = {gid: OpenGroup(*g) for gid, g in r["groups"].items()}
         elif kind == "admit":
-            self.groups[r["g"]] = OpenGroup(r["row"], r["n"], r["v"])
+            self.groups[r["g"]] = OpenGroup(r["row"], r["n"], r["v"], queue=r.get("q", 0))
             self.cursor = r["cursor"]
             self.counters["admitted_groups"] += 1
             self.counters["admitted_samples"] += r["n"]
@@ -144,9 +146,13 @@ class Journal:
                 self.log.warning("journal_compaction_failed", path=str(self.file.path),
                                  error=str(e), retry_in_s=30)
 
-    def admitted(self, group: PromptGroup, cursor: dict[str, Any], version: int) -> None:
-        self._write({"k": "admit", "g": group.group_id, "row": group.row.index,
-                     "n": group.group_size, "v": version, "cursor": cursor})
+    def admitted(self, group: PromptGroup, cursor: dict[str, Any], version: int,
+                 queue: int = 0) -> None:
+        record = {"k": "admit", "g": group.group_id, "row": group.row.index,
+                  "n": group.group_size, "v": version, "cursor": cursor}
+        if queue:
+            record["q"] = queue
+        self._write(record)
 
     def queued(self, group_id: str, samples: int) -> None:
         self._write({"k": "queued", "g": group_id, "n": samples})
@@ -181,7 +187,7 @@ class Journal:
         snapshot = {"k": "snapshot", "cursor": self.cursor, "version": self.version,
                     "paused": self.paused,
                     "counters": dict(self.counters), "dropped": dict(self.dropped),
-                    "groups": {gid: [g.row, g.size, g.version, g.dropped, g.done]
+                    "groups": {gid: [g.row, g.size, g.version, g.dropped, g.done, g.queue]
                                for gid, g in self.groups.items()}}
         self.file.rewrite([msgpack.packb(snapshot, use_bin_type=True)])
 

@@ -1,4 +1,9 @@
-"""The rollouter role (a singleton): owns every sample from admission until the MessageQueue.
+"""The rollouter role: owns every sample from admission until the MessageQueue.
+
+With several rollouters (`[roles.rollouter] count`), each is a rollout shard: its own prompts
+(the dataset rows whose index is its shard modulo the count), workers, journal and share of the
+admission bound; only shard 0 runs evaluation rounds. With several queue shards it routes each
+group it admits to one (`RolloutCore.route`) and runs one put loop per shard.
 
 Its rules (capacity, admission, dispatch, returned and scored trajectories, group completion,
 pause bookkeeping), its journal, group filters and evaluation rounds live in `rollmesh.rollout`
@@ -32,11 +37,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.config import ExperimentConfig, parse_config, queue_addresses
 from rollmesh.rollout.data import PromptSource
 from rollmesh.engine.client import EngineClient, run_api_key
 from rollmesh.mq.client import put_ready
@@ -70,18 +76,22 @@ from rollmesh.wire.channels import Channel, Liveness
 class Rollouter:
     """The role: the core (`self.core`), its channel to the workers and its client of the
     MessageQueue. `changed` wakes the dispatch loop, `drained` a pause, `ready_added` the put
-    loop."""
+    loop of each queue shard."""
 
     def __init__(self, ctx: RoleContext, exp: ExperimentConfig, source: PromptSource,
-                 tokenizer: Any, channel: Channel, mq: RpcClient, journal: Journal | None = None):
+                 tokenizer: Any, channel: Channel, mq: RpcClient | list[RpcClient],
+                 journal: Journal | None = None, *, shard: int = 0, shards: int = 1):
         self.ctx, self.log, self.exp = ctx, ctx.log, exp
-        self.core = RolloutCore(exp, source, tokenizer, journal, ctx.log)
-        self.channel, self.mq = channel, mq
+        self.queues = mq if isinstance(mq, list) else [mq]  # one client per queue shard
+        self.core = RolloutCore(exp, source, tokenizer, journal, ctx.log, shard=shard,
+                                shards=shards, queues=len(self.queues))
+        self.channel, self.mq = channel, self.queues[0]
         self.liveness = Liveness(ctx.spec.heartbeat_s, ctx.spec.liveness)
         self.changed = asyncio.Event()
         self.drained = asyncio.Event()
-        self.ready_added = asyncio.Event()
-        self.queue_unreachable_since: float | None = None  # the queue stopped answering
+        self.ready_added = [asyncio.Event() for _ in self.queues]  # one per queue shard
+        # a queue shard stopped answering: since when, by shard
+        self.unreachable: dict[int, float] = {}
 
     # -- the core's state, read through ----------------------------------------------------
 
@@ -116,6 +126,11 @@ class Rollouter:
     def in_flight(self) -> int:
         return self.core.in_flight()
 
+    @property
+    def queue_unreachable_since(self) -> float | None:
+        """Since when a queue shard has not answered (the earliest), None: all answer."""
+        return min(self.unreachable.values(), default=None)
+
     def stats(self) -> dict[str, Any]:
         unreachable = self.queue_unreachable_since
         return self.core.stats(
@@ -148,8 +163,9 @@ class Rollouter:
             self._check_drained()
 
     def scored(self, worker: Worker, scored: Scored) -> None:
-        if self.core.scored(worker, scored) is not None:
-            self.ready_added.set()
+        group = self.core.scored(worker, scored)
+        if group is not None:
+            self.ready_added[self.core.queue_of(group)].set()
 
     def _check_drained(self) -> None:
         if self.core.drained:
@@ -191,23 +207,27 @@ class Rollouter:
 
     # -- what the queue and the engines say --------------------------------------------------
 
-    def queue_heard(self, reply: PutGroupsReply) -> None:
-        """The MessageQueue answered a put: its stale drops (samples; groups are
-        data.group_size each) give places in the bound back (`RolloutCore.queue_stale`), and a
-        queue reported cut off is reachable again."""
-        if self.queue_unreachable_since is not None:
-            self.log.warning("queue_reachable", unreachable_s=round(
-                time.monotonic() - self.queue_unreachable_since, 1))
-            self.queue_unreachable_since = None
-        if self.core.queue_stale(reply.dropped_stale // self.exp.data.group_size):
+    def queue_heard(self, reply: PutGroupsReply, queue: int = 0) -> None:
+        """Queue shard `queue` answered a put: its stale drops of this rollouter's groups
+        (samples; groups are data.group_size each; with one rollouter all of its drops) give
+        places in the bound back (`RolloutCore.queue_stale`), its depth steers the routing,
+        and a queue reported cut off is reachable again."""
+        since = self.unreachable.pop(queue, None)
+        if since is not None:
+            self.log.warning("queue_reachable", queue=queue,
+                             unreachable_s=round(time.monotonic() - since, 1))
+        self.core.queue_depth[queue] = reply.depth
+        stale = (reply.dropped_stale if self.core.shards == 1
+                 else reply.stale_by_origin.get(str(self.core.shard), 0))
+        if self.core.queue_stale(stale // self.exp.data.group_size, queue):
             self.changed.set()
 
-    def queue_unheard(self) -> None:
+    def queue_unheard(self, queue: int = 0) -> None:
         """A put went unanswered on the put loop's short leash: the queue is reported cut off
         (stats `queue_unreachable_s`, the monitor's header) until it answers again."""
-        if self.queue_unreachable_since is None:
-            self.queue_unreachable_since = time.monotonic()
-            self.log.error("queue_unreachable", queue=self.mq.address)
+        if queue not in self.unreachable:
+            self.unreachable[queue] = time.monotonic()
+            self.log.error("queue_unreachable", queue=self.queues[queue].address)
 
     async def watch_engines(self, urls: list[str], api_key: str | None,
                             interval_s: float = 1.0) -> None:
@@ -286,7 +306,8 @@ class Rollouter:
     async def put_ready(self) -> None:
         """Move accepted groups into the MessageQueue, what is ready in one put; wait while it
         is full (`rollmesh.mq.client.put_ready`). Its replies carry the queue's stale drops
-        (`queue_heard`); with nothing to put it still sends an empty put every second."""
+        (`queue_heard`); with nothing to put it still sends an empty put every second. One put
+        loop per queue shard, each over the groups routed to it."""
         def queued(group: Group) -> None:
             self.core.queued(group)
             self.changed.set()
@@ -294,8 +315,11 @@ class Rollouter:
         def full() -> None:
             self.core.events["queue_full_waits"] += 1
 
-        await put_ready(self.mq, self.core.ready, self.ready_added, queued, log=self.log,
-                        full=full, heard=self.queue_heard, unheard=self.queue_unheard)
+        loops = [put_ready(mq, self.core.readies[j], self.ready_added[j], queued, log=self.log,
+                           full=full, heard=lambda reply, j=j: self.queue_heard(reply, j),
+                           unheard=lambda j=j: self.queue_unheard(j))
+                 for j, mq in enumerate(self.queues)]
+        await asyncio.gather(*loops)
 
 
 async def announce_evals(ctx: RoleContext, evals: EvalRounds) -> None:
@@ -317,13 +341,21 @@ async def main(ctx: RoleContext) -> None:
     """Role entry. settings: rollmesh.config.RolloutSettings."""
     settings = parse_config(RolloutSettings, ctx.config, "rollouter spec")
     exp = settings.experiment
-    source = PromptSource.from_config(exp.data)
+    if settings.shard >= settings.shards:
+        raise ValueError(f"rollouter spec: shard: expected int < shards ({settings.shards}), "
+                         f"got {settings.shard}")
+    if settings.shard > 0:  # evaluation rounds run on rollout shard 0 only
+        exp = dataclasses.replace(exp, rollout=dataclasses.replace(exp.rollout, eval_every=0))
+    source = PromptSource.from_config(exp.data, shard=settings.shard, shards=settings.shards)
     tokenizer = load_tokenizer(exp.model)
     channel = Channel(ctx.transport, settings.bind, name="rollouter")
-    mq = RpcClient(ctx.transport, settings.message_queue, timeout_s=30, name="message queue")
+    queues = [RpcClient(ctx.transport, address, timeout_s=30,
+                        name=f"message queue {j}" if j else "message queue")
+              for j, address in enumerate(queue_addresses(settings))]
     state_dir = settings.state_dir
     journal = Journal(Path(state_dir) / "rollouter.log", ctx.log) if state_dir else None
-    r = Rollouter(ctx, exp, source, tokenizer, channel, mq, journal)
+    r = Rollouter(ctx, exp, source, tokenizer, channel, queues, journal, shard=settings.shard,
+                  shards=settings.shards)
     r.core.restore(restarted=ctx.spec.restart > 0)
 
     async def pause(msg: Pause, peer: bytes) -> Paused:
@@ -364,4 +396,5 @@ async def main(ctx: RoleContext) -> None:
         journal.close()
     channel.close()
     control.close()
-    mq.close()
+    for mq in queues:
+        mq.close()

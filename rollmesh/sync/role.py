@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollmesh.config import ExperimentConfig, parse_config
+from rollmesh.config import ExperimentConfig, parse_config, queue_addresses
 from rollmesh.config import SynchronizerSettings
 from rollmesh.wire.messages import (
     EnginesChanged,
@@ -88,9 +88,38 @@ class Sync:
     changes: int = 0  # the engine restarts this sync's group rebuild covers
 
 
+class Fanout:
+    """Several shards of one role (rollouters, queue shards) asked as one: each request goes to
+    every shard at once and is answered once all have answered (Paused: the sums of what each
+    holds); the first failure is raised, and Pause, Resume and WeightVersion are idempotent, so
+    the retry asks every shard again."""
+
+    def __init__(self, clients: list[RpcClient]):
+        self.clients = clients
+        self.address = ", ".join(c.address for c in clients)
+
+    async def request(self, msg: Any, **kwargs: Any) -> Any:
+        answers = await asyncio.gather(*(c.request(msg, **kwargs) for c in self.clients))
+        if all(isinstance(a, Paused) for a in answers):
+            return Paused(in_flight=sum(a.in_flight for a in answers),
+                          cancel_queue=sum(a.cancel_queue for a in answers))
+        return answers[0]
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+def fanout(ctx: RoleContext, addresses: list[str], name: str, **kwargs: Any) -> Any:
+    """One RpcClient, or a Fanout over one per shard."""
+    clients = [RpcClient(ctx.transport, a, name=f"{name} {j}" if len(addresses) > 1 else name,
+                         **kwargs) for j, a in enumerate(addresses)]
+    return clients[0] if len(clients) == 1 else Fanout(clients)
+
+
 class Synchronizer:
-    def __init__(self, ctx: RoleContext, exp: ExperimentConfig, rollouter: RpcClient,
-                 mq: RpcClient, version: int = 0, engines: EngineClient | None = None):
+    def __init__(self, ctx: RoleContext, exp: ExperimentConfig, rollouter: RpcClient | Fanout,
+                 mq: RpcClient | Fanout, version: int = 0, engines: EngineClient | None = None):
         self.ctx, self.log = ctx, ctx.log
         self.exp = exp
         self.rollouter, self.mq = rollouter, mq
@@ -304,9 +333,10 @@ async def main(ctx: RoleContext) -> None:
     """Role entry. settings: rollmesh.config.SynchronizerSettings."""
     settings = parse_config(SynchronizerSettings, ctx.config, "synchronizer spec")
     exp = settings.experiment
-    rollouter = RpcClient(ctx.transport, settings.rollouter, timeout_s=exp.sync.timeout_s,
-                          retries=0, name="rollouter")
-    mq = RpcClient(ctx.transport, settings.message_queue, timeout_s=30, name="message queue")
+    # every rollout shard is paused and resumed, every queue shard told the version
+    rollouter = fanout(ctx, settings.rollouters or [settings.rollouter], "rollouter",
+                       timeout_s=exp.sync.timeout_s, retries=0)
+    mq = fanout(ctx, queue_addresses(settings), "message queue", timeout_s=30)
     engines = None
     if settings.engines:
         engines = EngineClient(settings.engines, api_key=run_api_key(ctx.spec.keys_dir))

@@ -46,12 +46,12 @@ import torch
 
 from rollmesh.training import checkpoint
 from rollmesh.wire import protocol
-from rollmesh.config import parse_config, to_dict
+from rollmesh.config import parse_config, queue_addresses, to_dict
 from rollmesh.runtime.durable_log import write_atomic
 from rollmesh.engine.client import run_api_key
 from rollmesh.models.loading import resolve_device
 from rollmesh.core.evaluation import eval_metrics
-from rollmesh.mq.client import STREAM_AHEAD, BatchFeed
+from rollmesh.mq.client import STREAM_AHEAD, BatchFeed, ShardedFeed
 from rollmesh.training.metrics_sink import MetricsSinks, require_extras
 from rollmesh.config import TrainerSettings
 from rollmesh.wire.messages import Batch, EvalResult, Metrics, StatsRequest
@@ -86,8 +86,15 @@ class Link:
                  resumed: Path | None = None):
         self.ctx, self.state = ctx, state
         t = ctx.transport
-        self.mq = RpcClient(t, settings.message_queue, timeout_s=60, name="message queue")
-        self.feed = BatchFeed(self.mq, state.exp.rollout.batch_groups, log=ctx.log)
+        # one client per queue shard; with several, each step's batch is a share from each
+        self.queues = [RpcClient(t, address, timeout_s=60,
+                                 name=f"message queue {j}" if j else "message queue")
+                       for j, address in enumerate(queue_addresses(settings))]
+        self.mq = self.queues[0]
+        groups = state.exp.rollout.batch_groups
+        self.feed: BatchFeed | ShardedFeed = (
+            BatchFeed(self.mq, groups, log=ctx.log) if len(self.queues) == 1
+            else ShardedFeed(self.queues, groups, log=ctx.log))
         self.evals = Evaluations(ctx if state.exp.rollout.eval_every else None)
         self.prefix_cache = PrefixCacheFigures(ctx)
         self.sender = (WeightSender(t, to_dict(settings), state.exp.sync, state.device,
@@ -124,7 +131,8 @@ class Link:
         self.feed.close()
         self.evals.close()
         self.prefix_cache.close()
-        self.mq.close()
+        for mq in self.queues:
+            mq.close()
         self.server.close()
         if self.sinks is not None:  # W&B finishes its run and stops its service process
             sinks, self.sinks = self.sinks, None

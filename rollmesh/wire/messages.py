@@ -340,6 +340,9 @@ class PutGroupsReply:
     # Samples the queue has dropped as stale in all (its stats' dropped["stale"]): the
     # rollouter gives their places in the staleness bound back.
     dropped_stale: int = 0
+    # The same by rollout shard ("<i>": the samples of shard i's groups, known by their ids,
+    # core.trajectory.group_origin): with several rollouters each gives back its own.
+    stale_by_origin: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @record

@@ -339,17 +339,25 @@ BROKEN = [
     (
         "singleton_count",
         "cluster",
-        cluster(roles={"rollouter": "count = 2\n"}),
-        "{file}: roles.rollouter.count: expected 1 (rollouter is a single process), got 2",
+        cluster(roles={"synchronizer": "count = 2\n"}),
+        "{file}: roles.synchronizer.count: expected 1 (synchronizer is a single process), got 2",
     ),
     (
         "singleton_placements",
         "cluster",
         cluster(
-            skip="message_queue",
-            tail='[[roles.message_queue]]\nhost = "local"\n[[roles.message_queue]]\nhost = "local"\n',
+            skip="synchronizer",
+            tail='[[roles.synchronizer]]\nhost = "local"\n[[roles.synchronizer]]\nhost = "local"\n',
         ),
-        "{file}: roles.message_queue: expected one placement (message_queue is a single process), got 2",
+        "{file}: roles.synchronizer: expected one placement (synchronizer is a single process), got 2",
+    ),
+    (
+        "rollout_shards_without_their_workers",
+        "cluster",
+        cluster(roles={"rollouter": "count = 3\n", "agent_worker": "count = 4\n",
+                       "reward_worker": "count = 2\n"}),
+        "{file}: roles.reward_worker: expected at least 3 in all (one per rollouter: each "
+        "rollout shard has its own), got 2",
     ),
     (
         "gpus_not_multiple",
@@ -692,10 +700,10 @@ def test_cluster_overrides_go_to_the_right_file() -> None:
     assert c.ports.base == 30000 and c.name == "other"
     assert c.experiment_config.staleness.max_staleness == 0
     with pytest.raises(ConfigError) as err:
-        load_cluster(ROOT / "launch/local.toml", ["roles.rollouter.count=2"])
+        load_cluster(ROOT / "launch/local.toml", ["roles.synchronizer.count=2"])
     assert (
         str(err.value)
-        == "--set roles.rollouter.count=2: roles.rollouter.count: expected 1 (rollouter is a single process), got 2"
+        == "--set roles.synchronizer.count=2: roles.synchronizer.count: expected 1 (synchronizer is a single process), got 2"
     )
 
 
