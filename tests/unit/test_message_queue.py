@@ -228,11 +228,13 @@ def experiment(*overrides: str):
                            overrides=["staleness.max_staleness=1", *overrides])
 
 
-def spawn_queue(sup: Supervisor, state_dir: Path, overrides: tuple[str, ...] = (), **config):
+def spawn_queue(sup: Supervisor, state_dir: Path, overrides: tuple[str, ...] = (),
+                instance: int = 0, **config):
     """A MessageQueue process over the test experiment with `overrides` (KEY=VALUE)."""
-    return sup.spawn("message_queue", "rollmesh.mq.role:main", env=ENV, config={
-        "experiment": to_dict(experiment(*overrides)), "bind": f"tcp://127.0.0.1:{free_port()}",
-        "state_dir": str(state_dir), **config})
+    return sup.spawn("message_queue", "rollmesh.mq.role:main", env=ENV, instance=instance,
+                     config={"experiment": to_dict(experiment(*overrides)),
+                             "bind": f"tcp://127.0.0.1:{free_port()}",
+                             "state_dir": str(state_dir), **config})
 
 
 async def kill_and_respawn(sup: Supervisor, child):
