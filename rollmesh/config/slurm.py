@@ -13,6 +13,7 @@ from typing import Any
 
 from rollmesh.config.cluster import SlurmConfig
 from rollmesh.config.parse import _Context, _parse_dataclass
+from rollmesh.config.roles import default_shards
 
 NODE_NAME = re.compile(r"node\d+$")
 
@@ -130,9 +131,13 @@ def _placed_by_rule(cfg: SlurmConfig, n: int, gpus: int, ctx: _Context,
             out.append(p)
         return out
 
+    # rollout and queue shards by the size of the allocation (config.roles.default_shards);
+    # each rollout shard needs an agent and a reward worker of its own at least
+    rollouters, queues = default_shards(n * gpus)
     return {"engine": spread(engines, engine_nodes, tp),
             "trainer": spread(ranks, trainer_nodes, 1),
-            "rollouter": [{"host": "node0"}], "message_queue": [{"host": "node0"}],
+            "rollouter": [{"host": "node0", "count": rollouters}],
+            "message_queue": [{"host": "node0", "count": queues}],
             "synchronizer": [{"host": "node0"}],
-            "agent_worker": [{"host": "node0", "count": cfg.agent_workers}],
-            "reward_worker": [{"host": "node0", "count": cfg.reward_workers}]}
+            "agent_worker": [{"host": "node0", "count": max(cfg.agent_workers, rollouters)}],
+            "reward_worker": [{"host": "node0", "count": max(cfg.reward_workers, rollouters)}]}

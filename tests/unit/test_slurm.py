@@ -66,6 +66,26 @@ def test_hosts_come_from_the_allocation_and_roles_are_placed_by_rule(tmp_path, a
                                        "agent_worker", "reward_worker")} == {"node0"}
 
 
+def test_a_large_allocation_gets_rollout_and_queue_shards_by_rule(tmp_path, monkeypatch):
+    """2,000 GPUs (250 nodes of 8): 2 rollouters and 1 queue shard
+    (config.roles.default_shards), each rollouter with its own agent and reward workers; the
+    three-node allocation above keeps one of each."""  # (agent_workers: 2 by default)
+    for key in list(os.environ):
+        if key.startswith("SLURM_"):
+            monkeypatch.delenv(key)
+    nodes = [f"gpu{i:03d}" for i in range(250)]
+    monkeypatch.setenv("SLURM_JOB_ID", "43")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[000-249]")
+    monkeypatch.setenv("SLURM_GPUS_PER_NODE", "8")
+    monkeypatch.setattr(slurm_allocation, "expand_nodelist", lambda nodelist: nodes)
+    cluster = load_cluster(cluster_file(tmp_path, "[slurm]\nengine_nodes = 200\n"
+                                        "reward_workers = 1\n"), ["engine.count=2"])
+    count = {r: sum(1 for p in cluster.processes() if p.role == r)
+             for r in ("rollouter", "message_queue", "agent_worker", "reward_worker")}
+    assert count == {"rollouter": 2, "message_queue": 1, "agent_worker": 2,
+                     "reward_worker": 2}
+
+
 def test_a_role_written_out_names_its_node_and_hosts_slurm_is_the_short_form(tmp_path,
                                                                                allocation):
     body = 'hosts = "slurm"\n[roles.trainer]\nhost = "node2"\ngpus = [3]\n'
