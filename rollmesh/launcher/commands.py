@@ -98,6 +98,9 @@ def main(argv: list[str]) -> int:
                 return 2
             cluster = load_cluster(run_dir / "cluster.toml", overrides=args.overrides,
                                    machine_problems=problems)
+            if args.overrides:
+                _same_shards(cluster, load_cluster(run_dir / "cluster.toml",
+                                                   machine_problems=[]))
         else:
             cluster = load_cluster(args.cluster, overrides=args.overrides,
                                    machine_problems=problems)
@@ -154,6 +157,17 @@ def main(argv: list[str]) -> int:
         console.stop()
         print(f"rollmesh launch: {e}", file=sys.stderr)
         return 1
+
+
+def _same_shards(cluster: Any, saved: Any) -> None:
+    """A resumed run keeps its rollout and queue shard counts: each shard's journal or log holds
+    its own prompts and groups, and the trainer's hand-outs kept per shard are its shares."""
+    for role in ("rollouter", "message_queue"):
+        now, before = (sum(p.count for p in getattr(c.roles, role)) for c in (cluster, saved))
+        if now != before:
+            raise ConfigError("--set", f"roles.{role}.count", f"expected {before} (a resumed run "
+                              f"keeps its shard counts: each shard's journal or log is its own), "
+                              f"got {now}")
 
 
 def _run_dir(arg: str) -> Path:

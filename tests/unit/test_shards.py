@@ -222,3 +222,19 @@ def test_without_a_rollouter_shard_count_the_routing_is_the_one_queue(tmp_path):
     core = shard_core(tmp_path, 0, 1)
     list(core.dispatch())
     assert {s.queue for s in core.groups.values()} == {0} and core.route() == 0
+
+
+def test_a_resumed_run_keeps_its_shard_counts():
+    from rollmesh.config import ConfigError, load_cluster
+    from rollmesh.launcher.commands import _same_shards
+
+    root = Path(__file__).resolve().parents[2]
+    saved = load_cluster(root / "launch/local.toml", machine_problems=[])
+    same = load_cluster(root / "launch/local.toml", ["trainer.total_steps=3"],
+                        machine_problems=[])
+    _same_shards(same, saved)
+    more = load_cluster(root / "launch/local.toml", ["roles.message_queue.count=2"],
+                        machine_problems=[])
+    with pytest.raises(ConfigError, match=r"roles.message_queue.count: expected 1 \(a resumed "
+                                          r"run keeps its shard counts.*got 2"):
+        _same_shards(more, saved)
