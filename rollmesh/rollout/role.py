@@ -391,6 +391,9 @@ async def main(ctx: RoleContext) -> None:
         if t.done() and t.exception():
             raise t.exception()
         t.cancel()
+    # let the cancelled loops unwind (the engine probe's HTTP session closes in its `async
+    # with`; not awaited, it was reported unclosed at every exit)
+    await asyncio.wait(tasks, timeout=5)
     ctx.log.info("stats", **{k: v for k, v in r.stats().items() if k != "workers"})
     if journal is not None:
         journal.close()
