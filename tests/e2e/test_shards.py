@@ -23,8 +23,7 @@ from tests.e2e.test_launcher import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SHARDS = ("--set", "roles.rollouter.count=2", "--set", "roles.message_queue.count=2",
-          "--set", "roles.reward_worker.count=2")
+CLUSTER = "launch/shards_local.toml"  # the embedded default, 2 rollouters x 2 queue shards
 
 
 def proc_of(run_dir, name: str) -> dict:
@@ -35,8 +34,9 @@ def test_two_by_two_shards_survive_kill_9_of_a_rollouter_a_queue_shard_and_the_t
         tmp_path):
     run_dir = tmp_path / "run"
     steps, every = 28, 4
-    proc = launch(run_dir, *SHARDS, "--set", f"trainer.total_steps={steps}",
-                  "--set", f"trainer.checkpoint_every={every}", "--set", "rollout.eval_every=0")
+    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}",
+                  "--set", f"trainer.checkpoint_every={every}", "--set", "rollout.eval_every=0",
+                  cluster=CLUSTER)
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 4, 300, "training under way", proc)
         kill_and_await_restart(run_dir, "rollouter[1]")
