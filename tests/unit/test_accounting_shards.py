@@ -1,5 +1,6 @@
 """The accounting over a role's shards: the typed statuses combined, whole stats dicts merged
-(rollmesh.core.accounting), and each shard's balance (rollmesh.launcher.summary)."""
+(rollmesh.core.accounting), each shard's balance (rollmesh.launcher.summary), and the monitor's
+totals and per-shard lines (rollmesh.observe.monitor, rollmesh.observe.render)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from rollmesh.config.cluster import Process
 from rollmesh.config.roles import ROLE
@@ -15,6 +17,8 @@ from rollmesh.core.accounting import (
     MERGE_RULES, Identity, QueueStatus, RolloutStatus, identity, merge_values,
 )
 from rollmesh.launcher.plan import Planned
+from rollmesh.observe.monitor import StatusBoard
+from rollmesh.observe.render import render
 from rollmesh.launcher.summary import (
     WHOLE_STATS, collect_accounting, shard_balances, snapshot, summary_json,
 )
@@ -362,3 +366,111 @@ def test_the_watchdogs_snapshot_totals_every_shard_and_none_while_one_does_not_a
     assert partial.queue_depth is None and partial.generated == 74
     assert partial.dropped == {"filtered": 6, "reward_failed": 2, "generation_failed": 1}
 
+
+# -- the monitor: totals over every instance heard, and each shard's line -----------------------
+
+
+def board_of(rollouters: list[dict], queues: list[dict], now: float = 1.0) -> StatusBoard:
+    """A board that heard these rollouter and queue instances (0, 1, ...), each as its role
+    publishes it (with its instance, pid and ready), twice: each instance counts once."""
+    board = StatusBoard()
+    for _ in range(2):
+        for role, shards in (("rollouter", rollouters), ("message_queue", queues)):
+            for i, stats in enumerate(shards):
+                values = {"instance": i, "pid": 1000 + i, "ready": True, **stats}
+                board.update(f"metrics.{role}.{i}", Metrics(role=role, host="local",
+                                                            values=values), now)
+    return board
+
+
+def rendered(board: StatusBoard, width: int = 200) -> str:
+    console = Console(record=True, width=width)
+    console.print(render(board.snapshot(now=1.5), width=width))
+    return console.export_text()
+
+
+def test_the_monitor_totals_every_shard_and_shows_each():
+    board = board_of([R0, R1], [Q0, Q1])
+    snap = board.snapshot(now=1.5)
+    ro, q, acc = snap["rollouter"], snap["queue"], snap["accounting"]
+    assert (ro["admitted"], ro["admitted_groups"], ro["in_flight"], ro["queued_samples"]) == (
+        104, 26, 21, 74)
+    assert (ro["agent_workers"], ro["reward_workers"], ro["version"], ro["paused"]) == (
+        2, 2, 2, True)
+    assert ro["dropped"] == {"filtered": 6, "generation_failed": 1, "reward_failed": 2}
+    assert ro["admission"] == "stopped: no healthy engine" and ro["engines_healthy"] == 1
+    assert (q["depth"], q["put"], q["consumed"], q["consumed_per_s"]) == (16, 74, 56, 5.0)
+    assert q["staleness_hist"] == {"0": 31, "1": 20, "2": 4, "10": 1}
+    assert q["dropped_by"]["message_queue"] == {"stale": 2}
+    assert snap["eval"]["version"] == 3  # the newest round of either shard
+    assert acc == {"admitted": 104, "consumed": 56, "dropped_total": 11, "in_flight": 37,
+                   "difference": 0, "holds": True, "rollouter_balances": True,
+                   "queue_balances": True, "between": 0}
+    assert snap["shards"] == {
+        "rollouter": [
+            {"instance": 0, "admitted": 64, "in_flight": 12, "queued": 46, "dropped": 6,
+             "paused": False, "off": 0},
+            {"instance": 1, "admitted": 40, "in_flight": 9, "queued": 28, "dropped": 3,
+             "paused": True, "off": 0}],
+        "message_queue": [
+            {"instance": 0, "depth": 8, "put": 46, "consumed": 36, "dropped": 2, "off": 0},
+            {"instance": 1, "depth": 8, "put": 28, "consumed": 20, "dropped": 0, "off": 0}]}
+    text = rendered(board)
+    assert "admitted 104 = consumed 56 + dropped 11 + in flight 37  ✓ holds" in text
+    assert "104 samples (26 groups)" in text and "16 samples (4 / 24 groups)" in text
+    lines = text.splitlines()
+    header = next(i for i, l in enumerate(lines) if "shard" in l and "in flight" in l)
+    assert lines[header + 1].split("│")[-2].split() == ["0", "64", "12", "46", "6", "ok"]
+    assert lines[header + 2].split("│")[-2].split() == ["1", "40", "9", "28", "3", "ok"]
+    qheader = next(i for i, l in enumerate(lines) if "shard" in l and "consumed" in l)
+    assert lines[qheader + 1].split("│")[-2].split() == ["0", "8", "46", "36", "2", "ok"]
+    assert lines[qheader + 2].split("│")[-2].split() == ["1", "8", "28", "20", "0", "ok"]
+
+
+def test_a_shard_that_does_not_balance_is_named():
+    # queue shard 1 lost a sample, rollouter shard 0 counts one too many admitted: the total
+    # is off by 2, and each side's line says which shard
+    board = board_of([{**R0, "admitted_samples": 65}, R1], [Q0, {**Q1, "depth_samples": 7}])
+    snap = board.snapshot(now=1.5)
+    acc = snap["accounting"]
+    assert acc["difference"] == 2 and acc["holds"] is False
+    assert not acc["rollouter_balances"] and not acc["queue_balances"]
+    assert [s["off"] for s in snap["shards"]["rollouter"]] == [1, 0]
+    assert [s["off"] for s in snap["shards"]["message_queue"]] == [0, 1]
+    text = rendered(board)
+    assert ("✗ off by 2: the rollouter and the MessageQueue does not balance (rollouter shard 0, "
+            "MessageQueue shard 1)") in text
+    assert text.count("off +1") == 2
+    # two leaks that cancel out in the total still show as two shards off
+    board = board_of([{**R0, "admitted_samples": 65}, {**R1, "admitted_samples": 39}], [Q0, Q1])
+    acc = board.snapshot(now=1.5)["accounting"]
+    assert acc["difference"] == 0 and not acc["rollouter_balances"]
+    assert "off +1" in rendered(board) and "off -1" in rendered(board)
+
+
+def test_the_accounting_waits_for_every_instance():
+    board = board_of([R0, {"status_error": "RuntimeError: not yet"}], [Q0, Q1])
+    snap = board.snapshot(now=1.5)
+    assert snap["accounting"]["holds"] is None  # not a total over one shard
+    assert [s["off"] for s in snap["shards"]["rollouter"]] == [0, None]
+    assert "waiting for the rollouter and the MessageQueue" in rendered(board)
+
+
+def test_one_instance_each_shows_what_it_did_before():
+    board = board_of([R0], [Q0])
+    snap = board.snapshot(now=1.5)
+    assert "shards" not in snap
+    # the panels as drawn from that instance's own dict, unmerged (as the monitor did before)
+    r_raw = {"instance": 0, "pid": 1000, "ready": True, **R0}
+    q_raw = {"instance": 0, "pid": 1000, "ready": True, **Q0}
+    assert snap["rollouter"] == StatusBoard._rollouter(r_raw)
+    assert snap["queue"] == StatusBoard._queue(q_raw, r_raw)
+    assert snap["eval"]["version"] == R0["eval"]["version"] and snap["eval"]["n"] == 8
+    assert snap["rollouter"]["admitted"] == 64 and snap["queue"]["depth"] == 8
+    assert snap["accounting"]["admitted"] == 64 and snap["accounting"]["holds"] is True
+    text = rendered(board)
+    assert "shard" not in text and "balance" not in text
+    assert "admitted 64 = consumed 36 + dropped 8 + in flight 20  ✓ holds" in text
+    # two rollouters and one queue: the per-shard lines, the queue's one line too
+    two = board_of([R0, R1], [Q0]).snapshot(now=1.5)
+    assert len(two["shards"]["rollouter"]) == 2 and len(two["shards"]["message_queue"]) == 1
