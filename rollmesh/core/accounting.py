@@ -23,8 +23,8 @@ at different moments, so a group in transit between them puts the live identity 
 nothing is lost; their own balances tell that from a leak. docs/architecture.md, "Nothing is
 lost", says what keeps the identity across faults.
 
-The users: `monitor.StatusBoard` (live), `launcher.Launcher.collect_summary` (summary.json) and
-its progress watchdog's snapshot, and the tests.
+The users: `monitor.StatusBoard` (live), `launcher.summary.collect_accounting` (summary.json)
+and `launcher.summary.snapshot` (the progress watchdog's), and the tests.
 """
 
 from __future__ import annotations
