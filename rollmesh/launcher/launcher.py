@@ -14,8 +14,8 @@
               role that dies ends the run with its first failure, exit code and log
     watchdog  no trainer step for trainer.progress_timeout_s while samples are dropped or none
               generated: the run stops with the cause named (rollmesh.launcher.watchdog)
-    finish    when the trainer finishes: drain the rollouter, write summary.json (the
-              accounting identity, rollmesh.core.accounting), stop all
+    finish    when the trainer finishes: drain every rollouter shard, write summary.json (the
+              accounting identity over every shard, rollmesh.launcher.summary), stop all
     stop      Ctrl-C / SIGTERM / `rollmesh stop RUN` (StopRun on the control socket, from any
               machine holding the run's keys): every process on every host, one deadline
     death     a launcher killed outright takes its processes with it: local ones get SIGTERM
@@ -47,15 +47,14 @@ from typing import Any
 from rollmesh.config import (
     ROLE, ROLE_TABLE, START_ORDER, ClusterConfig, ConfigError, ExperimentConfig, to_dict, to_toml,
 )
-from rollmesh.core.accounting import (
-    QueueStatus, RolloutStatus, TrainerStatus, dropped_by_reason, identity,
-)
-from rollmesh.engine.client import API_KEY_FILE, EngineClient, version_number
+from rollmesh.engine.client import API_KEY_FILE, EngineClient
 from rollmesh.launcher.console import Console, LogStream
 from rollmesh.launcher.hosts import Host, SshHost
 from rollmesh.launcher.plan import (
     Planned, PlannedRouter, _connect, _make_hosts, build_plan, launcher_affinity, plan_router,
 )
+from rollmesh.launcher.summary import collect_accounting, shards, summary_json
+from rollmesh.launcher.summary import snapshot as take_snapshot
 from rollmesh.launcher.supervisor import Child, RoleFailed, Supervisor
 from rollmesh.launcher.watchdog import Snapshot, stalled
 from rollmesh.observe.plot import plot_metric, read_metrics
@@ -63,10 +62,8 @@ from rollmesh.runtime.cpus import format_cpulist
 from rollmesh.runtime.durable_log import write_atomic
 from rollmesh.runtime.log import configure_logging, get_logger
 from rollmesh.wire.channels import Publisher, StatusProxy
-from rollmesh.wire.messages import EnginesChanged, Metrics, Ok, Pause, StatsRequest, StopRun
-from rollmesh.wire.transport import (
-    CurveKeys, PeerTimeout, RemoteError, RpcClient, Transport, TransportError,
-)
+from rollmesh.wire.messages import EnginesChanged, Metrics, Ok, StopRun
+from rollmesh.wire.transport import CurveKeys, RpcClient, Transport, TransportError
 
 log = get_logger("rollmesh.launcher.launcher")
 
@@ -571,49 +568,12 @@ class Launcher:
                 return
 
     async def snapshot(self) -> Snapshot:
-        """Where the run stands: the trainer's step and version (its stats RPC), each engine's
-        weight version (/get_server_info), the samples dropped by reason and queued (the
-        rollouter's and the MessageQueue's StatsRequest, as collect_summary reads them)."""
-        t = self.sup.transport
-        roles = {p.proc.role: p for p in self.plan if p.proc.index == 0}
-
-        async def stats(p: Planned | None, port: int) -> dict[str, Any] | None:
-            if p is None:
-                return None
-            client = RpcClient(t, _connect(p.host, port), timeout_s=5, retries=0)
-            try:
-                return (await client.request(StatsRequest())).values
-            except (PeerTimeout, RemoteError, TransportError):
-                return None
-            finally:
-                client.close()
-
-        trainer, rollouter, mq = roles.get("trainer"), roles.get("rollouter"), roles.get("message_queue")
-        tr, r, q = await asyncio.gather(
-            stats(trainer, trainer.proc.port if trainer else 0),
-            stats(rollouter, rollouter.port("control") if rollouter else 0),
-            stats(mq, mq.proc.port if mq else 0))
+        """Where the run stands (rollmesh.launcher.summary.snapshot: every rollouter and
+        MessageQueue shard, the trainer, each engine's weight version)."""
         urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
-        versions: list[int | None] = []
-        if urls:
-            async with EngineClient(urls, retries=0, api_key=self.engine_key) as client:
-                for info in await client.server_info_each(timeout_s=5):
-                    state = ((info or {}).get("internal_states") or [{}])[0]
-                    v = (info or {}).get("weight_version", state.get("weight_version"))
-                    versions.append(None if info is None else version_number(v))
-        trainer_status = TrainerStatus.parse(tr) if tr else None
-        rollout = RolloutStatus.parse(r) if r else None
-        queue = QueueStatus.parse(q) if q else None
-        return Snapshot(
-            t=time.monotonic(),
-            trainer_step=trainer_status.step if trainer_status else None,
-            trainer_version=trainer_status.version if trainer_status else None,
-            engine_versions=versions,
-            dropped=dropped_by_reason(*(s.dropped for s in (rollout, queue) if s is not None)),
-            generated=rollout.queued_samples if rollout and rollout.queued_any else None,
-            queue_depth=queue.depth_samples if queue else None,
-            batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size,
-            outstanding=rollout.outstanding if rollout else None)
+        return await take_snapshot(
+            self.sup.transport, self.plan, engine_urls=urls, engine_key=self.engine_key,
+            batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size)
 
     async def shutdown(self) -> None:
         """Drain the rollouter for the summary, then stop roles (reverse order), then the
@@ -639,32 +599,13 @@ class Launcher:
             await asyncio.sleep(0.1)
 
     async def collect_summary(self) -> dict[str, Any]:
-        rollouter = next((p for p in self.plan if p.proc.role == "rollouter"), None)
-        mq = next((p for p in self.plan if p.proc.role == "message_queue"), None)
-        summary: dict[str, Any] = {"max_staleness": self.exp.staleness.max_staleness,
-                                   "staleness_measure": self.exp.staleness.measure}
-        if rollouter is None or mq is None or "rollouter[0]" not in self.children:
-            return summary
-        t = self.sup.transport
-        r_client = RpcClient(t, _connect(rollouter.host, rollouter.port("control")), timeout_s=30,
-                             retries=0)
-        q_client = RpcClient(t, _connect(mq.host, mq.proc.port), timeout_s=10, retries=0)
-        try:
-            await r_client.request(Pause(mode="abort"), timeout_s=60)
-            for _ in range(100):  # let scored groups reach the queue: nothing in transit
-                r = (await r_client.request(StatsRequest())).values
-                q = (await q_client.request(StatsRequest())).values
-                if RolloutStatus.parse(r).settled:
-                    break
-                await asyncio.sleep(0.1)
-            ident = identity(RolloutStatus.parse(r), QueueStatus.parse(q))
-            summary.update(**ident.summary(), rollouter=r, message_queue=q)
-        except Exception as e:  # the run is ending anyway: record why there is no accounting
-            summary["error"] = f"could not collect the accounting: {type(e).__name__}: {e}"
-        finally:
-            r_client.close()
-            q_client.close()
-        return summary
+        """The settings, then the accounting over every rollouter and MessageQueue shard
+        (rollmesh.launcher.summary.collect_accounting); none if no rollouter ever started."""
+        out: dict[str, Any] = {"max_staleness": self.exp.staleness.max_staleness,
+                               "staleness_measure": self.exp.staleness.measure}
+        if any(p.name in self.children for p in shards(self.plan, "rollouter")):
+            out.update(await collect_accounting(self.sup.transport, self.plan))
+        return out
 
     # -- status ----------------------------------------------------------------------------
 
@@ -775,8 +716,7 @@ class Launcher:
         self.console.rows(read_metrics(metrics))
 
     def report(self, code: int) -> None:
-        summary = {k: v for k, v in getattr(self, "summary", {}).items()
-                   if k not in ("rollouter", "message_queue")}
+        summary = summary_json(getattr(self, "summary", {}))
         if code != 0 and self.failure:
             summary["failure"] = self.failure  # why it ended (a role, the progress watchdog)
         if self.trainer_restarts:

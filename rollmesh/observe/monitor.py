@@ -30,7 +30,9 @@ from rich.console import Console
 from rich.live import Live
 from zmq.utils.monitor import parse_monitor_message
 
-from rollmesh.core.accounting import QueueStatus, RolloutStatus, StatusError, identity
+from rollmesh.core.accounting import (
+    QueueStatus, RolloutStatus, StatusError, identity, merge_values,
+)
 from rollmesh.wire.messages import Metrics
 from rollmesh.wire.transport import CurveKeys, Transport, TransportError
 from rollmesh.observe.render import render
@@ -201,13 +203,26 @@ class StatusBoard:
     def _all(self, role: str) -> list[dict[str, Any]]:
         return [_dict(rec.values) for (r, _), (rec, _) in self.roles.items() if r == role]
 
+    def _instances(self, role: str) -> list[tuple[int | str, dict[str, Any]]]:
+        """Each instance heard of a role, once (its latest status), in instance order."""
+        found = sorted((k for k in self.roles if k[0] == role),
+                       key=lambda k: _staleness_order((str(k[1]), 0)))
+        return [(k[1], _dict(self.roles[k][0].values)) for k in found]
+
+    def _total(self, role: str) -> dict[str, Any] | None:
+        """A sharded role's status as one: the totals over every instance heard
+        (`merge_values`); with one instance, its status."""
+        instances = self._instances(role)
+        return merge_values([v for _, v in instances]) if instances else None
+
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
         launcher, launcher_seen = self.launcher or ({}, None)
         launcher_age = None if launcher_seen is None else now - launcher_seen
-        rollouter, queue = self._values("rollouter"), self._values("message_queue")
+        rollouters, queues = self._instances("rollouter"), self._instances("message_queue")
+        rollouter, queue = self._total("rollouter"), self._total("message_queue")
         cache = self._prefix_cache()
-        return {
+        snap = {
             "run": launcher.get("run") or (self.run.name if self.run else None),
             "run_dir": str(self.run.run_dir) if self.run else None,
             "hub": self.run.hub if self.run else None,
@@ -224,9 +239,12 @@ class StatusBoard:
             "engines": [self._engine(e, cache) for e in launcher.get("engines") or []
                         if isinstance(e, dict)],
             "last_sync": self._last_sync(),
-            "accounting": self._accounting(rollouter, queue),
+            "accounting": self._accounting([v for _, v in rollouters], [v for _, v in queues]),
             "eval": self._eval(rollouter),
         }
+        if len(rollouters) > 1 or len(queues) > 1:
+            snap["shards"] = self._shards(rollouters, queues)
+        return snap
 
     def _roles(self, launcher: dict[str, Any], launcher_age: float | None,
                now: float) -> list[dict[str, Any]]:
@@ -391,23 +409,55 @@ class StatusBoard:
         return out
 
     @staticmethod
-    def _accounting(r: dict[str, Any] | None, q: dict[str, Any] | None) -> dict[str, Any]:
-        """admitted = consumed + dropped + in flight (`accounting.identity`), from the
-        rollouter's and the queue's latest status. The two are heard at different moments, so
-        samples moving between them can put it off while nothing is lost; each side's own
-        balance (`RolloutStatus.off`, `QueueStatus.off`) tells a leak from that: difference =
-        rollouter off + queue off + between. Unknown (None) until both have reported it."""
+    def _shards(rollouters: list[tuple[int | str, dict[str, Any]]],
+                queues: list[tuple[int | str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+        """Each shard's own figures and balance (`off`: 0 when it balances; None until it
+        reports its accounting), in instance order."""
+        def off(parse: Any, v: dict[str, Any]) -> int | None:
+            try:
+                return parse(v).off
+            except StatusError:
+                return None
+
+        return {
+            "rollouter": [{"instance": i, "admitted": v.get("admitted_samples", 0),
+                           "in_flight": v.get("in_flight"), "queued": v.get("queued_samples", 0),
+                           "dropped": sum(_counts(v.get("dropped")).values()),
+                           "paused": v.get("paused"), "off": off(RolloutStatus.parse, v)}
+                          for i, v in rollouters],
+            "message_queue": [{"instance": i, "depth": v.get("depth_samples"),
+                               "put": v.get("put_samples"),
+                               "consumed": v.get("consumed_samples"),
+                               "dropped": sum(_counts(v.get("dropped")).values()),
+                               "off": off(QueueStatus.parse, v)} for i, v in queues],
+        }
+
+    @staticmethod
+    def _accounting(rs: list[dict[str, Any]], qs: list[dict[str, Any]]) -> dict[str, Any]:
+        """admitted = consumed + dropped + in flight (`accounting.identity`), from the latest
+        status of every rollouter and queue instance, summed (`RolloutStatus.combine`,
+        `QueueStatus.combine`). The two are heard at different moments, so samples moving
+        between them can put it off while nothing is lost; each side's own balance
+        (`RolloutStatus.off`, `QueueStatus.off`) tells a leak from that: difference =
+        rollouter off + queue off + between. Unknown (None) until every instance of both has
+        reported it."""
         try:
-            rollouter, queue = RolloutStatus.parse(r), QueueStatus.parse(q)
+            if not rs or not qs:
+                raise StatusError("not heard yet")
+            r_shards = [RolloutStatus.parse(r) for r in rs]
+            q_shards = [QueueStatus.parse(q) for q in qs]
         except StatusError:  # not heard yet, or a status without its accounting (yet)
             return dict.fromkeys(("admitted", "consumed", "dropped_total", "in_flight",
                                   "difference", "holds", "rollouter_balances",
                                   "queue_balances", "between"))
+        rollouter, queue = RolloutStatus.combine(r_shards), QueueStatus.combine(q_shards)
         ident = identity(rollouter, queue)
         return {"admitted": ident.admitted, "consumed": ident.consumed,
                 "dropped_total": ident.dropped_total, "in_flight": ident.in_flight,
                 "difference": ident.difference, "holds": ident.holds,
-                "rollouter_balances": rollouter.off == 0, "queue_balances": queue.off == 0,
+                # each shard on its own: one off by +1 and another by -1 is two leaks
+                "rollouter_balances": all(r.off == 0 for r in r_shards),
+                "queue_balances": all(q.off == 0 for q in q_shards),
                 "between": rollouter.queued_samples - queue.put_samples}
 
 

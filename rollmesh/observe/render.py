@@ -192,9 +192,31 @@ def _eval_panel(snap: dict[str, Any]) -> Panel | None:
     return Panel(Group(_fields(rows), table), title="Last eval")
 
 
+def _shard_table(rows: list[dict[str, Any]], cols: tuple[str, ...]) -> Table:
+    """A sharded role's instances, one line each: its figures and its own balance (`off`:
+    0 when it balances; shown red when it does not, "-" until it reports its accounting)."""
+    table = Table(box=None, padding=(0, 1))
+    for col in ("shard", *cols, "balance"):
+        table.add_column(col.replace("_", " "), no_wrap=True,
+                         justify="left" if col == "shard" else "right")
+    for row in rows:
+        off = row.get("off")
+        balance = (Text("-", "dim") if off is None else Text("ok", "green") if off == 0
+                   else Text(f"off {off:+}", "bold red"))
+        table.add_row(str(row.get("instance")), *(_fmt(row.get(c)) for c in cols), balance)
+    return table
+
+
+def _with_shards(panel_body: Any, snap: dict[str, Any], role: str,
+                 cols: tuple[str, ...]) -> Any:
+    """The panel's body, and under it the per-shard table when the run has several shards."""
+    rows = (snap.get("shards") or {}).get(role) or []
+    return Group(panel_body, _shard_table(rows, cols)) if rows else panel_body
+
+
 def _rollouter_panel(snap: dict[str, Any]) -> Panel:
     ro = snap.get("rollouter") or {}
-    return Panel(_fields([
+    return Panel(_with_shards(_fields([
         ("admitted", f"{_fmt(ro.get('admitted'))} samples "
                      f"({_fmt(ro.get('admitted_groups'))} groups)"),
         ("in flight", ro.get("in_flight")), ("cancel queue", ro.get("cancel_queue")),
@@ -202,7 +224,7 @@ def _rollouter_panel(snap: dict[str, Any]) -> Panel:
         ("version", ro.get("version")),
         ("paused", Text(_fmt(ro.get("paused")), "yellow" if ro.get("paused") else "")),
         ("admission", _admission(ro)),
-    ]), title="Rollouter")
+    ]), snap, "rollouter", ("admitted", "in_flight", "queued", "dropped")), title="Rollouter")
 
 
 def _admission(ro: dict[str, Any]) -> Text:
@@ -236,7 +258,7 @@ def _queue_panel(snap: dict[str, Any]) -> Panel:
     dropped = Table.grid(padding=(0, 1))
     for reason, n in reasons.items():
         dropped.add_row(f"  {reason}", str(n))
-    return Panel(Group(_fields([
+    return Panel(_with_shards(Group(_fields([
         ("depth", f"{_fmt(q.get('depth'))} samples ({_fmt(q.get('depth_groups'))} / "
                   f"{_fmt(q.get('capacity_groups'))} groups)"),
         ("consumed", f"{_fmt(q.get('consumed'))} ({_fmt(q.get('consumed_per_s'))}/s)"),
@@ -245,7 +267,8 @@ def _queue_panel(snap: dict[str, Any]) -> Panel:
         ("staleness", "(oldest token)"),
     ]), _bars(q.get("staleness_hist") or {}, "magenta"),
         _fields([("age", "(since admission)")]), _bars(q.get("admission_age_hist") or {}, "cyan"),
-        _fields([("dropped", "" if reasons else "none")]), dropped), title="MessageQueue")
+        _fields([("dropped", "" if reasons else "none")]), dropped),
+        snap, "message_queue", ("depth", "put", "consumed", "dropped")), title="MessageQueue")
 
 
 def _accounting_panel(snap: dict[str, Any]) -> Panel:
@@ -267,6 +290,12 @@ def _accounting_panel(snap: dict[str, Any]) -> Panel:
                                        ("MessageQueue", acc["queue_balances"])) if not ok]
         text.append(f"✗ off by {acc['difference']}: the {' and the '.join(sides)} "
                     "does not balance")
+        shards = snap.get("shards") or {}
+        off = [f"{name} shard {row.get('instance')}"
+               for role, name in (("rollouter", "rollouter"), ("message_queue", "MessageQueue"))
+               for row in shards.get(role) or [] if row.get("off")]
+        if off:  # which shard: each balances on its own or not
+            text.append(f" ({', '.join(off)})")
     return Panel(text, title="Accounting")
 
 
