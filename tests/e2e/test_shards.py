@@ -64,13 +64,14 @@ def test_two_by_two_shards_survive_kill_9_of_a_rollouter_a_queue_shard_and_the_t
     assert summary["consumed"] == rows[-1]["samples_consumed"], summary
     assert summary["shards"] == {"rollouter": 2, "message_queue": 2}
     group_size = rows[0]["samples"] // len(rows[0]["group_ids"])
-    for q in summary["message_queues"]:  # a fixed share of each batch: 2 groups of the 4
-        assert q["consumed_samples"] == steps * 2 * group_size, q
-        assert q["put_samples"] - (q["consumed_samples"] + q["depth_samples"]
-                                   + sum(q["dropped"].values())) == 0, q
-    for r in summary["rollouters"]:  # each rollout shard balances on its own
-        assert r["admitted_samples"] == (r["in_flight"] + sum(r["dropped"].values())
-                                         + r["queued_samples"]), r
+    queues, rollouters = summary["balances"]["message_queue"], summary["balances"]["rollouter"]
+    assert [q["shard"] for q in queues] == [0, 1] and [r["shard"] for r in rollouters] == [0, 1]
+    for q in queues:  # a fixed share of each batch: 2 groups of the 4, each counted once
+        assert q["consumed"] == steps * 2 * group_size and q["off"] == 0, q
+        assert q["put"] == q["consumed"] + q["depth"] + sum(q["dropped"].values()), q
+    for r in rollouters:  # each rollout shard balances on its own
+        assert r["off"] == 0 and r["admitted"] > 0, r
+        assert r["admitted"] == r["in_flight"] + sum(r["dropped"].values()) + r["queued"], r
     # both rollout shards fed the training, and each prompt came from its own shard's rows
     origins = collections.Counter(group_origin(g) for r in rows for g in r["group_ids"])
     assert set(origins) == {0, 1} and min(origins.values()) >= steps, origins
