@@ -55,7 +55,7 @@ from rollmesh.launcher.plan import (
 )
 from rollmesh.launcher.summary import collect_accounting, shards, summary_json
 from rollmesh.launcher.summary import snapshot as take_snapshot
-from rollmesh.launcher.supervisor import Child, RoleFailed, Supervisor
+from rollmesh.launcher.supervisor import Child, EngineExited, RoleFailed, Supervisor, killed
 from rollmesh.launcher.watchdog import Snapshot, stalled
 from rollmesh.observe.plot import plot_metric, read_metrics
 from rollmesh.runtime.cpus import format_cpulist
@@ -290,14 +290,25 @@ class Launcher:
         for p in self.plan:
             if p.engine is not None:
                 self.engines.append(self.start_engine(EngineProc(p)))
-        await self.wait_engines()
+        while True:
+            try:
+                await self.wait_engines()
+                break
+            except EngineExited as err:  # killed while starting: started again, counted
+                if not killed(err.engine.process.returncode):
+                    raise  # an error exit (a bad argument, no GPU): fail fast
+                name = f"engine[{err.engine.planned.proc.index}]"
+                self.count_restart(err.engine, name)
+                log.warning("killed_while_starting", child=name,
+                            exit_code=err.engine.process.returncode)
+                self.start_engine(err.engine)
         if self.router is not None:
             self.start_router()
             await self.wait_router()
         for role in START_ORDER:
             started = [self.start_role(p) for p in self.plan if p.proc.role == role]
-            for child in started:
-                await self.sup.wait_ready(child, timeout_s=self.exp.engine.startup_timeout_s)
+            await self.wait_started([p.name for p in self.plan if p.proc.role == role],
+                                    self.exp.engine.startup_timeout_s)
             if started:
                 log.info("started", started=role, count=len(started))
             if role == "trainer" and self.resume:
@@ -378,8 +389,9 @@ class Launcher:
                 if dead:
                     waiting.cancel()
                     e = dead[0]
-                    raise RuntimeError(f"engine[{e.planned.proc.index}] exited with code "
-                                       f"{e.process.returncode} while starting (log: {e.log_path})")
+                    raise EngineExited(e, f"engine[{e.planned.proc.index}] exited with code "
+                                          f"{e.process.returncode} while starting (log: "
+                                          f"{e.log_path})")
                 await asyncio.sleep(0.2)
             waiting.result()
         for e in engines:
@@ -497,7 +509,48 @@ class Launcher:
         self.console.show_tail(child.failure() or f"{name} exited with code {code}",
                                child.log_path)
         self.children[name] = self.sup.respawn(child)
-        await self.sup.wait_ready(self.children[name], 120)
+        await self.wait_started([name], 120)
+
+    async def wait_started(self, names: list[str], timeout_s: float) -> None:
+        """Wait for Ready from each of `names`, just started. One killed by a signal before it
+        was ready (kill -9 on a loaded machine, the OOM killer) is started again, as one that
+        dies later is: a restartable role within MAX_RESTARTS, the trainer's ranks all together
+        within trainer.max_restarts. One that exits with an error or reports Fatal (a bad
+        config) fails the run at once, as does one past its restarts (RoleFailed)."""
+        for name in names:
+            while True:
+                child = self.children[name]
+                try:
+                    await self.sup.wait_ready(child, timeout_s=timeout_s)
+                    break
+                except RoleFailed:
+                    code = child.process.poll()
+                    if not killed(code) or child.fatal is not None:
+                        raise
+                    role = child.spec.role
+                    if role == "trainer":
+                        if self.trainer_restarts >= self.exp.trainer.max_restarts:
+                            raise
+                        self.trainer_restarts += 1
+                        ranks = sorted(n for n, c in self.children.items()
+                                       if c.spec.role == "trainer")
+                        log.warning("killed_while_starting", child=name, exit_code=code,
+                                    restart=self.trainer_restarts,
+                                    of=self.exp.trainer.max_restarts, ranks=len(ranks))
+                        await self.sup.stop([self.children[n] for n in ranks], grace_s=5)
+                        for n in ranks:
+                            self.children[n] = self.sup.respawn(self.children[n])
+                        await self.wait_started(ranks, timeout_s)
+                        break
+                    if role not in RESTARTABLE or child.restarts >= MAX_RESTARTS:
+                        raise
+                    log.warning("killed_while_starting", child=name, exit_code=code,
+                                restarts=child.restarts + 1, of=MAX_RESTARTS)
+                    self.console.event(f"{name} was killed while starting (exit code {code}); "
+                                       f"starting it again ({child.restarts + 1} of "
+                                       f"{MAX_RESTARTS})")
+                    await asyncio.sleep(min(2.0 ** child.restarts, 30.0))
+                    self.children[name] = self.sup.respawn(child)
 
     def count_restart(self, p: Any, name: str) -> None:
         """One more restart of `p` (an engine or the router: `restarts`, `restart_times`,

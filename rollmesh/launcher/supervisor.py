@@ -31,6 +31,20 @@ log = get_logger("rollmesh.launcher.supervisor")
 # --------------------------------------------------------------------------------------------
 
 
+def killed(code: int | None) -> bool:
+    """An exit code that says a signal ended the process (kill -9, the OOM killer): negative
+    from a local child, 128 + the signal through a shell, ssh or srun; not an error exit."""
+    return code is not None and (code < 0 or code > 128)
+
+
+class EngineExited(RuntimeError):
+    """An engine exited while starting (`engine`: its EngineProc)."""
+
+    def __init__(self, engine: Any, message: str):
+        super().__init__(message)
+        self.engine = engine
+
+
 class RoleFailed(RuntimeError):
     """A role process exited or reported a fatal error when it should be serving."""
 

@@ -99,3 +99,35 @@ def test_killed_trainer_without_restarts_stops_the_run_and_resume_goes_on(tmp_pa
     summary = check_accounting(run_dir)
     assert summary["consumed"] == history[-1]["samples_consumed"], summary
     assert rollmesh("status", str(run_dir)).returncode == 1  # not running any more
+
+
+def test_roles_killed_while_starting_are_started_again(tmp_path):
+    """kill -9 of the engine, then of the trainer, then of an agent worker, each as soon as the
+    launcher spawned it and before it was ready (issue 34: an agent worker killed 3 s after its
+    spawn failed the whole run): each is started again like one killed later (the trainer's
+    ranks together, within trainer.max_restarts; the engine within engine.max_restarts), and
+    the run finishes with everything accounted for. (A role that exits with an error while
+    starting still fails the run at once: test_launcher.py's set-up failures.)"""
+    run_dir = tmp_path / "run"
+    steps = 4
+    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}", "--set", "rollout.eval_every=0")
+    victims = ["engine[0]", "trainer[0]", "agent_worker[0]"]
+    try:
+        for name in victims:
+            def spawned() -> dict | None:
+                return next((p for p in status(run_dir).get("processes", [])
+                             if p["name"] == name and p.get("pid")), None)
+
+            wait_for(spawned, 300, f"{name}'s spawn", proc)
+            victim = spawned()
+            assert victim["state"] not in ("ready", "running"), victim  # still starting
+            os.kill(victim["pid"], signal.SIGKILL)
+    finally:
+        out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1))
+    check_accounting(run_dir)
+    assert [proc_of(run_dir, n)["restarts"] for n in victims] == [1, 1, 1]
+    events = [json.loads(line) for line in (run_dir / "logs/launcher.log").open()
+              if '"killed_while_starting"' in line]
+    assert [(e["child"], e["exit_code"]) for e in events] == [(n, -9) for n in victims], events

@@ -238,3 +238,10 @@ def test_a_resumed_run_keeps_its_shard_counts():
     with pytest.raises(ConfigError, match=r"roles.message_queue.count: expected 1 \(a resumed "
                                           r"run keeps its shard counts.*got 2"):
         _same_shards(more, saved)
+
+
+def test_an_exit_by_a_signal_is_told_from_an_error_exit():
+    from rollmesh.launcher.supervisor import killed
+
+    assert killed(-9) and killed(137) and killed(143)  # local child; through ssh or srun
+    assert not killed(0) and not killed(1) and not killed(2) and not killed(None)
