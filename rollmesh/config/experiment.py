@@ -423,6 +423,13 @@ class TrainerConfig:
         "torch.distributed backend between ranks (auto: nccl on GPU)", "auto"
     )
     checkpoint_every: int = _field("save a checkpoint every N steps (0 = only at the end)", 0, ge=0)
+    checkpoint_every_s: float = _field(
+        "also save a checkpoint once this many seconds have passed since the last one (0: by "
+        "steps only): a power cut or a dead trainer loses at most about this much training",
+        300.0, ge=0)
+    keep_checkpoints: int = _field(
+        "checkpoints kept, the latest ones (older ones are removed once a newer one is whole; "
+        "0: all)", 2, ge=0)
     checkpoint_dir: str | None = _field(
         "checkpoint directory (default: <run dir>/checkpoints)", None
     )

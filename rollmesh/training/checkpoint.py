@@ -166,9 +166,10 @@ def save(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.opti
          data_cursor: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
          critic: torch.nn.Module | None = None,
          critic_optimizer: torch.optim.Optimizer | None = None, critic_scheduler: Any = None,
-         ) -> Path | None:
+         keep: int = 0) -> Path | None:
     """Write checkpoint `step` under `directory` (every rank calls; rank 0 writes and returns
-    its path, the others return None). A `critic` comes with its optimizer and scheduler."""
+    its path, the others return None). A `critic` comes with its optimizer and scheduler.
+    `keep` > 0: once this one is `latest`, only the `keep` latest checkpoints stay (`prune`)."""
     if critic is not None and (critic_optimizer is None or critic_scheduler is None):
         raise ValueError("a critic is saved with its optimizer and scheduler")
     params = full_state_dict(model, ranks)
@@ -215,7 +216,24 @@ def save(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.opti
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if keep:
+        prune(directory, keep)
     return final
+
+
+def prune(directory: str | Path, keep: int) -> list[Path]:
+    """Remove all but the `keep` latest `step_<N>` checkpoints (never the one `latest` names),
+    and what a killed save left behind (`.tmp-*`); returns what was removed."""
+    directory = Path(directory)
+    current = latest(directory)
+    steps = sorted((p for p in directory.glob("step_*") if p.is_dir()
+                    and p.name.removeprefix("step_").isdigit()),
+                   key=lambda p: int(p.name.removeprefix("step_")))
+    doomed = [p for p in steps[:-keep] if current is None or p.resolve() != current.resolve()]
+    doomed += [p for p in directory.glob(".tmp-step_*") if p.is_dir()]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
 
 
 # -- load ------------------------------------------------------------------------------------------

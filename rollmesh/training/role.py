@@ -113,6 +113,7 @@ class Link:
         self.sinks: MetricsSinks | None = None  # TensorBoard and W&B, opened by `open`
         self.checkpoint_step = (int(resumed.name.rsplit("_", 1)[-1]) if resumed is not None
                                 else 0 if checkpoint_dir(settings) else None)
+        self.saved_at = time.monotonic()  # the latest checkpoint (trainer.checkpoint_every_s)
 
     async def open(self) -> dict[str, str]:
         self.sinks = await run(MetricsSinks.open, self.state.exp, self.metrics_path, self.ctx.log)
@@ -312,6 +313,7 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
             if order["op"] == "stop":
                 return None
             if order["op"] == "batch":
+                state.checkpoint_due = bool(order.get("checkpoint_due"))
                 return protocol.decode(order["frames"], Batch)
             if order["op"] == "republish":
                 with contextlib.suppress(RuntimeError):  # rank 0 gave up; it tries again later
@@ -340,7 +342,11 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
         batch = await link.feed.get(step, state.version, through, committed, timeout_s=2.0)
         if batch is not None and batch.groups:
             frames = [memoryview(f).tobytes() for f in protocol.encode(batch)]
-            await run(ranks.share, {"op": "batch", "frames": frames})
+            every_s = exp.trainer.checkpoint_every_s
+            state.checkpoint_due = bool(every_s and link.checkpoint_step is not None
+                                        and time.monotonic() - link.saved_at >= every_s)
+            await run(ranks.share, {"op": "batch", "frames": frames,
+                                    "checkpoint_due": state.checkpoint_due})
             return batch
         await run(ranks.share, {"op": "idle"})  # the other ranks wait in a collective: wake them
 
@@ -364,9 +370,11 @@ async def save_checkpoint(ctx: RoleContext, state: TrainState, link: Link | None
                      ranks=state.ranks, tokenizer=state.tokenizer,
                      samples_consumed=state.samples_consumed,
                      critic=state.critic, critic_optimizer=state.critic_optimizer,
-                     critic_scheduler=state.critic_scheduler)
+                     critic_scheduler=state.critic_scheduler,
+                     keep=state.exp.trainer.keep_checkpoints)
     if link is not None:
         link.checkpoint_step = state.step
+        link.saved_at = time.monotonic()
     if path is not None:
         ctx.log.info("checkpoint_saved", path=str(path), step=state.step, version=state.version)
 
@@ -407,7 +415,7 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
             link.report(metrics)
         # after the step's row: a checkpoint never holds a step whose row was not written
         # (killed in between, the step is trained again and its row written again)
-        if ckpt_dir and every and state.step % every == 0:
+        if ckpt_dir and ((every and state.step % every == 0) or state.checkpoint_due):
             # (overlapped: the sync in flight first, so that a checkpoint's version was sent)
             await finish_sync(state, sender)
             await save_checkpoint(ctx, state, link, ckpt_dir)

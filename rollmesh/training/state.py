@@ -55,6 +55,9 @@ class TrainState:
     step: int = 0
     version: int = 0
     samples_consumed: int = 0
+    # Rank 0's word, shared with the step's batch: a checkpoint is due after this step
+    # (trainer.checkpoint_every_s); every rank saves together.
+    checkpoint_due: bool = False
     # The value model, with its own optimizer and schedule: advantage = "gae" only.
     critic: Critic | None = None
     critic_optimizer: torch.optim.Optimizer | None = None

@@ -131,3 +131,35 @@ def test_roles_killed_while_starting_are_started_again(tmp_path):
     events = [json.loads(line) for line in (run_dir / "logs/launcher.log").open()
               if '"killed_while_starting"' in line]
     assert [(e["child"], e["exit_code"]) for e in events] == [(n, -9) for n in victims], events
+
+
+def test_checkpoints_by_time_so_a_dead_trainer_loses_seconds_not_the_run(tmp_path):
+    """trainer.checkpoint_every_s (300 s by default; 3 s here) with no step-based checkpoints:
+    checkpoints come by time alone, only the latest two stay on disk, and a trainer killed with
+    kill -9 goes on from one of them (not from step 0), with one metrics row per step."""
+    run_dir = tmp_path / "run"
+    steps = 18
+    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}",
+                  "--set", "trainer.checkpoint_every_s=3", "--set", "rollout.eval_every=0")
+    try:
+        wait_for(lambda: len(metrics(run_dir)) >= 10
+                 and (run_dir / "checkpoints" / "latest").is_file(), 300,
+                 "a checkpoint by time and training past it", proc)
+        before = metrics(run_dir)[-1]["step"]
+        os.kill(proc_of(run_dir, "trainer[0]")["pid"], signal.SIGKILL)
+        wait_for(lambda: proc_of(run_dir, "trainer[0]")["restarts"] == 1, 120,
+                 "the trainer's restart", proc)
+    finally:
+        out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert_nothing_trained_twice(rows)
+    check_accounting(run_dir)
+    events = [json.loads(line) for line in (run_dir / "logs/trainer-0.log").open()
+              if line.startswith("{")]
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and 0 < resumed[-1]["step"] <= before, resumed
+    saved = [e["step"] for e in events if e["event"] == "checkpoint_saved"]
+    assert len(saved) >= 3, saved  # by time: none by steps, one at the end
+    assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # trainer.keep_checkpoints

@@ -135,3 +135,21 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
 
 
+
+
+def test_only_the_latest_checkpoints_are_kept_and_what_a_killed_save_left_goes(tmp_path):
+    """trainer.keep_checkpoints: once a new checkpoint is `latest`, the older ones beyond `keep`
+    go, and so does the temporary directory of a save that was killed (a power cut)."""
+    exp, state = trained_state()
+    kw = dict(model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
+              tokenizer=state.tokenizer)
+    (tmp_path / ".tmp-step_00000002-deadbeef").mkdir()  # a save killed half-way
+    for step in (1, 2, 3):
+        last = checkpoint.save(tmp_path, step=step, version=step, keep=2, **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step_00000002", "step_00000003"]
+    assert checkpoint.latest(tmp_path) == last
+    checkpoint.save(tmp_path, step=4, version=4, keep=0, **kw)  # 0: all kept
+    assert len(list(tmp_path.glob("step_*"))) == 3
+    assert [p.name for p in checkpoint.prune(tmp_path, 1)] == ["step_00000002", "step_00000003"]
+    assert checkpoint.latest(tmp_path).name == "step_00000004"
