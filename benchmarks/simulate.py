@@ -701,8 +701,7 @@ def scale_report(args: argparse.Namespace, p: ProcessCosts, base: dict[str, Any]
             print(f"  at {g:,} GPUs, each under {args.scale_level:.0%}: rollouters {r_idx} "
                   f"(worker index) / {r_scan} (scan, before); queue shards {q_now} (one group "
                   f"per put) / {q_bat} (8 groups per put)")
-        print(f"  with the default shards (rollmesh.config.default_shards), each process's "
-              f"load:")
+        print("  with the default shards (rollmesh.config.default_shards), each process's load:")
         print(f"  {'GPUs':>7s} {'rollouters':>10s} {'queues':>6s} {'rollouter':>10s} "
               f"{'put loop':>9s} {'queue':>7s} {'all < ' + format(args.scale_level, '.0%'):>9s}"
               f" {'fewest rollouters / queues':>27s}")
