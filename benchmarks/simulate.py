@@ -50,10 +50,10 @@ are printed beside --mq-capacity, the measured MessageQueue samples/s (default 7
 benchmarks/mq.py with 8,192-token samples on the 2-core development VM, commit b61b464; pass
 the figure measured on the target machine).
 
-The scale study, 1,024 and 10,000 GPUs (benchmarks/README.md, "Scaling on paper"):
+The scale study, 1,024 to 100,000 GPUs (benchmarks/README.md, "Scaling on paper"):
 
     .venv/bin/python benchmarks/simulate.py --scale [--scale-models 7b,32b]
-        [--scale-gpus 128,1024,10000] [--scale-cell 128] [--scale-staleness 2]
+        [--scale-gpus 128,1024,10000,100000] [--scale-cell 128] [--scale-staleness 2]
         [--scale-splits 0.25,0.3125,0.375,0.5,0.625]
         [--scale-level 0.5] [--scale-check-gpus 1024] [--process-costs COSTS.json]
 
@@ -68,7 +68,11 @@ The scale study, 1,024 and 10,000 GPUs (benchmarks/README.md, "Scaling on paper"
   rates into the load of each one's thread, and the size where it reaches 100% is where one
   saturates; printed beside: the remedies (an index of free workers instead of the scan, puts
   of several groups, several rollouters, queue shards) and how many of each keep every thread
-  under --scale-level at each size.
+  under --scale-level at each size. Last, the shards rollmesh starts by default at each size
+  (`rollmesh.config.default_shards`: rollouters, queue shards): each rollouter's thread, each of
+  its put loops (one per queue shard) and each queue shard's thread at that size (the single
+  process's load divided by the count, plus each process's fixed idle load), and whether every
+  one is under --scale-level (benchmarks/shards.py's `--costs FILE` gives per-shard costs).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import row, write  # noqa: E402
+from rollmesh.config import default_shards  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,7 +489,12 @@ class ProcessCosts:
     agent worker takes (64: the agent worker's default, which `rollmesh launch` does not
     change); one reward worker per `gpus_per_reward_worker` rollout GPUs (one per 8-GPU node);
     the queue's fsync (once a second, on its event loop) blocks it for the bytes written since
-    the last one at `disk_mb_s`."""
+    the last one at `disk_mb_s`.
+    idle       `rollouter_idle_cores`, `queue_idle_cores`: what each process's thread spends
+               whatever its load (heartbeats, stats and health polls, the put loop's tick), in
+               cores; a fixed cost per process that sharding does not divide
+               (benchmarks/shards.py measures them; 0 by default, as rollout_cost.py's figures
+               are net of it)."""
 
     rollouter_per_sample_us: float = 416.0
     rollouter_per_group_us: float = 2362.0
@@ -501,6 +511,8 @@ class ProcessCosts:
     gpus_per_reward_worker: int = 8
     disk_mb_s: float = 1000.0
     bytes_per_token: int = 13     # token id int32, log-prob float32, version int32, mask uint8
+    rollouter_idle_cores: float = 0.0
+    queue_idle_cores: float = 0.0
 
 
 @dataclass
@@ -533,7 +545,7 @@ class Load:
     rollouter: float             # per rollouter
     rollouter_scan: float        # the part of `rollouter` spent choosing workers
     queue: float                 # per queue shard
-    put_loop: float              # per rollouter: one PutGroup in flight at a time
+    put_loop: float              # per put loop (one per rollouter and queue shard)
 
 
 def weak_scaled(c: Costs, m: float) -> Costs:
@@ -573,7 +585,9 @@ def load_at(w: Workload, p: ProcessCosts, gpus: float, *, rollouters: int = 1,
             queues: int = 1, groups_per_put: int = 1, scan: bool = False) -> Load:
     """Each singleton's utilisation at `gpus` GPUs: samples/s grow with the cluster, and so
     does the number of workers each dispatch scans. Several rollouters split the workers and the
-    samples evenly (a data shard each); several queue shards split the samples (by group id)."""
+    samples evenly (a data shard each); several queue shards split the samples (routed by
+    balance), and each rollouter runs one put loop per queue shard. Each rollouter and queue
+    shard also carries its fixed idle load (`rollouter_idle_cores`, `queue_idle_cores`)."""
     rate = w.samples_per_gpu_s * gpus
     rollout_gpus = w.rollout_fraction * gpus
     agents = math.ceil(rollout_gpus * w.seqs_per_rollout_gpu / p.credits / rollouters)
@@ -586,8 +600,9 @@ def load_at(w: Workload, p: ProcessCosts, gpus: float, *, rollouters: int = 1,
     q = queue_seconds_per_sample(w, p, groups_per_put)
     # the put loop waits for each reply: a round trip plus the queue's work on the put
     put_period = (p.put_rtt_us * 1e-6 / (w.group_size * groups_per_put) + q)
-    return Load(int(round(gpus)), rate, agents, rewards, per_r * full, per_r * (full - bare),
-                rate / queues * q, per_r * put_period)
+    return Load(int(round(gpus)), rate, agents, rewards,
+                per_r * full + p.rollouter_idle_cores, per_r * (full - bare),
+                rate / queues * q + p.queue_idle_cores, per_r / queues * put_period)
 
 
 def saturation_gpus(w: Workload, p: ProcessCosts, which: str, level: float = 1.0,
@@ -686,6 +701,28 @@ def scale_report(args: argparse.Namespace, p: ProcessCosts, base: dict[str, Any]
             print(f"  at {g:,} GPUs, each under {args.scale_level:.0%}: rollouters {r_idx} "
                   f"(worker index) / {r_scan} (scan, before); queue shards {q_now} (one group "
                   f"per put) / {q_bat} (8 groups per put)")
+        print("  with the default shards (rollmesh.config.default_shards), each process's load:")
+        print(f"  {'GPUs':>7s} {'rollouters':>10s} {'queues':>6s} {'rollouter':>10s} "
+              f"{'put loop':>9s} {'queue':>7s} {'all < ' + format(args.scale_level, '.0%'):>9s}"
+              f" {'fewest rollouters / queues':>27s}")
+        for g in sizes:
+            n, m = default_shards(g)
+            ld = load_at(w, p, g, rollouters=n, queues=m)
+            ok = max(ld.rollouter, ld.put_loop, ld.queue) < args.scale_level
+            try:
+                fewest = (f"{shards_needed(w, p, g, 'rollouter', args.scale_level)} / "
+                          f"{shards_needed(w, p, g, 'queue', args.scale_level)}")
+            except ValueError:  # an idle load over the level: no count is enough
+                fewest = "none"
+            print(f"  {g:7,d} {n:10,d} {m:6,d} {ld.rollouter:9.1%} {ld.put_loop:8.1%} "
+                  f"{ld.queue:6.1%} {'yes' if ok else 'NO':>9s} {fewest:>27s}")
+            rows.append(row(f"busiest shard's load with the default shards ({n} rollouters, "
+                            f"{m} queue shards) at {g:,} GPUs, {model}",
+                            max(ld.rollouter, ld.put_loop, ld.queue), args.scale_level,
+                            "share of a core", baseline_name="the planned load (--scale-level)",
+                            higher_is_better=False, target=1.0,
+                            note="rollouter thread, put loop and queue thread; costs: "
+                                 f"{args.process_costs or 'ProcessCosts defaults'}"))
         for k, v in sat.items():
             rows.append(row(f"GPUs at which one {k} saturates, {model}", v, 1024.0, "GPUs",
                             baseline_name="1,024 GPUs (the size the sharding decision is "
@@ -720,7 +757,7 @@ def main() -> int:
                    help="the scale study instead (README 'Scaling on paper'): at what size one "
                         "rollouter or one MessageQueue saturates")
     p.add_argument("--scale-models", default="7b,32b", help=f"presets: {', '.join(MODELS)}")
-    p.add_argument("--scale-gpus", default="128,1024,10000")
+    p.add_argument("--scale-gpus", default="128,1024,10000,100000")
     p.add_argument("--scale-cell", type=int, default=128,
                    help="GPUs of the simulated cell the per-GPU rates come from")
     p.add_argument("--scale-staleness", default="2")

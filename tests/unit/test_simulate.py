@@ -186,3 +186,37 @@ def test_process_costs_with_an_unknown_key_is_refused(tmp_path):
                          cwd=root, timeout=60)
     assert out.returncode == 2
     assert "rolouter_per_group_us" in out.stderr
+
+
+def test_shards_carry_a_fixed_idle_load_and_one_put_loop_per_queue_shard():
+    p = dataclasses.replace(ZERO, rollouter_per_sample_us=500.0, queue_per_sample_us=200.0,
+                            put_rtt_us=500.0, rollouter_idle_cores=0.01, queue_idle_cores=0.02)
+    one = load_at(W, p, 10_000)
+    shards = load_at(W, p, 10_000, rollouters=10, queues=4)
+    assert shards.rollouter == pytest.approx((one.rollouter - 0.01) / 10 + 0.01)
+    assert shards.queue == pytest.approx((one.queue - 0.02) / 4 + 0.02)
+    assert shards.put_loop == pytest.approx(one.put_loop / 40)  # 10 rollouters x 4 loops each
+    # an idle load over the level: no shard count is enough
+    with pytest.raises(ValueError):
+        shards_needed(W, dataclasses.replace(p, queue_idle_cores=0.6), 1000, "queue", 0.5)
+
+
+def test_scale_report_shows_the_default_shards_up_to_100000_gpus(capsys):
+    import argparse
+
+    from benchmarks.simulate import scale_report
+    from rollmesh.config import default_shards
+
+    args = argparse.Namespace(scale_gpus="1024,100000", scale_splits="0.5",
+                              scale_staleness="2", steps=4, warmup=1, seed=0, scale_cell=8,
+                              scale_models="7b", scale_check_gpus="", scale_level=0.5,
+                              process_costs=None)
+    small = dict(dataclasses.asdict(SMALL))
+    rows = scale_report(args, ProcessCosts(), small)
+    out = capsys.readouterr().out
+    assert "with the default shards" in out
+    n, m = default_shards(100_000)
+    line = next(x for x in out.splitlines() if x.strip().startswith("100,000") and
+                x.split()[1] == str(n))
+    assert line.split()[2] == str(m)
+    assert any("at 100,000 GPUs" in r["figure"] for r in rows)
