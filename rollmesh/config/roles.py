@@ -71,16 +71,17 @@ START_ORDER = tuple(r.name for r in sorted(ROLE_TABLE, key=lambda r: r.start) if
 
 
 # -- shard counts by default (the Slurm placement by rule; benchmarks/simulate.py --scale) -------
-# One rollouter thread carries about this many GPUs of a 7B-class async run at half a core, one
-# queue shard about three times as many (benchmarks/README.md, "Scaling on paper": measured
-# per-process costs, simulated rates per GPU). Larger models make fewer samples per GPU, so the
-# same counts leave them more room.
-GPUS_PER_ROLLOUTER = 1000
+# One rollouter thread stays under half a core at this many GPUs of a 7B-class async run even
+# with the per-shard costs benchmarks/shards.py measured in a contended 2 x 2 stack (at 1,000 it
+# was at 72%); one queue shard at about five times as many (benchmarks/README.md, "Scaling on
+# paper"; RESULTS.md, "Rollout and queue shards"). Larger models make fewer samples per GPU, so
+# the same counts leave them more room.
+GPUS_PER_ROLLOUTER = 600
 GPUS_PER_QUEUE_SHARD = 3000
 
 
 def default_shards(gpus: int) -> tuple[int, int]:
-    """(rollouters, queue shards) for a cluster of `gpus` GPUs in all: one of each up to 1,000
-    GPUs, then one rollouter per started 1,000 GPUs and one queue shard per started 3,000."""
+    """(rollouters, queue shards) for a cluster of `gpus` GPUs in all: one rollouter per
+    started 600 GPUs and one queue shard per started 3,000."""
     gpus = max(int(gpus), 1)
     return -(-gpus // GPUS_PER_ROLLOUTER), -(-gpus // GPUS_PER_QUEUE_SHARD)

@@ -163,3 +163,4 @@ def test_checkpoints_by_time_so_a_dead_trainer_loses_seconds_not_the_run(tmp_pat
     saved = [e["step"] for e in events if e["event"] == "checkpoint_saved"]
     assert len(saved) >= 3, saved  # by time: none by steps, one at the end
     assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # trainer.keep_checkpoints
+

@@ -53,9 +53,9 @@ def test_shares_sum_to_the_whole_and_differ_by_at_most_one(total, shards):
 
 
 def test_default_shard_counts_grow_with_the_cluster():
-    assert default_shards(8) == (1, 1) and default_shards(1000) == (1, 1)
-    assert default_shards(1024) == (2, 1) and default_shards(10_000) == (10, 4)
-    assert default_shards(100_000) == (100, 34)
+    assert default_shards(8) == (1, 1) and default_shards(600) == (1, 1)
+    assert default_shards(1024) == (2, 1) and default_shards(10_000) == (17, 4)
+    assert default_shards(100_000) == (167, 34)
 
 
 # -- the prompts --------------------------------------------------------------------------------

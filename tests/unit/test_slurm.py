@@ -67,7 +67,7 @@ def test_hosts_come_from_the_allocation_and_roles_are_placed_by_rule(tmp_path, a
 
 
 def test_a_large_allocation_gets_rollout_and_queue_shards_by_rule(tmp_path, monkeypatch):
-    """2,000 GPUs (250 nodes of 8): 2 rollouters and 1 queue shard
+    """2,000 GPUs (250 nodes of 8): 4 rollouters and 1 queue shard
     (config.roles.default_shards), each rollouter with its own agent and reward workers; the
     three-node allocation above keeps one of each."""  # (agent_workers: 2 by default)
     for key in list(os.environ):
@@ -82,8 +82,8 @@ def test_a_large_allocation_gets_rollout_and_queue_shards_by_rule(tmp_path, monk
                                         "reward_workers = 1\n"), ["engine.count=2"])
     count = {r: sum(1 for p in cluster.processes() if p.role == r)
              for r in ("rollouter", "message_queue", "agent_worker", "reward_worker")}
-    assert count == {"rollouter": 2, "message_queue": 1, "agent_worker": 2,
-                     "reward_worker": 2}
+    assert count == {"rollouter": 4, "message_queue": 1, "agent_worker": 4,
+                     "reward_worker": 4}
 
 
 def test_a_role_written_out_names_its_node_and_hosts_slurm_is_the_short_form(tmp_path,
