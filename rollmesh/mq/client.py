@@ -312,10 +312,6 @@ class ShardedFeed:
         self.feeds = [BatchFeed(mq, n, log=log) for mq, n in zip(queues, shares(groups,
                                                                                   len(queues)))]
 
-    @property
-    def opened(self) -> int:
-        return sum(f.opened for f in self.feeds)
-
     async def get(self, step: int, version: int, through_step: int, committed_step: int,
                   timeout_s: float) -> Batch | None:
         """The batch for `step` (every shard's share), or None if one did not come within
