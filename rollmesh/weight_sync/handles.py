@@ -41,6 +41,7 @@ from typing import Any
 import msgpack
 import torch
 
+from rollmesh.runtime.log import get_logger
 from rollmesh.weight_sync.buckets import WeightSpec
 from rollmesh.weight_sync.tensors import (
     WeightUpdateError,
@@ -54,6 +55,7 @@ LOAD_FORMAT = "rollmesh_handles"  # the built-in engine's load_format on /update
 SEGMENT_PREFIX = "rollmesh_w_"
 _SEGMENT_NAME = re.compile(r"rollmesh_w_[0-9]{1,10}_[0-9]{1,10}")
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (shm_open names)
+log = get_logger("rollmesh.weight_sync.handles")
 ALIGN = 64  # every tensor starts at a multiple of this: a view of any dtype is aligned
 _MAX_PAYLOAD = 64 * 2**20  # a handle table larger than this is not a weight table
 # The index of the device in the arguments of torch's rebuild_cuda_tensor, which SGLang's
@@ -99,6 +101,42 @@ def _quiet_resource_tracker() -> None:
         os.close(saved)
 
 
+def sweep_dead_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink the segments (`rollmesh_w_<pid>_<n>`, this user's) whose creator is dead: a
+    trainer killed with kill -9 cannot unlink its own, and each holds a whole model's bytes of
+    host memory until someone does. A segment of a live process (this one, another run's) is
+    left alone; an engine that still maps a swept one keeps its pages until it unmaps them.
+    Returns the names unlinked."""
+    swept = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return swept
+    for name in names:
+        if not _SEGMENT_NAME.fullmatch(name):
+            continue
+        pid = int(name[len(SEGMENT_PREFIX):].split("_", 1)[0])
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or _alive(pid):
+                continue
+            os.unlink(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        swept.append(name)
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 class Packed:
     """The trainer's flat buffer, kept from sync to sync: a shared-memory segment (CPU) or one
     CUDA tensor (GPU), regrown when the model's bytes do not fit it."""
@@ -125,6 +163,10 @@ class Packed:
             self.flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             return self.flat
         _quiet_resource_tracker()
+        if not Packed._count:  # this process's first segment: what dead trainers left goes
+            swept = sweep_dead_segments()
+            if swept:
+                log.warning("dead_segments_unlinked", segments=swept)
         while self.shm is None:
             Packed._count += 1
             name = f"{SEGMENT_PREFIX}{os.getpid()}_{Packed._count}"

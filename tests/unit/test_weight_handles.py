@@ -6,6 +6,7 @@ process and the trainer's sender: tests/e2e/test_sync_handles.py."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import pickle
 
@@ -184,3 +185,30 @@ def test_a_cuda_table_is_refused_by_an_engine_without_cuda():
         ["model.norm.weight", "float32", [64], 0, 256]]}))
     with pytest.raises(WeightUpdateError, match="a CUDA handle sent to an engine without CUDA"):
         load_from_handles(model, table)
+
+
+def test_segments_a_killed_trainer_left_are_unlinked_by_the_next_one():
+    """kill -9 leaves a trainer's segment behind (a whole model's bytes of host memory): the
+    next process to make one unlinks those whose creator is dead, and only those."""
+    import subprocess
+    from multiprocessing.shared_memory import SharedMemory
+
+    from rollmesh.weight_sync.handles import sweep_dead_segments
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is dead now
+    dead = SharedMemory(name=f"rollmesh_w_{gone.pid}_1", create=True, size=64)
+    live = SharedMemory(name=f"rollmesh_w_{os.getpid()}_9999", create=True, size=64)
+    other = SharedMemory(name=f"not_rollmesh_{gone.pid}_1", create=True, size=64)
+    try:
+        swept = sweep_dead_segments()  # (and any other dead process's left on this machine)
+        assert dead.name in swept and live.name not in swept and other.name not in swept
+        assert not os.path.exists(os.path.join(SHM_DIR, dead.name))
+        assert os.path.exists(os.path.join(SHM_DIR, live.name))
+        assert os.path.exists(os.path.join(SHM_DIR, other.name))
+        assert dead.name not in sweep_dead_segments()
+    finally:
+        for shm in (dead, live, other):
+            shm.close()
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
