@@ -102,8 +102,10 @@ class RolloutCore:
         self.readies: list[collections.deque[Group]] = [collections.deque()
                                                         for _ in range(queues)]
         self.ready = self.readies[0]
-        # Each queue shard's depth in groups, as its last reply said (`route`).
+        # Each queue shard's depth in groups, as its last reply said, and the running groups
+        # bound for it (`route`).
         self.queue_depth = [0] * queues
+        self.bound_to = [0] * queues
         self.events: collections.Counter[str] = collections.Counter()
         self.announce_resume = False  # tell the agent workers at the next dispatch
         # Trajectories agent workers hold through the sync in progress (`Held`), and those
@@ -215,10 +217,7 @@ class RolloutCore:
         knows it by its id."""
         if self.queues == 1:
             return 0
-        bound = [0] * self.queues
-        for g in self.groups.values():
-            bound[g.queue] += 1
-        load = [self.queue_depth[j] + bound[j] + len(self.readies[j])
+        load = [self.queue_depth[j] + self.bound_to[j] + len(self.readies[j])
                 for j in range(self.queues)]
         turn = self.source.serial
         return min(range(self.queues), key=lambda j: (load[j], (j - turn) % self.queues))
@@ -234,8 +233,9 @@ class RolloutCore:
             self.pending.append(new_trajectory(
                 f"{group.group_id}-{i:03d}", group.group_id, i, prompt, agent_loop=loop,
                 label=group.row.label, metadata=meta))
-        self.groups[group.group_id] = GroupState(group.group_size, version,
-                                                 queue=queue if queue < self.queues else 0)
+        state = self.groups[group.group_id] = GroupState(
+            group.group_size, version, queue=queue if queue < self.queues else 0)
+        self.bound_to[state.queue] += 1
 
     def loop_metadata(self, row: PromptRow, loop: str) -> dict[str, Any]:
         """What the row's loop needs besides the prompt's tokens: the row's chat messages (the
@@ -466,6 +466,7 @@ class RolloutCore:
         """A group leaves the running set: accepted (to `ready`) or dropped with a reason.
         Returns the samples still out with workers (dropped when they come back)."""
         state = self.groups.pop(group_id)
+        self.bound_to[state.queue] -= 1
         if group is not None:
             self.readies[state.queue].append(group)
             return 0

@@ -152,9 +152,7 @@ def test_checkpoints_by_time_so_a_dead_trainer_loses_seconds_not_the_run(tmp_pat
     try:
         saved_at = wait_for(past_a_checkpoint, 300, "a checkpoint by time and steps after it",
                             proc)
-        os.kill(proc_of(run_dir, "trainer[0]")["pid"], signal.SIGKILL)
-        wait_for(lambda: proc_of(run_dir, "trainer[0]")["restarts"] == 1, 120,
-                 "the trainer's restart", proc)
+        kill_and_await_restart(run_dir, "trainer[0]")
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import signal
 
 import pytest
 
@@ -18,16 +16,12 @@ from rollmesh.core.accounting import Identity
 from rollmesh.core.trajectory import group_origin
 from tests.e2e.test_launcher import (
     assert_nothing_trained_twice, check_accounting, finish, kill_and_await_restart, launch,
-    metrics, status, wait_for,
+    metrics, wait_for,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CLUSTER = "launch/shards_local.toml"  # the embedded default, 2 rollouters x 2 queue shards
-
-
-def proc_of(run_dir, name: str) -> dict:
-    return next(p for p in status(run_dir).get("processes", []) if p["name"] == name)
 
 
 def test_two_by_two_shards_survive_kill_9_of_a_rollouter_a_queue_shard_and_the_trainer(
@@ -46,10 +40,8 @@ def test_two_by_two_shards_survive_kill_9_of_a_rollouter_a_queue_shard_and_the_t
         wait_for(lambda: len(metrics(run_dir)) >= 15 and len(metrics(run_dir)) % every != 0,
                  300, "training past a checkpoint", proc)
         before = metrics(run_dir)
-        os.kill(proc_of(run_dir, "trainer[0]")["pid"], signal.SIGKILL)
         resumed_from = (before[-1]["step"] // every) * every
-        wait_for(lambda: proc_of(run_dir, "trainer[0]")["restarts"] == 1, 120,
-                 "the trainer's restart", proc)
+        kill_and_await_restart(run_dir, "trainer[0]")
     finally:
         out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
