@@ -86,7 +86,7 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
                     unheard: Callable[[], None] | None = None, timeout_s: float = 30.0,
                     idle_s: float = IDLE_PUT_S, leash_s: float = QUEUE_LEASH_S,
                     max_groups: int = PUT_MAX_GROUPS, max_bytes: int = PUT_MAX_BYTES,
-                    in_flight: int = PUTS_IN_FLIGHT) -> None:
+                    in_flight: int = PUTS_IN_FLIGHT, sending: set[int] | None = None) -> None:
     """The rollouter's put loop, until cancelled: what is ready goes to the queue in PutGroups,
     oldest first, with up to `in_flight` puts out at once, shared evenly over the puts that may
     go out (the queue writes one while it receives and checks the next). A group stays in
@@ -99,7 +99,9 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
     What the queue says back: `heard(reply)` is called with every reply (its `dropped_stale`
     is the queue's count of samples dropped as stale), `unheard()` when a put has had no answer
     for `leash_s`. With nothing to put for `idle_s`, an empty put goes out (answered at once,
-    with the counts), so that they are heard while the rollouter has nothing to send."""
+    with the counts), so that they are heard while the rollouter has nothing to send.
+    `sending`: the set this loop keeps the ids (`id(group)`) of the groups in a put not yet
+    answered in, for the caller to read (a rewind leaves those to the queue)."""
     running = asyncio.get_running_loop()
 
     async def send(put: PutGroups, timeout: float) -> Any:
@@ -122,7 +124,7 @@ async def put_ready(mq: RpcClient, ready: collections.deque[Group], wake: asynci
     delay = 0.01
     resume_at = 0.0  # no new put before this (the queue was full, or did not answer)
     flying: collections.deque[tuple[asyncio.Task, list[Group]]] = collections.deque()
-    out: set[int] = set()  # ids of the groups in a put not yet answered
+    out: set[int] = set() if sending is None else sending  # groups in a put not yet answered
     try:
         while True:
             while len(flying) < in_flight and running.time() >= resume_at:

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable
 
 from rollmesh.config import parse_config
 from rollmesh.config.settings import MessageQueueSettings
-from rollmesh.mq.store import MessageQueue, default_capacity
+from rollmesh.mq.store import GIVE_BACK, MessageQueue, default_capacity
 from rollmesh.runtime.process import RoleContext
 from rollmesh.wire.messages import (
     Batch,
@@ -90,8 +90,8 @@ class QueueRole:
     async def put_groups(self, msg: PutGroups, peer: bytes) -> PutGroupsReply:
         queue = self.queue
         accepted, depth, stale, by_origin = await self.call(
-            lambda: (queue.put_many(msg.groups), queue.depth_groups, queue.dropped["stale"],
-                     dict(queue.stale_by_origin)))
+            lambda: (queue.put_many(msg.groups), queue.depth_groups,
+                     sum(queue.dropped[r] for r in GIVE_BACK), dict(queue.stale_by_origin)))
         if accepted:
             async with self.changed:
                 self.changed.notify_all()
@@ -190,14 +190,17 @@ class QueueRole:
 
     async def version(self, msg: WeightVersion, peer: bytes) -> Ok:
         def apply() -> tuple[int, int]:
-            self.queue.set_version(msg.version)
+            if msg.rewind:
+                self.queue.rewind(msg.version)
+            else:
+                self.queue.set_version(msg.version)
             self.queue.drop_stale(self.queue.version)
             return self.queue.version, self.queue.depth_groups
 
         async with self.changed:
             now, depth = await self.call(apply)
             self.changed.notify_all()
-        self.log.info("version", version=now, depth=depth)
+        self.log.info("version", version=now, depth=depth, rewind=msg.rewind)
         return Ok()
 
     def protocol_errors(self) -> int:

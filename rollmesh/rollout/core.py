@@ -54,7 +54,7 @@ from rollmesh.rollout.eval_round import EvalRounds, is_eval
 from rollmesh.rollout.filters import get_group_filter, keep_all
 from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
-from rollmesh.core.trajectory import is_stale, new_trajectory, oldest_version
+from rollmesh.core.trajectory import is_stale, made_after, new_trajectory, oldest_version
 
 __all__ = ["GroupState", "RolloutCore", "Send"]
 
@@ -123,9 +123,13 @@ class RolloutCore:
         # their sum.
         self.queue_stale_by = [0] * queues
         self.queue_stale_groups = 0
-        # Groups dropped here as stale (`drop_stale`) with samples still out with workers:
-        # group id -> those samples, dropped as stale too when they come back.
-        self.stale_out: dict[str, int] = {}
+        # Groups dropped here as stale (`drop_stale`) or lost_weights (`rewind`) with samples
+        # still out with workers: group id -> (those samples, the reason they are dropped with
+        # when they come back).
+        self.stale_out: dict[str, tuple[int, str]] = {}
+        # per queue shard, the ids (`id(group)`) of ready groups in a put not yet answered
+        # (the put loops keep them: `mq.client.put_ready`'s `sending`)
+        self.sending: list[set[int]] = [set() for _ in range(queues)]
         self.admission_stopped_since: float | None = None
 
     # -- counters ----------------------------------------------------------------------------
@@ -269,6 +273,14 @@ class RolloutCore:
             # through the broadcast. Generate nothing until the synchronizer's Resume (it
             # asks again until a rollouter answers); the role's `resume_if_forgotten` is
             # the backstop.
+            self.paused = True
+        elif self.version > 0:
+            # A new launch (`--resume`) of a run past version 0: the engines start with the
+            # initial weights, and the trainer may resume at an older version than this one
+            # (its checkpoint). Generate nothing until its first publication says which (a
+            # Resume, with `rewind` if older: `rewind`); the role's `resume_if_forgotten` is
+            # the backstop.
+            j.pause()
             self.paused = True
         elif j.paused:
             # A new launch (`--resume`): fresh engines and synchronizer, no sync in progress.
@@ -416,15 +428,12 @@ class RolloutCore:
         return None
 
     def _drop_straggler(self, traj: Trajectory) -> None:
-        left = self.stale_out.get(traj.group_id)
-        if left is None:
-            self.journal.drop(traj.group_id, "group_failed", 1)
-            return
-        self.journal.drop(traj.group_id, "stale", 1)
-        if left <= 1:
+        left, reason = self.stale_out.get(traj.group_id, (0, "group_failed"))
+        self.journal.drop(traj.group_id, reason, 1)
+        if left == 1:
             del self.stale_out[traj.group_id]
-        else:
-            self.stale_out[traj.group_id] = left - 1
+        elif left > 1:
+            self.stale_out[traj.group_id] = (left - 1, reason)
 
     # -- staleness in flight -----------------------------------------------------------------
 
@@ -454,7 +463,7 @@ class RolloutCore:
             extra = [traj] if traj is not None and traj.group_id == gid else []
             out = self.finish_group(gid, None, "stale", extra=extra)
             if out > 0:
-                self.stale_out[gid] = out
+                self.stale_out[gid] = (out, "stale")
             self.events["stale_groups_dropped"] += 1
             self.log.info("group_dropped_stale", group=gid, oldest_version=oldest,
                           version=self.version, max_staleness=self.exp.staleness.max_staleness,
@@ -545,6 +554,54 @@ class RolloutCore:
         self.start_eval()
         self.log.info("resumed", version=self.version, cancel_queue=len(self.cancel_queue),
                       held=held, stale_groups_dropped=stale)
+
+    def rewind(self, version: int) -> int:
+        """The trainer resumed at `version`, older than this rollouter's (a cut run went on
+        from its checkpoint; the synchronizer's Resume(rewind) after a Pause in abort mode, so
+        that the trajectories come back with what they generated). The weights of the versions
+        after it no longer exist: the trainer makes new ones under the same numbers. So the
+        version is `version` again (journaled), and every group admitted at a newer version,
+        or holding a token one generated, is dropped, reason "lost_weights": running groups
+        (their samples out with workers are dropped as they come back), and accepted groups
+        not yet in a put (those in a put are the queue's: its rewind drops them). Kept: groups
+        admitted at or before `version` with nothing newer, which go on at `version`. The
+        admission bound follows the version back, so nothing is admitted until the trainer's
+        version climbs past what was accepted. Returns the groups dropped."""
+        was = self.version
+        self.version = version
+        self.journal.rewound(version)
+
+        def lost(g: GroupState | Group, trajs: Any) -> bool:
+            return g.version_admitted > version or any(made_after(t, version) for t in trajs)
+
+        running: dict[str, list[Trajectory]] = {gid: list(g.scored)
+                                                for gid, g in self.groups.items()}
+        out = [t for w in self.workers.values() for t in w.out.values()]
+        for t in (*self.cancel_queue, *self.to_score, *out):
+            if t.group_id in running:
+                running[t.group_id].append(t)
+        doomed = [gid for gid, trajs in running.items() if lost(self.groups[gid], trajs)]
+        for gid in doomed:
+            left = self.finish_group(gid, None, "lost_weights")
+            if left > 0:
+                self.stale_out[gid] = (left, "lost_weights")
+        ready_lost = 0
+        for j, ready in enumerate(self.readies):
+            keep = []
+            for g in ready:
+                if id(g) not in self.sending[j] and lost(g, g.trajectories):
+                    self.journal.drop(g.group_id, "lost_weights", len(g.trajectories),
+                                      whole=True)
+                    ready_lost += 1
+                else:
+                    keep.append(g)
+            ready.clear()
+            ready.extend(keep)
+        self.events["lost_weights_groups"] += len(doomed) + ready_lost
+        self.log.warning("rewound", version=version, was=was, running_dropped=len(doomed),
+                         ready_dropped=ready_lost, running=len(self.groups),
+                         dropped=dict(self.dropped))
+        return len(doomed) + ready_lost
 
     # -- what the role learns from the queue and the engines ---------------------------------
 

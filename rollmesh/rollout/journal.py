@@ -49,6 +49,7 @@ class Journal:
         drop    group id, reason, samples
         pause   a Pause arrived (the synchronizer is about to broadcast)
         version a Resume: the weight version it brought, and rollout is not paused
+        rewind  the trainer resumed at an older version: the version is that one again
 
     Replayed, it gives the cursor, the counters of the accounting identity and the groups that
     were admitted but neither queued nor dropped: those were in flight in the lost process and
@@ -119,6 +120,8 @@ class Journal:
         elif kind == "version":
             self.version = max(self.version, r["v"])
             self.paused = False
+        elif kind == "rewind":  # the trainer went back to an older version (`rewound`)
+            self.version = r["v"]
 
     def _write(self, record: dict[str, Any]) -> None:
         """Write-ahead: on disk (in the kernel) first, then applied. A write that fails (disk
@@ -166,6 +169,11 @@ class Journal:
         """A Resume at `version` (a failed sync resumes at the version it had)."""
         if version > self.version or self.paused:
             self._write({"k": "version", "v": version})
+
+    def rewound(self, version: int) -> None:
+        """The trainer resumed at `version`, older than this one (`RolloutCore.rewind`)."""
+        if version != self.version:
+            self._write({"k": "rewind", "v": version})
 
     def pause(self) -> None:
         if not self.paused:

@@ -317,7 +317,8 @@ class Rollouter:
 
         loops = [put_ready(mq, self.core.readies[j], self.ready_added[j], queued, log=self.log,
                            full=full, heard=lambda reply, j=j: self.queue_heard(reply, j),
-                           unheard=lambda j=j: self.queue_unheard(j))
+                           unheard=lambda j=j: self.queue_unheard(j),
+                           sending=self.core.sending[j])
                  for j, mq in enumerate(self.queues)]
         await asyncio.gather(*loops)
 
@@ -362,6 +363,8 @@ async def main(ctx: RoleContext) -> None:
         return await r.pause(msg.mode)
 
     async def resume(msg: Resume, peer: bytes) -> Ok:
+        if msg.rewind:  # the trainer resumed at an older version: what newer weights made goes
+            r.core.rewind(msg.version)
         r.resume(msg.version)
         return Ok()
 

@@ -38,6 +38,15 @@ version in progress is answered like the first; one for a version at or below th
 one is refused. Versions need not be consecutive: a trainer resumed from a checkpoint continues
 its own sequence.
 
+Rewind: a trainer that resumes at an older version than the rollout side's (the run was cut, or
+the trainer died, past its checkpoint; the queue's version says so) republishes with
+`SyncRequest.rewind`. The weights of the versions after its checkpoint no longer exist (it makes
+new ones under the same numbers), so this sync pauses rollout in abort mode, and once the
+broadcast is done sends Resume(rewind) to every rollouter, then WeightVersion(rewind) to every
+queue shard: each goes back to the version and drops once, reason "lost_weights", what the lost
+versions admitted or generated (`RolloutCore.rewind`, `MessageQueue.rewind`); the batches the
+queue handed out and the trainer trains again are kept.
+
 Timings of each sync (pause, broadcast, resume, trainer idle) are kept and answered to
 StatsRequest as Metrics.
 """
@@ -86,6 +95,7 @@ class Sync:
         default_factory=lambda: asyncio.get_running_loop().create_future())
     watchdog: asyncio.Task | None = None
     changes: int = 0  # the engine restarts this sync's group rebuild covers
+    rewind: bool = False  # a republish that takes the rollout side back (SyncRequest.rewind)
 
 
 class Fanout:
@@ -147,11 +157,14 @@ class Synchronizer:
         if self.holding is not None and self.holding is not asyncio.current_task():
             self.holding.cancel()  # this sync resumes rollout when it is done
             self.holding = None
-        sync = self.current = Sync(msg.version, time.monotonic(), changes=self.changes)
+        sync = self.current = Sync(msg.version, time.monotonic(), changes=self.changes,
+                                   rewind=msg.rewind and msg.republish)
         try:
             started = time.monotonic()
-            paused: Paused = await self.rollouter.request(
-                Pause(mode=self.exp.sync.pause_mode), **self._patient())
+            # a rewind's pause aborts what is out, so that the rollouter has every trajectory
+            # in hand, with what it generated, when it decides what the lost weights made
+            mode = "abort" if sync.rewind else self.exp.sync.pause_mode
+            paused: Paused = await self.rollouter.request(Pause(mode=mode), **self._patient())
             sync.go = SyncGo(version=msg.version, pause_s=time.monotonic() - started,
                              cancel_queue=paused.cancel_queue,
                              rebuild_group=self.rebuild or msg.republish)
@@ -286,7 +299,15 @@ class Synchronizer:
         self.current = None
         started = time.monotonic()
         try:
-            if msg.ok:
+            if msg.ok and sync.rewind:
+                # Rollouters first: each drops what the lost versions made and is no longer
+                # about to put any of it; then the queue drops what it holds of it.
+                await self.rollouter.request(Resume(version=msg.version, rewind=True),
+                                             **self._patient())
+                await self.mq.request(WeightVersion(version=msg.version, rewind=True))
+                self.version = msg.version
+                self.log.warning("rewound", version=msg.version)
+            elif msg.ok:
                 await self.mq.request(WeightVersion(version=msg.version))
                 self.version = msg.version
                 if sync.go is not None and sync.go.rebuild_group:
@@ -296,7 +317,7 @@ class Synchronizer:
                 self.failures += 1
                 self.log.error("sync_failed", version=msg.version, error=msg.error,
                                retrying=msg.retrying)
-            if msg.ok or not msg.retrying:
+            if (msg.ok and not sync.rewind) or (not msg.ok and not msg.retrying):
                 # After a failure the engines may hold part of the new weights: when the
                 # trainer retries, rollout stays paused until a broadcast completes.
                 await self.rollouter.request(Resume(version=self.version), **self._patient())

@@ -156,6 +156,14 @@ class Link:
         if self.sinks is not None:
             self.sinks.log(metrics)
 
+    async def rollout_version(self) -> int:
+        """The newest weight version a queue shard knows (0 if none answers): what the rollout
+        side was told last, by this trainer or by the one before it."""
+        answers = await asyncio.gather(*(q.request(StatsRequest(), timeout_s=10, retries=5)
+                                         for q in self.queues), return_exceptions=True)
+        versions = [a.values.get("version", 0) for a in answers if isinstance(a, Metrics)]
+        return max([v for v in versions if isinstance(v, int)], default=0)
+
     async def engines_behind(self) -> list[str]:
         """The engines serving another version than the trainer's (logged; [] if none)."""
         assert self.sender is not None
@@ -389,8 +397,7 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
     ckpt_dir = checkpoint_dir(settings)
     every = exp.trainer.checkpoint_every
     saved_at = state.step
-    if state.step > 0 and state.version > 0:
-        await publish_resumed(ctx, state, sender)
+    await publish_resumed(ctx, state, link)
     while True:
         waited = time.monotonic()
         batch = await next_batch(ctx, state, link)
@@ -429,13 +436,34 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
                   lora=state.exp.model.lora)
 
 
-async def publish_resumed(ctx: RoleContext, state: TrainState,
-                          sender: WeightSender | None) -> None:
-    """Resumed: the engines (re)started with the initial weights. Send them this checkpoint's
-    weights under its own version before any batch, so that what they generate is stamped
-    right and the batches the queue hands again are as before."""
-    resync = await sync_weights(state, sender, republish=True)
+async def publish_resumed(ctx: RoleContext, state: TrainState, link: Link | None) -> None:
+    """A trainer that starts past version 0, or finds the rollout side ahead of it (every
+    rank calls; rank 0 decides and tells the others): the engines (re)started with the
+    initial weights, or hold newer ones that died with the trainer that made them. Send them
+    this checkpoint's weights under its own version before any batch, so that what they
+    generate is stamped right and the batches the queue hands again are as before. The rollout
+    side ahead (the queue's version is newer: the run was cut, or the trainer died, past this
+    checkpoint): the republish rewinds it (`SyncRequest.rewind`), and the rollouter and the
+    queue drop once what the lost versions made, reason "lost_weights"."""
+    order = None
+    if state.ranks.is_main:
+        assert link is not None
+        ahead = await link.rollout_version()
+        order = {"publish": state.version > 0 or ahead > state.version,
+                 "rewind": ahead > state.version, "ahead": ahead}
+    order = await run(state.ranks.share, order)
+    if not order["publish"]:
+        return
+    sender = link.sender if link is not None else None
+    if sender is not None:
+        sender.rewind = order["rewind"]
+    try:
+        resync = await sync_weights(state, sender, republish=True)
+    finally:
+        if sender is not None:
+            sender.rewind = False
     ctx.log.info("resumed_weights_published", version=state.version,
+                 rollout_version=order["ahead"], rewound=order["rewind"],
                  broadcast_s=resync.get("sync_broadcast_s"))
 
 

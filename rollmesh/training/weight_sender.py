@@ -159,6 +159,7 @@ class WeightSender:
         if not config.get("engines"):
             raise ValueError("trainer spec: `synchronizer` is set but `engines` (URLs) is not")
         self.sync = sync  # SyncConfig
+        self.rewind = False  # the next republish goes back to an older version (SyncRequest)
         # SyncRequest and SyncDone may be sent again (a synchronizer restarted mid-sync never
         # saw them; one that did answers a repeat as the first): ask every 10 s, within the
         # sync's time limit
@@ -626,7 +627,8 @@ async def _attempts(sender: WeightSender, version: int, step: int, old: int, ran
     failures = 0  # failed attempts that no engine restart explains
     for attempt in range(1, SYNC_ATTEMPTS_WITH_RESTARTS + 1):
         go: SyncGo = await sender.synchronizer.request(
-            SyncRequest(version=version, step=step, republish=republish))
+            SyncRequest(version=version, step=step, republish=republish,
+                        rewind=republish and sender.rewind))
         if before_each is not None:
             await before_each()
         paused = time.monotonic()

@@ -268,7 +268,7 @@ def test_a_sample_back_after_its_group_was_dropped_as_stale_is_dropped_as_stale(
     assert core.returned(agent, first)  # to be scored
     core.pause("abort")
     core.resume(3)  # `first` holds version 0 < 3 - 1: the group goes, `second` is still out
-    assert gid not in core.groups and core.stale_out == {gid: 1}
+    assert gid not in core.groups and core.stale_out == {gid: (1, "stale")}
     assert dict(core.dropped) == {"stale": 1}
     append_tokens(second, [7], [-0.3], 3)
     second.status = "finished"
