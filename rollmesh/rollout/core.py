@@ -95,6 +95,9 @@ class RolloutCore:
         self.synchronizer_spoke = False  # a Pause or Resume since this process started
         self.workers = WorkerPool()
         self.pending: collections.deque[Trajectory] = collections.deque()  # admitted, new
+        # new trajectories of groups admitted at a version newer than this one (after a
+        # rewind: `rewind`), until the version comes back to theirs (`resume`)
+        self.waiting: collections.deque[Trajectory] = collections.deque()
         self.cancel_queue: collections.deque[Trajectory] = collections.deque()
         self.to_score: collections.deque[Trajectory] = collections.deque()
         self.groups: dict[str, GroupState] = {}
@@ -484,7 +487,7 @@ class RolloutCore:
         n = len(state.scored) + len(extra)
         # Its samples still queued here go with it; those out with workers are dropped when
         # they come back (reason "group_failed").
-        for q in (self.pending, self.cancel_queue, self.to_score):
+        for q in (self.pending, self.waiting, self.cancel_queue, self.to_score):
             keep = [t for t in q if t.group_id != group_id]
             n += len(q) - len(keep)
             q.clear()
@@ -544,6 +547,8 @@ class RolloutCore:
         self.version = max(self.version, version)
         self.journal.new_version(self.version)
         self.paused = False
+        if self.waiting:
+            self._wait_or_go()
         held = self.held_count
         for w in self.holding.values():
             w.held.clear()  # they generate again
@@ -560,19 +565,22 @@ class RolloutCore:
         from its checkpoint; the synchronizer's Resume(rewind) after a Pause in abort mode, so
         that the trajectories come back with what they generated). The weights of the versions
         after it no longer exist: the trainer makes new ones under the same numbers. So the
-        version is `version` again (journaled), and every group admitted at a newer version,
-        or holding a token one generated, is dropped, reason "lost_weights": running groups
-        (their samples out with workers are dropped as they come back), and accepted groups
-        not yet in a put (those in a put are the queue's: its rewind drops them). Kept: groups
-        admitted at or before `version` with nothing newer, which go on at `version`. The
-        admission bound follows the version back, so nothing is admitted until the trainer's
-        version climbs past what was accepted. Returns the groups dropped."""
+        version is `version` again (journaled), and every group holding a token one
+        generated is dropped, reason "lost_weights": running groups (their samples out with
+        workers are dropped as they come back), and accepted groups not yet in a put (those in
+        a put are the queue's: its rewind drops them). Groups admitted at a newer version with
+        nothing generated yet (those a relaunched rollouter regenerates: it waits paused for
+        the trainer, `restore`) wait, undispatched, until the version comes back to theirs
+        (`resume`): they are generated at the version they were admitted at, and one whose
+        first copy the queue already holds is recognised there by its id. The others go on at
+        `version`. The admission bound follows the version back, so nothing is admitted until
+        the trainer's version climbs past what was accepted. Returns the groups dropped."""
         was = self.version
         self.version = version
         self.journal.rewound(version)
 
-        def lost(g: GroupState | Group, trajs: Any) -> bool:
-            return g.version_admitted > version or any(made_after(t, version) for t in trajs)
+        def lost(trajs: Any) -> bool:
+            return any(made_after(t, version) for t in trajs)
 
         running: dict[str, list[Trajectory]] = {gid: list(g.scored)
                                                 for gid, g in self.groups.items()}
@@ -580,7 +588,7 @@ class RolloutCore:
         for t in (*self.cancel_queue, *self.to_score, *out):
             if t.group_id in running:
                 running[t.group_id].append(t)
-        doomed = [gid for gid, trajs in running.items() if lost(self.groups[gid], trajs)]
+        doomed = [gid for gid, trajs in running.items() if lost(trajs)]
         for gid in doomed:
             left = self.finish_group(gid, None, "lost_weights")
             if left > 0:
@@ -589,7 +597,7 @@ class RolloutCore:
         for j, ready in enumerate(self.readies):
             keep = []
             for g in ready:
-                if id(g) not in self.sending[j] and lost(g, g.trajectories):
+                if id(g) not in self.sending[j] and lost(g.trajectories):
                     self.journal.drop(g.group_id, "lost_weights", len(g.trajectories),
                                       whole=True)
                     ready_lost += 1
@@ -597,11 +605,31 @@ class RolloutCore:
                     keep.append(g)
             ready.clear()
             ready.extend(keep)
+        self._wait_or_go()
         self.events["lost_weights_groups"] += len(doomed) + ready_lost
         self.log.warning("rewound", version=version, was=was, running_dropped=len(doomed),
                          ready_dropped=ready_lost, running=len(self.groups),
+                         waiting=len(self.waiting),
                          dropped=dict(self.dropped))
         return len(doomed) + ready_lost
+
+    def _wait_or_go(self) -> None:
+        """New trajectories of groups admitted after this version wait (`rewind`); those
+        whose version has come back go, ahead of the new ones."""
+        def early(t: Trajectory) -> bool:
+            g = self.groups.get(t.group_id)
+            return g is not None and g.version_admitted > self.version
+
+        back = [t for t in self.waiting if not early(t)]
+        held = [t for t in (*self.cancel_queue, *self.pending) if early(t)]
+        if not back and not held:
+            return
+        for q, first in ((self.waiting, [t for t in self.waiting if early(t)] + held),
+                         (self.cancel_queue, back + [t for t in self.cancel_queue
+                                                     if not early(t)]),
+                         (self.pending, [t for t in self.pending if not early(t)])):
+            q.clear()
+            q.extend(first)
 
     # -- what the role learns from the queue and the engines ---------------------------------
 
@@ -642,7 +670,8 @@ class RolloutCore:
         def train(ts: Any) -> int:
             return sum(not is_eval(t) for t in ts)
 
-        return (len(self.pending) + train(self.cancel_queue) + train(self.to_score)
+        return (len(self.pending) + len(self.waiting) + train(self.cancel_queue)
+                + train(self.to_score)
                 + sum(train(w.out.values()) for w in self.workers.values())
                 + sum(len(s.scored) for s in self.groups.values())
                 + sum(len(g.trajectories) for ready in self.readies for g in ready))
@@ -653,6 +682,7 @@ class RolloutCore:
             **self.counters, "version": self.version, "paused": self.paused,
             "capacity": self.capacity(), "running_groups": self.running_groups,
             "in_flight": self.in_flight(), "pending": len(self.pending),
+            "waiting": len(self.waiting),
             "cancel_queue": len(self.cancel_queue), "to_score": len(self.to_score),
             "held": self.held_count,
             "ready_groups": self.ready_groups(), "dropped": dict(self.dropped),
