@@ -301,3 +301,52 @@ def test_two_engines_one_killed_the_run_goes_on_without_a_hiccup(tmp_path):
             steps_per_s_before=rate(before) if len(before) > 1 else None,
             steps_per_s_10s_after=rate(after) if len(after) > 1 else None,
             steps_in_10s_after=len(after))
+
+
+def test_two_trainer_ranks_republish_to_an_engine_restarted_between_syncs(tmp_path):
+    """Two trainer ranks (FSDP2 over gloo), a sync every 8 steps (max_staleness 7): the engine
+    is killed just after a sync was published, so it comes back with the initial weights while
+    the trainer is between syncs. Rank 0 sees it behind and both ranks send it the current
+    version again (`Link.republish`: rank 1 gathers its shards with rank 0); no trainer rank
+    restarts, and the run finishes with everything accounted for (RELIABILITY.md listed this
+    as not covered)."""
+    run_dir, steps = tmp_path / "run", 24
+    proc = launch(run_dir, "--set", f"trainer.total_steps={steps}", "--set", "trainer.ranks=2",
+                  "--set", "roles.trainer.count=2", "--set", "sync.sync_every=8",
+                  "--set", "staleness.max_staleness=7", *FAST)
+    try:
+        wait_for(lambda: len(metrics(run_dir)) >= 1, 300, "training under way", proc)
+        syncs = LogTail(run_dir / "logs" / "synchronizer-0.log")
+        syncs.events()
+        done = syncs.wait("sync_done", 300, proc)  # published: the engine holds it
+        # The trainer ranks wait (SIGSTOP) while the engine restarts, so that the next sync
+        # (8 steps on) cannot come first and cover it: they find it behind between syncs.
+        ranks = [process(run_dir, f"trainer[{r}]")["pid"] for r in (0, 1)]
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            kill_engine(run_dir, "engine[0]", proc)
+            wait_for(lambda: engine_version(run_dir) == "0", 300,
+                     "the restarted engine serving the initial weights", proc)
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        until_current(run_dir, proc, timeout_s=300)
+    except BaseException:
+        proc.send_signal(signal.SIGINT)
+        raise
+    finally:
+        out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert_nothing_trained_twice(rows)
+    assert [process(run_dir, f"trainer[{r}]")["restarts"] for r in (0, 1)] == [0, 0]
+    trainer = log_events(run_dir, "trainer-0.log")
+    republished = [e for e in trainer if e.get("event") == "weights_republished"]
+    assert republished, "the restarted engine was never sent the weights between syncs"
+    assert republished[0]["version"] == done["version"], (republished, done)
+    # the last row's version, and the one its sync published after it (step 24 syncs)
+    assert int(engine_version(run_dir)) == rows[-1]["version"] + 1
+    figures(run_dir, "two_ranks_republish",
+            republished_versions=[e["version"] for e in republished])
