@@ -22,8 +22,8 @@ class RoleDef:
     # starts itself (rollmesh.engine.launch.engine_launch), before every other role
     entry: str | None
     singleton: bool  # one process in any cluster
-    # Restarted by itself after a crash (up to launcher.MAX_RESTARTS, with back-off). The
-    # others: trainer ranks are restarted together from their latest checkpoint
+    # Restarted by itself after a crash (up to the cluster file's role_max_restarts, with
+    # back-off). The others: trainer ranks are restarted together from their latest checkpoint
     # (trainer.max_restarts), engines within engine.max_restarts per window.
     restartable: bool
     start: int  # start order, ascending; the launcher waits for each role to be ready

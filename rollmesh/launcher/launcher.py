@@ -69,7 +69,6 @@ log = get_logger("rollmesh.launcher.launcher")
 
 # The roles, their entry points, start order and restart policy: rollmesh.config.ROLE_TABLE.
 RESTARTABLE = {r.name for r in ROLE_TABLE if r.restartable}
-MAX_RESTARTS = 5
 # An engine is restarted `engine.max_restarts` times within any ENGINE_RESTART_WINDOW_S (a
 # crash loop ends the run; engines killed now and then over a long run do not).
 ENGINE_RESTART_WINDOW_S = 600.0
@@ -435,7 +434,7 @@ class Launcher:
                 if role == "trainer" and self.trainer_restarts < self.exp.trainer.max_restarts:
                     await self.restart_trainer(name, child, code)
                     break  # the children were replaced: look at them afresh
-                if role in RESTARTABLE and child.restarts < MAX_RESTARTS:
+                if role in RESTARTABLE and child.restarts < self.cluster.role_max_restarts:
                     await self.restart(name, child, code)
                     continue
                 self.failure = (child.failure() or f"{name} exited with code {code}")
@@ -505,7 +504,7 @@ class Launcher:
                     delay_s=delay, log=str(child.log_path))
         await asyncio.sleep(delay)  # also lets its pump write the last lines of its log
         self.console.event(f"{name} exited with code {code}; restarting it "
-                           f"({child.restarts + 1} of {MAX_RESTARTS})")
+                           f"({child.restarts + 1} of {self.cluster.role_max_restarts})")
         self.console.show_tail(child.failure() or f"{name} exited with code {code}",
                                child.log_path)
         self.children[name] = self.sup.respawn(child)
@@ -514,9 +513,10 @@ class Launcher:
     async def wait_started(self, names: list[str], timeout_s: float) -> None:
         """Wait for Ready from each of `names`, just started. One killed by a signal before it
         was ready (kill -9 on a loaded machine, the OOM killer) is started again, as one that
-        dies later is: a restartable role within MAX_RESTARTS, the trainer's ranks all together
-        within trainer.max_restarts. One that exits with an error or reports Fatal (a bad
-        config) fails the run at once, as does one past its restarts (RoleFailed)."""
+        dies later is: a restartable role within the cluster file's role_max_restarts, the
+        trainer's ranks all together within trainer.max_restarts. One that exits with an error
+        or reports Fatal (a bad config) fails the run at once, as does one past its restarts
+        (RoleFailed)."""
         for name in names:
             while True:
                 child = self.children[name]
@@ -542,13 +542,13 @@ class Launcher:
                             self.children[n] = self.sup.respawn(self.children[n])
                         await self.wait_started(ranks, timeout_s)
                         break
-                    if role not in RESTARTABLE or child.restarts >= MAX_RESTARTS:
+                    if role not in RESTARTABLE or child.restarts >= self.cluster.role_max_restarts:
                         raise
                     log.warning("killed_while_starting", child=name, exit_code=code,
-                                restarts=child.restarts + 1, of=MAX_RESTARTS)
+                                restarts=child.restarts + 1, of=self.cluster.role_max_restarts)
                     self.console.event(f"{name} was killed while starting (exit code {code}); "
                                        f"starting it again ({child.restarts + 1} of "
-                                       f"{MAX_RESTARTS})")
+                                       f"{self.cluster.role_max_restarts})")
                     await asyncio.sleep(min(2.0 ** child.restarts, 30.0))
                     self.children[name] = self.sup.respawn(child)
 

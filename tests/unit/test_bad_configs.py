@@ -64,7 +64,7 @@ ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batc
                 "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
                 "eval_pass_threshold")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context, lora"
-CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, colocate, slurm, launcher_cpus, settings"
+CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, colocate, slurm, launcher_cpus, role_max_restarts, settings"
 HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
 
 # (id, file text, expected message): {file} is the broken file, {exp} the experiment, {dir} tmp.

@@ -259,7 +259,7 @@ BROKEN = [
         "cluster_top_unknown",
         "cluster",
         "foo = 1\n" + cluster(),
-        "{file}: foo: unknown key (expected one of: name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, colocate, slurm, launcher_cpus, settings)",
+        "{file}: foo: unknown key (expected one of: name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, colocate, slurm, launcher_cpus, role_max_restarts, settings)",
     ),
     (
         "host_unknown_key",
@@ -510,6 +510,16 @@ def test_local_cluster_loads_with_its_experiment() -> None:
     assert all(p.host == "local" and p.gpus == () for p in procs)
     ports = [port for p in procs for port in range(p.port, p.port + c.ports.per_process)]
     assert len(ports) == len(set(ports)) and min(ports) == c.launcher_port + c.ports.per_process
+
+
+def test_role_max_restarts_is_five_by_default_and_can_be_raised() -> None:
+    # the launcher's limit for the rollouter, the queue, the synchronizer and the workers (the
+    # trainer's and the engines' are the experiment's): a chaos soak kills each many times
+    assert load_cluster(ROOT / "launch/local.toml").role_max_restarts == 5
+    raised = load_cluster(ROOT / "launch/local.toml", ["role_max_restarts=100"])
+    assert raised.role_max_restarts == 100
+    with pytest.raises(ConfigError, match="role_max_restarts"):
+        load_cluster(ROOT / "launch/local.toml", ["role_max_restarts=-1"])
 
 
 def test_placements_across_hosts(tmp_path: Path) -> None:
