@@ -280,8 +280,8 @@ class ClusterConfig:
     role_max_restarts: int = _field(
         "times the launcher restarts each process of the rollouter, MessageQueue, "
         "synchronizer, agent and reward workers after it died (killed while starting "
-        "included), over the whole run, with back-off (1, 2, 4 ... 30 s); one that dies past "
-        "it ends the run. The trainer's ranks: trainer.max_restarts; engines: "
+        "included) within any 10 minutes, with back-off (1, 2, 4 ... 30 s); one that dies "
+        "more often (a crash loop) ends the run. The trainer's ranks: trainer.max_restarts; engines: "
         "engine.max_restarts", 5, ge=0)
     settings: SettingsConfig = _field(
         "each role's own knobs: [settings.message_queue], [settings.agent_worker], "

@@ -138,6 +138,7 @@ class Launcher:
         self.stop_reason = ""
         self.failure: str | None = None
         self.trainer_restarts = 0
+        self.deaths: dict[str, list[float]] = {}  # restartable role -> its recent deaths
         # a trainer (re)started from a checkpoint trims metrics.jsonl to it: a remote one's
         # file is then copied whole instead of appended to
         self.mirror_whole = resume
@@ -434,7 +435,7 @@ class Launcher:
                 if role == "trainer" and self.trainer_restarts < self.exp.trainer.max_restarts:
                     await self.restart_trainer(name, child, code)
                     break  # the children were replaced: look at them afresh
-                if role in RESTARTABLE and child.restarts < self.cluster.role_max_restarts:
+                if role in RESTARTABLE and self.may_restart(name):
                     await self.restart(name, child, code)
                     continue
                 self.failure = (child.failure() or f"{name} exited with code {code}")
@@ -542,7 +543,7 @@ class Launcher:
                             self.children[n] = self.sup.respawn(self.children[n])
                         await self.wait_started(ranks, timeout_s)
                         break
-                    if role not in RESTARTABLE or child.restarts >= self.cluster.role_max_restarts:
+                    if role not in RESTARTABLE or not self.may_restart(name):
                         raise
                     log.warning("killed_while_starting", child=name, exit_code=code,
                                 restarts=child.restarts + 1, of=self.cluster.role_max_restarts)
@@ -551,6 +552,14 @@ class Launcher:
                                        f"{self.cluster.role_max_restarts})")
                     await asyncio.sleep(min(2.0 ** child.restarts, 30.0))
                     self.children[name] = self.sup.respawn(child)
+
+    def may_restart(self, name: str) -> bool:
+        """A restartable role's process died: restart it unless it died role_max_restarts
+        times in the last ENGINE_RESTART_WINDOW_S already (a crash loop, not a long run)."""
+        now = time.monotonic()
+        recent = [t for t in self.deaths.get(name, []) if now - t < ENGINE_RESTART_WINDOW_S]
+        self.deaths[name] = recent + [now]
+        return len(recent) < self.cluster.role_max_restarts
 
     def count_restart(self, p: Any, name: str) -> None:
         """One more restart of `p` (an engine or the router: `restarts`, `restart_times`,

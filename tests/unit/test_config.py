@@ -809,3 +809,24 @@ def test_field_reference_rows() -> None:
     assert cluster_rows["roles.trainer"]["expected"] == "a table or a list of tables"
     assert cluster_rows["roles.trainer.gpus"]["expected"] == "a list of int >= 0"
     assert all(r["help"] for r in rows.values())
+
+
+def test_role_restarts_are_counted_within_ten_minutes_so_a_long_run_survives_rare_kills(
+        monkeypatch) -> None:
+    """role_max_restarts deaths within ENGINE_RESTART_WINDOW_S end the run (a crash loop); the
+    same number spread over a long run do not (a worker killed once an hour goes on)."""
+    from types import SimpleNamespace
+
+    from rollmesh.launcher import launcher as launcher_module
+    from rollmesh.launcher.launcher import ENGINE_RESTART_WINDOW_S, Launcher
+
+    clock = [1000.0]
+    monkeypatch.setattr(launcher_module.time, "monotonic", lambda: clock[0])
+    fake = SimpleNamespace(deaths={}, cluster=SimpleNamespace(role_max_restarts=2))
+    assert Launcher.may_restart(fake, "agent_worker[0]")
+    assert Launcher.may_restart(fake, "agent_worker[0]")
+    assert not Launcher.may_restart(fake, "agent_worker[0]")  # a third death within the window
+    assert Launcher.may_restart(fake, "agent_worker[1]")  # each process has its own count
+    for _ in range(10):  # one death an hour: always restarted
+        clock[0] += ENGINE_RESTART_WINDOW_S * 6
+        assert Launcher.may_restart(fake, "rollouter[0]")
