@@ -277,7 +277,7 @@ class RolloutCore:
             # asks again until a rollouter answers); the role's `resume_if_forgotten` is
             # the backstop.
             self.paused = True
-        elif self.version > 0:
+        elif not restarted and self.version > 0:
             # A new launch (`--resume`) of a run past version 0: the engines start with the
             # initial weights, and the trainer may resume at an older version than this one
             # (its checkpoint). Generate nothing until its first publication says which (a
