@@ -57,6 +57,7 @@ whole on rank 0, not streamed) and the adapters alone in peft's format in `adapt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -83,6 +84,7 @@ from rollmesh.training.lora import adapter_tensors, merged_state_dict
 from rollmesh.training.ranks import Ranks, full_tensor
 
 FORMAT = 2
+WRITER_NICE = 10  # the writer threads' nice value: the step's compute comes first
 LATEST = "latest"
 log = get_logger("rollmesh.training.checkpoint")
 
@@ -248,15 +250,19 @@ def _to_host(entries: list, device_type: str) -> tuple[list, bool]:
         raise RuntimeError("a checkpoint is still being written from the host buffers: "
                            "wait for the pending save before starting another")
     HOST_BUFFERS.busy = True
-    out = []
-    for n, t, o, s in entries:
-        if t.device.type == "cuda":
-            buf = HOST_BUFFERS.get(n, t)
-            buf.copy_(t, non_blocking=True)
-            out.append((n, buf, o, s))
-        else:
-            out.append((n, t.clone(memory_format=torch.contiguous_format), o, s))
-    torch.cuda.synchronize()
+    try:
+        out = []
+        for n, t, o, s in entries:
+            if t.device.type == "cuda":
+                buf = HOST_BUFFERS.get(n, t)
+                buf.copy_(t, non_blocking=True)
+                out.append((n, buf, o, s))
+            else:
+                out.append((n, t.clone(memory_format=torch.contiguous_format), o, s))
+        torch.cuda.synchronize()
+    except BaseException:
+        HOST_BUFFERS.busy = False
+        raise
     return out, True
 
 
@@ -284,9 +290,11 @@ class PendingSave:
     thread: threading.Thread | None = None
 
     def _write(self, entries: list, rng: bytes, hf: Any, pinned: bool) -> None:
-        """This rank's part (the writer thread)."""
+        """This rank's part (the writer thread, at a lower CPU priority than the training)."""
         started = time.monotonic()
         try:
+            with contextlib.suppress(AttributeError, OSError):  # Linux: per thread
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
             path = self.tmp / rank_file(self.rank)
             specs = [(n, t.dtype, tuple(t.shape)) for n, t, _, _ in entries]
             tensors = (t for _, t, _, _ in entries)
@@ -407,8 +415,8 @@ def start_save(directory: str | Path, *, model: torch.nn.Module,
     if critic is not None:
         entries += _entries("critic", critic, critic_optimizer, ranks.is_main)
     entries = [e for e in entries if e[1].numel()]  # an empty shard is not stored
-    device_type = next((t.device.type for _, t, _, _ in entries), "cpu")
-    entries, pinned = _to_host(entries, device_type)
+    on_cuda = any(t.device.type == "cuda" for _, t, _, _ in entries)
+    entries, pinned = _to_host(entries, "cuda" if on_cuda else "cpu")
     copy_s = time.monotonic() - started
     pieces = {n: {"shape": list(s), "dtype": checkpoint_io.dtype_name(t.dtype),
                   "offset": list(o), "local": list(t.shape)} for n, t, o, s in entries}

@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 INDEX = "index.json"
+SYNC_EVERY = 256 << 20  # bytes written between flushes to disk (`write_safetensors`)
 RANK_FILE = re.compile(r"rank_(0|[1-9][0-9]{0,5})\.safetensors")
 # safetensors' dtype names <-> torch (the allow-list of an index)
 DTYPES: dict[str, torch.dtype] = {
@@ -56,7 +57,9 @@ def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, tuple[int,
                       tensors: Iterable[torch.Tensor], *, fsync: bool = True,
                       metadata: dict[str, str] | None = None) -> tuple[int, str]:
     """Write `tensors` (CPU, one per spec, in order: name, dtype, shape) to `path` as
-    safetensors, streaming; returns (bytes written, sha256 hex of the file)."""
+    safetensors, streaming; returns (bytes written, sha256 hex of the file). `fsync`: on disk
+    when it returns, flushed every `SYNC_EVERY` bytes on the way and dropped from the page
+    cache."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     at = 0
     for name, dtype, shape in specs:
@@ -67,7 +70,7 @@ def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, tuple[int,
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     digest = hashlib.sha256()
-    written = 0
+    written = synced = 0
     with open(path, "wb") as f:
         for chunk in (struct.pack("<Q", len(head)), head):
             f.write(chunk)
@@ -86,13 +89,26 @@ def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, tuple[int,
                 f.write(data)
                 digest.update(data)
                 written += len(data)
+                if fsync and written - synced >= SYNC_EVERY:
+                    synced = _drop_written(f, written)
             del t
         if next(it, None) is not None:
             raise ValueError(f"{path}: more tensors than specs")
         f.flush()
         if fsync:
             os.fsync(f.fileno())
+            _drop_written(f, written)
     return written, digest.hexdigest()
+
+
+def _drop_written(f: Any, written: int) -> int:
+    """Flush what is written to disk and drop it from the page cache: a checkpoint's many GB of
+    dirty pages would otherwise squeeze the trainer's memory and stall it in reclaim."""
+    f.flush()
+    os.fdatasync(f.fileno())
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, written, os.POSIX_FADV_DONTNEED)
+    return written
 
 
 def check_written(path: Path, size: int, names: Iterable[str]) -> None:
@@ -221,11 +237,12 @@ class Reader:
 
     def __init__(self, directory: Path, index: Index):
         self.directory, self.index = directory, index
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, tuple[Any, set[str]]] = {}
 
-    def _file(self, name: str) -> Any:
+    def _file(self, name: str) -> tuple[Any, set[str]]:
         if name not in self._open:
-            self._open[name] = safe_open(self.directory / name, framework="pt")
+            f = safe_open(self.directory / name, framework="pt")
+            self._open[name] = (f, set(f.keys()))
         return self._open[name]
 
     def close(self) -> None:
@@ -252,8 +269,8 @@ class Reader:
             hi = [min(a + s, b + t) for a, s, b, t in zip(offset, shape, p_off, p_shape)]
             if any(h <= the_lo for h, the_lo in zip(hi, lo)):
                 continue
-            f = self._file(file)
-            if name not in f.keys():
+            f, keys = self._file(file)
+            if name not in keys:
                 raise ValueError(f"{self.directory / file}: lacks {name}")
             sl = f.get_slice(name)
             if tuple(sl.get_shape()) != p_shape or sl.get_dtype() != dtype_name(dtype):
