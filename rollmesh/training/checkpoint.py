@@ -208,8 +208,9 @@ def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def _write_hf_files(path: Path, model: torch.nn.Module, tokenizer: Any) -> None:
-    config = model.config
-    config.save_pretrained(path)
+    config = getattr(model, "config", None)  # a plain torch module has none
+    if config is not None:
+        config.save_pretrained(path)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(path)
     if tokenizer is not None:

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -220,6 +221,7 @@ def _rank(rank: int, rendezvous: str, model_path: str, one_rank_ckpt: str,
         result["path"] = checkpoint.save(out, **kw(state), ranks=ranks)
         result["saved"] = snapshot(state, full_tensor)
         # step 2: rank 1's part fails half-way: abandoned on every rank, step 1 stays latest
+        real = checkpoint_io.write_safetensors
         if rank == 1:
             def fail(*a, **k):
                 raise OSError("no space left on rank 1")
@@ -227,12 +229,27 @@ def _rank(rank: int, rendezvous: str, model_path: str, one_rank_ckpt: str,
         state.step = 2
         pending = checkpoint.start_save(out, **kw(state), ranks=ranks)
         result["failed"] = (pending.wait(ranks), pending.error)
+        checkpoint_io.write_safetensors = real
         # 1 -> 2: a one-rank checkpoint into two ranks, each reading its rows
         fresh = build_state(exp, ranks)
         checkpoint.load(one_rank_ckpt, model=fresh.model, optimizer=fresh.optimizer,
                         scheduler=fresh.scheduler, ranks=ranks)
         result["loaded"] = snapshot(fresh, full_tensor)
         result["last_epoch"] = fresh.scheduler.last_epoch
+        # one output row over two ranks: rank 1's shards are empty (and not stored)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        small = torch.nn.Linear(3, 1)
+        fully_shard(small, mesh=init_device_mesh("cpu", (2,)))
+        opt = torch.optim.AdamW(small.parameters(), lr=0.1)
+        small(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        checkpoint.save(f"{out}-small", model=small, optimizer=opt, step=1, version=1,
+                        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+                        ranks=ranks)
+        result["small"] = snapshot(SimpleNamespace(model=small, optimizer=opt), full_tensor)
     finally:
         close_ranks(ranks)
     return result
@@ -275,6 +292,18 @@ def test_two_ranks_save_their_shards_and_load_into_one_rank_and_back(tmp_path):
     # 1 -> 2
     assert_equal(results[0]["loaded"], snapshot(one))
     assert results[0]["last_epoch"] == one.scheduler.last_epoch
+    # an empty shard: rank 1 holds no row of the (1, 3) weight; its file lists no tensor
+    small_path = Path(f"{out}-small/step_00000001")
+    index = json.loads((small_path / "index.json").read_text())
+    assert index["tensors"]["model.weight"]["pieces"] == [
+        {"file": "rank_0.safetensors", "offset": [0, 0], "shape": [1, 3]}]
+    with safe_open(small_path / "rank_1.safetensors", framework="pt") as f:
+        assert list(f.keys()) == []
+    small = torch.nn.Linear(3, 1)
+    opt = torch.optim.AdamW(small.parameters(), lr=0.1)
+    checkpoint.load(small_path, model=small, optimizer=opt,
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
+    assert_equal(snapshot(SimpleNamespace(model=small, optimizer=opt)), results[0]["small"])
 
 
 def test_the_trainer_tells_the_queue_a_step_is_saved_only_once_its_checkpoint_is_latest(
@@ -283,7 +312,6 @@ def test_the_trainer_tells_the_queue_a_step_is_saved_only_once_its_checkpoint_is
     queue forgets the batches up to it) and saved_at move only when `settle_checkpoint` finds
     the checkpoint latest; a save abandoned leaves them, and the next save still works."""
     import asyncio
-    from types import SimpleNamespace
 
     from rollmesh.training import role
 
