@@ -326,6 +326,8 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
             if order["op"] == "republish":
                 with contextlib.suppress(RuntimeError):  # rank 0 gave up; it tries again later
                     await sync_weights(state, None, republish=True)
+            if order["op"] == "idle":  # as rank 0: a checkpoint written while idle is latest
+                await settle_checkpoint(ctx, state, None, wait=False)
     assert link is not None
     exp = state.exp
     while True:
@@ -357,6 +359,7 @@ async def next_batch(ctx: RoleContext, state: TrainState, link: Link | None) -> 
                                     "checkpoint_due": state.checkpoint_due})
             return batch
         await run(ranks.share, {"op": "idle"})  # the other ranks wait in a collective: wake them
+        await settle_checkpoint(ctx, state, link, wait=False)  # every rank, as after a step
 
 
 def last_step_at_version(state: TrainState, link: Link) -> int:
@@ -373,18 +376,41 @@ def last_step_at_version(state: TrainState, link: Link) -> int:
 
 async def save_checkpoint(ctx: RoleContext, state: TrainState, link: Link | None,
                           directory: str | Path) -> None:
-    path = await run(checkpoint.save, directory, model=state.model, optimizer=state.optimizer,
-                     scheduler=state.scheduler, step=state.step, version=state.version,
-                     ranks=state.ranks, tokenizer=state.tokenizer,
-                     samples_consumed=state.samples_consumed,
-                     critic=state.critic, critic_optimizer=state.critic_optimizer,
-                     critic_scheduler=state.critic_scheduler,
-                     keep=state.exp.trainer.keep_checkpoints)
+    """Start checkpoint `state.step` (every rank): the previous one settled first, then the
+    step waits for the copy of its shards to host memory alone; the writing goes on in the
+    background (`settle_checkpoint` after each step)."""
+    await settle_checkpoint(ctx, state, link, wait=True)
+    state.pending_save = await run(
+        checkpoint.start_save, directory, model=state.model, optimizer=state.optimizer,
+        scheduler=state.scheduler, step=state.step, version=state.version, ranks=state.ranks,
+        tokenizer=state.tokenizer, samples_consumed=state.samples_consumed,
+        critic=state.critic, critic_optimizer=state.critic_optimizer,
+        critic_scheduler=state.critic_scheduler, keep=state.exp.trainer.keep_checkpoints)
+
+
+async def settle_checkpoint(ctx: RoleContext, state: TrainState, link: Link | None,
+                            wait: bool) -> None:
+    """The pending checkpoint, if any (every rank, together): `wait` for it, or poll (not
+    written yet on every rank: polled again after the next step). Once it is `latest` (and
+    only then: the queue may then forget the batches up to its step) the link learns its step;
+    an abandoned one changes nothing (logged; the next save tries again)."""
+    pending = state.pending_save
+    if pending is None:
+        return
+    result = await run(pending.wait if wait else pending.poll, state.ranks)
+    if result is None:
+        return
+    state.pending_save = None
+    step, version = pending.step, pending.version
+    if result is False:
+        ctx.log.error("checkpoint_abandoned", step=step, error=(pending.error or "")[:500])
+        return
     if link is not None:
-        link.checkpoint_step = state.step
+        link.checkpoint_step = step
         link.saved_at = time.monotonic()
-    if path is not None:
-        ctx.log.info("checkpoint_saved", path=str(path), step=state.step, version=state.version)
+    if state.ranks.is_main:
+        ctx.log.info("checkpoint_saved", path=str(result), step=step, version=version,
+                     copy_s=round(pending.copy_s, 4), write_s=round(pending.write_s, 4))
 
 
 async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
@@ -422,6 +448,7 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
             link.report(metrics)
         # after the step's row: a checkpoint never holds a step whose row was not written
         # (killed in between, the step is trained again and its row written again)
+        await settle_checkpoint(ctx, state, link, wait=False)  # written: it becomes latest
         if ckpt_dir and ((every and state.step % every == 0) or state.checkpoint_due):
             # (overlapped: the sync in flight first, so that a checkpoint's version was sent)
             await finish_sync(state, sender)
@@ -430,6 +457,7 @@ async def train(ctx: RoleContext, settings: TrainerSettings, state: TrainState,
     await finish_sync(state, sender)  # overlapped: the last one
     if ckpt_dir and state.step != saved_at:
         await save_checkpoint(ctx, state, link, ckpt_dir)
+    await settle_checkpoint(ctx, state, link, wait=True)
     if settings.final_export_dir:  # the policy the run ends with, in Hugging Face format
         await run(checkpoint.export_hf, Path(settings.final_export_dir), model=state.model,
                   tokenizer=state.tokenizer, dtype=state.compute_dtype, ranks=state.ranks,

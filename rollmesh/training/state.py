@@ -62,6 +62,9 @@ class TrainState:
     critic: Critic | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+    # The checkpoint being written in the background (`checkpoint.PendingSave`), until it is
+    # latest or abandoned (training/role.py: save_checkpoint, settle_checkpoint).
+    pending_save: Any = None
 
     @property
     def temperature(self) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollmesh.training import checkpoint
+from rollmesh.training import checkpoint, checkpoint_io
 from rollmesh.training.batching import from_groups
 from rollmesh.training.state import build_state
 from rollmesh.training.step import prepare, update_policy
@@ -94,8 +94,10 @@ def test_gae_checkpoint_restores_the_critic_and_the_next_step_matches_an_uninter
         update_policy(first, prepare(first, from_groups(batches[0])))
         first.step, first.version, first.samples_consumed = 1, 1, 8
         path = save_state(tmp_path, first)
-        assert {"critic.safetensors", "critic_optimizer.safetensors"} <= {
-            f.name for f in path.iterdir()}
+        assert set(checkpoint.read_tensors(path, "critic")) == {
+            n for n, _ in first.critic.named_parameters()}
+        assert {k.rsplit(".", 1)[0] for k in checkpoint.read_tensors(path, "critic_optimizer")
+                } == {n for n, _ in first.critic.named_parameters()}
         resumed = build_state(exp)
         load_state(path, resumed)
         assert max_diff(params_of(resumed, "critic"), params_of(first, "critic")) == 0
@@ -121,15 +123,18 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, mon
     kw = dict(model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
               tokenizer=state.tokenizer)
     first = checkpoint.save(tmp_path, step=1, version=1, **kw)
-    real = checkpoint.save_file
+    real = checkpoint_io.write_safetensors
 
-    def crash_on_optimizer(tensors, path, **k):
-        if str(path).endswith("optimizer.safetensors"):
-            raise OSError("disk full")
-        return real(tensors, path, **k)
+    def crash_half_way(path, specs, tensors, **k):
+        def some():
+            for i, t in enumerate(tensors):
+                if i == len(specs) // 2:
+                    raise OSError("disk full")
+                yield t
+        return real(path, specs, some(), **k)
 
-    monkeypatch.setattr(checkpoint, "save_file", crash_on_optimizer)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(checkpoint_io, "write_safetensors", crash_half_way)
+    with pytest.raises(checkpoint.CheckpointError, match="rank 0: OSError: disk full"):
         checkpoint.save(tmp_path, step=2, version=2, **kw)
     assert checkpoint.latest(tmp_path) == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
