@@ -75,6 +75,7 @@ from rollmesh.config.settings import COMPACT_FLOOR_BYTES, MAX_PENDING_BATCHES
 from rollmesh.core.trajectory import (
     admission_age, group_origin, is_stale, made_after, oldest_version, staleness,
 )
+from rollmesh.core.validate import INVALID, invalid_group_reason
 from rollmesh.runtime.durable_log import HEADER, DurableLog, record_size
 from rollmesh.runtime.log import get_logger
 from rollmesh.wire import protocol
@@ -83,7 +84,7 @@ from rollmesh.wire.messages import Group
 LOG_NAME = "queue.log"
 # Drop reasons whose places in the admission bound go back to the rollouter that made the group
 # (counted by origin in `stale_by_origin`, answered to every put)
-GIVE_BACK = ("stale", "lost_weights")
+GIVE_BACK = ("stale", "lost_weights", INVALID)
 _STATE_OVERHEAD = 4096  # the counters record of a compacted log, roughly
 
 
@@ -160,6 +161,9 @@ def decode_entry(payload: bytes) -> list[Any]:
         return ["take", e[1], e[2], _ints(e[3])]
     if kind == "drop" and n == 3 and type(e[1]) is str:
         return ["drop", e[1], _ints(e[2])]
+    if kind == "refuse" and n == 4 and type(e[1]) is str and type(e[2]) is int \
+            and type(e[3]) is str:
+        return e
     if kind in ("commit", "forget", "version", "rewind") and n == 2 and type(e[1]) is int:
         return e
     if kind == "state" and n == 2 and type(e[1]) is dict:
@@ -205,6 +209,7 @@ class MessageQueue:
         self.pending: dict[int, Pending] = {}  # step -> the batch handed out for it
         self.depth_samples = 0
         self.version = 0
+        self.high_version = 0  # the newest version ever heard, a rewind's lost ones included
         self.committed_step = 0
         self.next_seq = 0
         self.put_samples = 0
@@ -344,6 +349,15 @@ class MessageQueue:
                     self.stale_by_origin[str(group_origin(g.group_id))] += k
                 self._forget([seq], [g])
             return None
+        if kind == "refuse":  # a group refused at its put (`put_many`): counted, not kept
+            _, gid, k, reason = entry
+            self.put_samples += k  # put, then dropped: the queue's own balance holds
+            self.dropped[reason] += k
+            self.stale_by_origin[str(group_origin(gid))] += k
+            if gid not in self._seen_ids:
+                self._seen_ids.add(gid)
+                self._seen_bytes += len(gid) + 2
+            return None
         if kind == "commit":
             self.committed_step = max(self.committed_step, entry[1])
             for step in [s for s in self.pending if s <= self.committed_step]:
@@ -355,6 +369,7 @@ class MessageQueue:
             return None
         if kind == "version":
             self.version = max(self.version, entry[1])
+            self.high_version = max(self.high_version, self.version)
             return None
         if kind == "rewind":
             self.version = entry[1]
@@ -363,6 +378,7 @@ class MessageQueue:
         if kind == "state":
             s = entry[1]
             self.version = int(s["version"])
+            self.high_version = max(self.version, int(s.get("high_version", 0)))
             self.committed_step = int(s["committed_step"])
             self.next_seq = max(self.next_seq, int(s["next_seq"]))
             self.put_samples = int(s["put_samples"])
@@ -399,7 +415,8 @@ class MessageQueue:
         self._forget(p.seqs, p.groups)
 
     def _counters(self) -> dict[str, Any]:
-        return {"version": self.version, "committed_step": self.committed_step,
+        return {"version": self.version, "high_version": self.high_version,
+                "committed_step": self.committed_step,
                 "next_seq": self.next_seq, "put_samples": self.put_samples,
                 "consumed_samples": self.consumed_samples, "rejected_puts": self.rejected_puts,
                 "duplicate_puts": self.duplicate_puts, "evicted_batches": self.evicted_batches,
@@ -474,21 +491,42 @@ class MessageQueue:
 
         A group put before counts as accepted and is not queued again: the retry of a put
         whose reply was lost (a restart in between), or a group a restarted rollouter
-        generated again; held or trained, it counts once. Nothing is recorded if any group is
-        malformed (ValueError) or the write fails (QueueDiskError)."""
+        generated again; held or trained, it counts once. A group that is not valid
+        (`core.validate`: rows of different lengths, a version from the future, a reward that
+        is not a finite number...) counts as accepted and is dropped at once, reason "invalid"
+        (recorded, logged, its place given back to its rollouter): it never trains; so is one
+        holding a token of a version lost in a rewind (`rewind`: the put was on its way),
+        reason "lost_weights". Nothing is recorded if the write fails (QueueDiskError)."""
         entries: list[list[Any]] = []
         new_ids: set[str] = set()
         duplicates = accepted = 0
         room = self.capacity - len(self.queued)
         oldest: dict[int, int | None] = {}
         for group in groups:
-            version = oldest_version(group, strict=True)  # integers, checked before any write
             if group.group_id in self._seen_ids or group.group_id in new_ids:
                 duplicates += 1
-            elif room <= 0:
+                accepted += 1
+                continue
+            # Versions are the rollouter's to check (it knows what its engines serve); here,
+            # after a rewind, one past the next (a rollouter may put before this queue hears
+            # of the version its engines serve) was lost with the weights that made it.
+            why = invalid_group_reason(group)
+            reason = INVALID if why is not None else (
+                "lost_weights" if self.high_version > self.version
+                and made_after(group, self.version + 1) else None)
+            if reason is not None:
+                log = self.log.error if reason == INVALID else self.log.warning
+                log("group_refused", group=group.group_id, reason=reason, why=why,
+                    origin=group_origin(group.group_id), version=self.version)
+                entries.append(["refuse", group.group_id, len(group.trajectories), reason])
+                new_ids.add(group.group_id)
+                accepted += 1
+                continue
+            version = oldest_version(group, strict=True)  # integers (checked above)
+            if room <= 0:
                 break
             else:
-                seq = self.next_seq + len(entries)
+                seq = self.next_seq + len(oldest)
                 entries.append(["put", seq, group])
                 oldest[seq] = version
                 new_ids.add(group.group_id)

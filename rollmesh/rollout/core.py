@@ -55,6 +55,7 @@ from rollmesh.rollout.filters import get_group_filter, keep_all
 from rollmesh.rollout.journal import Journal
 from rollmesh.rollout.workers import Worker, WorkerPool
 from rollmesh.core.trajectory import is_stale, made_after, new_trajectory, oldest_version
+from rollmesh.core.validate import INVALID, invalid_reason, vocabulary_size
 
 __all__ = ["GroupState", "RolloutCore", "Send"]
 
@@ -90,6 +91,8 @@ class RolloutCore:
         self.shard, self.shards, self.queues = shard, shards, queues
         self.journal = journal if journal is not None else Journal(None, log)
         self.group_filter = get_group_filter(exp.rollout.group_filter)
+        # the bound on a row's token ids (`core.validate`): an id past it crashes the trainer
+        self.vocab_size = vocabulary_size(exp.model.path, tokenizer) if tokenizer else None
         self.version = 0
         self.paused = False
         self.synchronizer_spoke = False  # a Pause or Resume since this process started
@@ -370,6 +373,8 @@ class RolloutCore:
                 self.to_score.append(traj)
         elif traj.group_id not in self.groups:  # its group was already given up
             self._drop_straggler(traj)
+        elif self.drop_invalid(worker, traj, scored=False):
+            pass  # a row the trainer could not take: its group goes, reason "invalid"
         elif traj.status in ("finished", "interrupted") and self.drop_stale(traj):
             pass  # past the bound already: its group is dropped, this sample with it
         elif traj.status == "finished":
@@ -409,6 +414,8 @@ class RolloutCore:
             return None
         if self.drop_stale(traj):
             return None  # a version went by while it was scored: past the bound now
+        if traj.reward_status == "ok" and self.drop_invalid(worker, traj, scored=True):
+            return None  # a reward that is not a finite number
         state.scored.append(traj)
         if len(state.scored) == state.size:
             return self.complete(traj.group_id, state)
@@ -429,6 +436,23 @@ class RolloutCore:
             self.finish_group(group_id, group, None)
             return group
         return None
+
+    def drop_invalid(self, worker: Worker, traj: Trajectory, *, scored: bool) -> bool:
+        """Drop `traj`'s group, reason "invalid", if the row is not one the trainer can take
+        (`core.validate`: token ids past the vocabulary, arrays of different lengths, a version
+        from the future (past the engines' next one), a reward that is not a finite number): an
+        agent loop or a reward function is user code. Logged with the worker it came from."""
+        why = invalid_reason(traj, vocab_size=self.vocab_size, max_version=self.version + 1,
+                             scored=scored)
+        if why is None:
+            return False
+        out = self.finish_group(traj.group_id, None, INVALID, extra=[traj])
+        if out > 0:
+            self.stale_out[traj.group_id] = (out, INVALID)
+        self.events["invalid_groups"] += 1
+        self.log.error("sample_invalid", group=traj.group_id, sample=traj.sample_id,
+                       worker=worker.name, why=why, still_out=max(out, 0))
+        return True
 
     def _drop_straggler(self, traj: Trajectory) -> None:
         left, reason = self.stale_out.get(traj.group_id, (0, "group_failed"))

@@ -56,14 +56,38 @@ def test_put_many_accepts_a_prefix_up_to_the_capacity_and_counts_duplicates_once
     again.close()
 
 
-def test_a_malformed_group_in_a_put_changes_nothing(tmp_path):
+@pytest.mark.parametrize("spoil, why", [
+    (lambda t: setattr(t, "versions", t.versions.astype(np.float32)), "versions is of float32"),
+    (lambda t: setattr(t, "logprobs", t.logprobs[:-1]), "logprobs holds"),
+    (lambda t: t.token_ids.__setitem__(0, -5), "token id -5 is negative"),
+    (lambda t: setattr(t, "reward", float("nan")), "reward nan is not a finite number"),
+    (lambda t: setattr(t, "prompt_len", 10**6), "prompt_len"),
+])
+def test_an_invalid_group_in_a_put_is_dropped_as_invalid_and_the_rest_queued(tmp_path, spoil, why):
+    """A malformed group among good ones: counted as put and dropped, reason "invalid" (its
+    place given back to its rollouter), never handed out; the good ones are queued; the queue
+    balances, and all of it survives a reopen."""
     q = MessageQueue(10, 1, state_dir=tmp_path)
     bad = group(2)
-    bad.trajectories[1].versions = bad.trajectories[1].versions.astype(np.float32)
-    with pytest.raises(ValueError, match="g-00002.*versions of float32, expected integers"):
-        q.put_many([group(1), bad])
-    s = q.stats()
-    assert s["depth_groups"] == 0 and s["put_samples"] == 0 and q.journal.appended_records == 0
+    spoil(bad.trajectories[1])
+    logs = []
+    q.log = type("L", (), {"error": lambda self, ev, **kw: logs.append((ev, kw)),
+                           "warning": lambda self, ev, **kw: logs.append((ev, kw))})()
+    assert q.put_many([group(1), bad, group(3)]) == 3
+    assert [(ev, kw["group"], kw["reason"]) for ev, kw in logs] == [
+        ("group_refused", "g-00002", "invalid")]
+    assert why in logs[0][1]["why"]
+    for reopen in (False, True):
+        if reopen:
+            q.close()
+            q = MessageQueue(10, 1, state_dir=tmp_path)
+        s = q.stats()
+        assert s["depth_groups"] == 2 and s["dropped"] == {"invalid": 2}
+        assert s["put_samples"] == s["depth_samples"] + 2
+        assert q.stale_by_origin == {"0": 2}
+        assert q.put(bad)  # sent again: it counts once
+        assert q.stats()["dropped"] == {"invalid": 2}
+    assert [g.group_id for g in q.take(2, version=0)] == ["g-00001", "g-00003"]
     q.close()
 
 

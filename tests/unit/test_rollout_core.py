@@ -335,3 +335,54 @@ def test_within_the_bound_nothing_is_dropped_early(tmp_path):
     core.resume(3)  # 3 - 0 = 3: still trainable
     finish(core, gid, [0.0, 1.0])
     assert [g.group_id for g in core.ready] == [gid] and not core.dropped
+
+
+# -- invalid samples (issue 35) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ids, logprobs, version, why", [
+    ([2**30], [-0.1], 0, "token id 1073741824 is outside the vocabulary"),
+    ([-1], [-0.1], 0, "token id -1 is negative"),
+    ([5], [-0.1], 7, "weight version 7 is in the future (latest 1)"),
+    ([5], [float("nan")], 0, "log-prob is NaN"),
+])
+def test_a_sample_an_agent_loop_spoiled_drops_its_group_as_invalid(tmp_path, ids, logprobs,
+                                                                   version, why):
+    """A buggy or hostile agent loop returns a row the trainer cannot take (a token id past the
+    vocabulary crashed the trainer with an IndexError): its group is dropped, reason
+    "invalid", logged with the worker it came from; its sample still out is dropped as
+    "invalid" when it comes back; nothing is scored; the identity holds."""
+    from rollmesh.core.trajectory import append_tokens
+
+    core = make_core(tmp_path)
+    events = []
+    core.log = type("L", (), {"error": lambda self, ev, **kw: events.append((ev, kw)),
+                              "info": lambda self, ev, **kw: None,
+                              "warning": lambda self, ev, **kw: None})()
+    gid = dispatched_groups(list(core.dispatch()))[0]
+    agent = worker(core, b"agent")
+    first, second = [t for t in agent.out.values() if t.group_id == gid]
+    first.token_ids = first.token_ids.astype(np.int64)  # 2**30 fits a row's int32 too
+    append_tokens(first, ids, logprobs, version)
+    first.status = "finished"
+    assert core.returned(agent, first)
+    assert gid not in core.groups and core.stale_out == {gid: (1, "invalid")}
+    assert [(ev, kw["worker"], kw["group"]) for ev, kw in events] == [
+        ("sample_invalid", "agent-0", gid)]
+    assert why in events[0][1]["why"]
+    append_tokens(second, [5], [-0.1], 0)
+    second.status = "finished"
+    assert core.returned(agent, second)
+    assert dict(core.dropped) == {"invalid": 2} and core.stale_out == {}
+    assert not any(isinstance(s.msg, Score) and s.msg.trajectory.group_id == gid
+                   for s in core.dispatch())
+    assert identity_holds(core)
+
+
+def test_a_reward_that_is_not_a_finite_number_drops_its_group_as_invalid(tmp_path):
+    core = make_core(tmp_path)
+    gid = dispatched_groups(list(core.dispatch()))[0]
+    finish(core, gid, [1.0, float("inf")])
+    assert gid not in core.groups and not core.ready_groups()
+    assert dict(core.dropped) == {"invalid": 2}
+    assert identity_holds(core)
