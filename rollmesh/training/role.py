@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -48,13 +49,15 @@ from rollmesh.training import checkpoint
 from rollmesh.wire import protocol
 from rollmesh.config import parse_config, queue_addresses, to_dict
 from rollmesh.runtime.durable_log import write_atomic
+from rollmesh.runtime.log import get_logger
+from rollmesh.core.validate import invalid_group_reason
 from rollmesh.engine.client import run_api_key
 from rollmesh.models.loading import resolve_device
 from rollmesh.core.evaluation import eval_metrics
 from rollmesh.mq.client import STREAM_AHEAD, BatchFeed, ShardedFeed
 from rollmesh.training.metrics_sink import MetricsSinks, require_extras
 from rollmesh.config import TrainerSettings
-from rollmesh.wire.messages import Batch, EvalResult, Metrics, StatsRequest
+from rollmesh.wire.messages import Batch, EvalResult, Group, Metrics, StatsRequest
 from rollmesh.training.ranks import close_ranks, init_ranks
 from rollmesh.runtime.process import RoleContext
 from rollmesh.training.batching import from_groups
@@ -66,6 +69,8 @@ from rollmesh.wire.channels import Subscriber
 from rollmesh.training.weight_sender import WeightSender, finish_sync, sync_weights
 
 run = asyncio.to_thread  # torch work leaves the event loop free for heartbeats and stats
+log = get_logger("rollmesh.training")
+TRAINED_AGAIN = "metrics.trained-again.jsonl"  # beside metrics.jsonl: rows of steps trained again
 
 
 def checkpoint_dir(settings: TrainerSettings) -> str | None:
@@ -499,14 +504,39 @@ async def train_step(state: TrainState, batch: Batch, waited: float) -> dict[str
     """One step on `batch` (every rank): prepare it, update, count it; returns the step's
     metrics row (`waited`: when the wait for the batch began)."""
     started = time.monotonic()
-    data = await run(prepare, state, from_groups(batch.groups))
+    groups, invalid = valid_groups(state, batch.groups)
+    if not groups:  # the step goes by (the queue counts steps) and trains on nothing
+        state.step += 1
+        return {"step": state.step, "version": state.version, "time": time.time(),
+                "invalid_samples": invalid, "samples": 0, "wait_s": started - waited,
+                "group_ids": [g.group_id for g in batch.groups]}
+    data = await run(prepare, state, from_groups(groups))
     stats = await run(update_policy, state, data)
     state.step += 1
     state.samples_consumed += data.size
     metrics = step_metrics(state, data, stats, time.monotonic() - started)
+    if invalid:
+        metrics["invalid_samples"] = invalid
     metrics["wait_s"] = started - waited
     metrics["group_ids"] = [g.group_id for g in batch.groups]  # what this step trained on
     return metrics
+
+
+def valid_groups(state: TrainState, groups: list[Group]) -> tuple[list[Group], int]:
+    """The batch's groups the model can take, and how many samples were left out (every rank
+    alike). The rollouter and the queue check each sample as it enters (`core.validate`); this
+    is the last guard, with the model's own bound: a token id past the embedding's rows would
+    crash the step (an IndexError) and, restarted, the trainer would meet it again."""
+    vocab = state.model.get_input_embeddings().num_embeddings
+    keep, invalid = [], 0
+    for g in groups:
+        why = invalid_group_reason(g, vocab_size=vocab)
+        if why is None:
+            keep.append(g)
+        else:
+            invalid += len(g.trajectories)
+            log.error("batch_group_invalid", group=g.group_id, why=why, step=state.step + 1)
+    return keep, invalid
 
 
 async def export_version(settings: TrainerSettings, state: TrainState) -> None:
@@ -518,14 +548,20 @@ async def export_version(settings: TrainerSettings, state: TrainState) -> None:
                   ranks=state.ranks, lora=state.exp.model.lora)
 
 
+class HistoryWithoutCheckpoint(RuntimeError):
+    """A trainer starting without a checkpoint where metrics.jsonl holds trained steps, and no
+    checkpoint can come: starting from fresh weights would throw that training away."""
+
+
 def trim_metrics(path: Path, step: int, log: Any) -> None:
     """A trainer (re)started from the checkpoint of `step` trains the steps after it again (on
-    the same batches): drop their rows now, so metrics.jsonl holds each step once. Replaced
-    whole (a reader sees the old file or the new one); a torn last line goes too."""
+    the same batches): their rows move to `metrics.trained-again.jsonl` beside it (appended,
+    synced first: no row is ever lost), so metrics.jsonl holds each step once. Replaced whole
+    (a reader sees the old file or the new one); a torn last line goes too."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
-    keep = []
+    keep, moved = [], []
     for line in lines:
         try:
             row = json.loads(line)
@@ -533,10 +569,43 @@ def trim_metrics(path: Path, step: int, log: Any) -> None:
             continue
         if line.endswith("\n") and isinstance(row, dict) and row.get("step", 0) <= step:
             keep.append(line)
+        elif line.endswith("\n"):
+            moved.append(line)
     if len(keep) != len(lines):
+        if moved:
+            with open(path.with_name(TRAINED_AGAIN), "a") as f:
+                f.write("".join(moved))
+                f.flush()
+                os.fsync(f.fileno())
         write_atomic(path, "".join(keep), fsync=True)
         log.info("metrics_trimmed", path=str(path), checkpoint_step=step,
-                 rows_dropped=len(lines) - len(keep))
+                 rows_moved=len(moved), moved_to=TRAINED_AGAIN,
+                 torn=len(lines) - len(keep) - len(moved))
+
+
+def refuse_fresh_start(path: Path | None, settings: TrainerSettings) -> None:
+    """Raise `HistoryWithoutCheckpoint` when this trainer has no checkpoint to resume from,
+    metrics.jsonl already holds trained steps (it is a restart, or `--resume` of a run), and
+    checkpoints are off (`trainer.checkpoint_every` and `checkpoint_every_s` both 0): the
+    queue keeps no batch for a trainer that never checkpoints, so starting again from fresh
+    weights would silently replace a run's training with a new one. (With checkpoints on and
+    none written yet, the trainer starts again from step 1 on the batches the queue kept for
+    it, and the rows of those steps move to metrics.trained-again.jsonl.)"""
+    exp = settings.experiment.trainer
+    if path is None or not path.exists() or (
+            checkpoint_dir(settings) and (exp.checkpoint_every or exp.checkpoint_every_s)):
+        return
+    steps = 0
+    with open(path) as f:
+        for line in f:
+            steps += line.startswith("{") and line.endswith("\n")
+    if steps:
+        raise HistoryWithoutCheckpoint(
+            f"{path} holds {steps} trained steps but there is no checkpoint to resume from "
+            "(trainer.checkpoint_every = 0 and trainer.checkpoint_every_s = 0): starting "
+            "again from the initial weights would discard that training, so the trainer "
+            "refuses. Start a new run, or turn checkpoints on (they cost little: they are "
+            "written in the background).")
 
 
 async def main(ctx: RoleContext) -> None:
@@ -560,6 +629,8 @@ async def main(ctx: RoleContext) -> None:
         ckpt_dir = checkpoint_dir(settings)
         # the one scan of the directory: `Link` keeps the latest checkpoint's step from here
         resume = checkpoint.latest(ckpt_dir) if ckpt_dir else None
+        if resume is None and ranks.is_main and settings.metrics_path:
+            refuse_fresh_start(Path(settings.metrics_path), settings)
         if resume is not None:
             saved = await run(checkpoint.load, resume, model=state.model,
                               optimizer=state.optimizer, scheduler=state.scheduler, ranks=ranks,
