@@ -40,3 +40,21 @@ class SelfCheckLoop:
             state["phase"] = "done"
         traj.num_turns = 2
         traj.status = "finished"
+
+
+class SpoiledTokensLoop:
+    """A buggy loop, for the tests: it answers, then appends one token id far past any
+    vocabulary as if generated (mask 1). Such a row once crashed the trainer; the rollouter
+    now drops its group, reason "invalid"."""
+
+    name = "spoiled_tokens"
+
+    def __init__(self, ctx: LoopContext):
+        self.ctx = ctx
+
+    async def run(self, traj: Trajectory) -> None:
+        from rollmesh.agents import append_tokens
+
+        await self.ctx.generate(traj, self.ctx.rollout.max_new_tokens)
+        append_tokens(traj, [2**30], [-0.5], int(traj.versions.max()))
+        traj.status = "finished"
