@@ -431,8 +431,9 @@ class TrainerConfig:
         "checkpoints kept, the latest ones (older ones are removed once a newer one is whole; "
         "0: all)", 2, ge=0)
     checkpoint_dir: str | None = _field(
-        "checkpoint directory (default: <run dir>/checkpoints)", None
-    )
+        "checkpoint directory (default: <run dir>/checkpoints); with several trainer ranks "
+        "every rank writes its own shards there, so it must be on a filesystem all of them see",
+        None)
     seed: int | None = _field("trainer seed (default: the top-level seed)", None)
     device: Literal["auto", "cpu", "cuda"] = _field(
         "training device (auto: cuda if present)", "auto"
