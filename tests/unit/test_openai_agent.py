@@ -481,8 +481,10 @@ def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
 
     async def body():
         t, r, worker, client = await _stack(engine.url, tmp_path, "long_agent")
+        # the rollouter's version (0), then its next one at the Resume: a token of a version
+        # past that is refused as invalid (core.validate)
         version = int((await post(engine.url, "/update_weight_version",
-                                  {"new_version": "20", "abort_all_requests": False}))
+                                  {"new_version": "0", "abort_all_requests": False}))
                       ["new_version"])
         tasks = [asyncio.create_task(c) for c in (r.receive(), r.schedule(), worker.serve(4))]
         frozen = False
