@@ -166,8 +166,10 @@ def test_a_real_trainer_after_a_dead_one_trains_on_the_batch_it_was_handed(tmp_p
     assert (end["put_samples"], end["consumed_samples"], end["depth_samples"]) == \
         (samples, samples, 0)
     assert balance(end) == 0
-    # step 2's request said "checkpoint at step 1": step 1 is forgotten, step 2 is still held
-    assert end["committed_step"] == 1 and end["pending_batches"] == 1
+    # step 2's request says "checkpoint at step 1" only if that checkpoint, written in the
+    # background, was already latest: then step 1 is forgotten; step 2 is held either way
+    assert end["committed_step"] in (0, 1)
+    assert end["pending_batches"] == 2 - end["committed_step"]
 
 
 @pytest.mark.slow

@@ -4,8 +4,7 @@ helpers they share are in tests/unit/test_trainer.py."""
 from __future__ import annotations
 
 import pytest
-from safetensors.torch import load_file
-
+from rollmesh.training import checkpoint
 from rollmesh.training.state import build_state
 from rollmesh.wire.messages import StatsRequest
 from rollmesh.wire.transport import RpcClient
@@ -49,14 +48,20 @@ def test_two_rank_training_equals_one_rank_training(tmp_path, overrides):
     codes, stats = with_supervisor(tmp_path, body)
     assert codes == [0, 0]
     assert stats.role == "trainer"
-    two = load_file(tmp_path / "ckpt/step_00000002/model.safetensors")
+    # the two ranks' checkpoint (each rank's shards), loaded into one rank
+    saved = build_state(experiment(*common))
+    checkpoint.load(tmp_path / "ckpt/step_00000002", model=saved.model,
+                    optimizer=saved.optimizer, scheduler=saved.scheduler, critic=saved.critic,
+                    critic_optimizer=saved.critic_optimizer,
+                    critic_scheduler=saved.critic_scheduler)
+    two = params_of(saved)
     one_state, one_stats = reference_run(experiment(*common), batches)
     assert max_diff(two, params_of(build_state(experiment(*common)))) > 1e-4  # it did train
     diff = max_diff(two, params_of(one_state))
     print("two-rank vs one-rank max abs diff", diff)
     assert diff < 1e-5, diff
     if overrides:
-        two_critic = load_file(tmp_path / "ckpt/step_00000002/critic.safetensors")
+        two_critic = params_of(saved, "critic")
         initial = params_of(build_state(experiment(*common)), "critic")
         assert max_diff(two_critic, initial) > 1e-4
         diff = max_diff(two_critic, params_of(one_state, "critic"))
