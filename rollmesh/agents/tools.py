@@ -306,16 +306,36 @@ _OPS: dict[type, Callable[..., Any]] = {
 }
 
 
+CALCULATOR_MAX_BITS = 4096  # an integer result's size (about 1,233 digits)
+
+
+def _result_bits(op: ast.operator, a: Any, b: Any) -> int:
+    """An upper bound on the bits of integer `a op b`, known before computing it: big-integer
+    arithmetic holds the interpreter lock, so a time limit cannot stop `(9**99)**99...`."""
+    if not (isinstance(a, int) and isinstance(b, int)):
+        return 0  # floats overflow to an error quickly
+    bits_a, bits_b = max(abs(a).bit_length(), 1), max(abs(b).bit_length(), 1)
+    if isinstance(op, ast.Pow):
+        return 0 if b < 0 or abs(a) <= 1 else bits_a * b
+    if isinstance(op, ast.Mult):
+        return bits_a + bits_b
+    return max(bits_a, bits_b) + 1
+
+
 def calculator(expression: str) -> str:
-    """Evaluate arithmetic (+ - * / // % ** and parentheses) without eval."""
+    """Evaluate arithmetic (+ - * / // % ** and parentheses) without eval. An integer result
+    past CALCULATOR_MAX_BITS is refused before it is computed."""
 
     def ev(node: ast.AST) -> Any:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            if isinstance(node.op, ast.Pow) and abs(ev(node.right)) > 100:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 100:
                 raise ValueError("exponent too large")
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+            if _result_bits(node.op, left, right) > CALCULATOR_MAX_BITS:
+                raise ValueError(f"result too large (over {CALCULATOR_MAX_BITS} bits)")
+            return _OPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
         raise ValueError(f"unsupported expression: {ast.dump(node)[:60]}")

@@ -187,15 +187,19 @@ def parse_sglang_tool_calls(text: str, tools: list[dict[str, Any]],
     if parser == "hermes":
         blocks = [a or b for a, b in
                   re.findall(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, re.DOTALL)]
-    else:
-        blocks = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.DOTALL)
+    else:  # each block found with str.find: a lazy regex is quadratic in unclosed markers
+        blocks, i = [], 0
+        while (a := text.find("<tool_call>\n", i)) >= 0 and \
+                (b := text.find("\n</tool_call>", a + 12)) >= 0:
+            blocks.append(text[a + 12:b])
+            i = b + 13
     calls: list[dict[str, Any]] = []
     for raw in blocks:
         if not raw:
             continue
         try:
             parsed = json.loads(raw.strip())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # deep nesting: malformed, not a crash
             if parser == "hermes":
                 return ParsedToolCalls(text, [])
             continue

@@ -282,3 +282,35 @@ def test_tool_answer_scores_a_tool_agent_trajectory_by_its_view(replies, reward,
     out = tool_answer_reward("", 42, {}, view)
     assert out == {"reward": reward, "answer": "42", "tool_calls": len(replies) - 1,
                    "used_tool": used_tool}
+
+
+# -- hostile model output (issue 35) ----------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_the_calculator_refuses_a_result_too_large_before_computing_it():
+    """`(((9**99)**99)**99)**99` held the interpreter lock in a big-integer power: the tool's
+    time limit never fired and the agent worker froze. Refused now, before the power."""
+    for bad in ("(((9**99)**99)**99)**99", "(9**99)**99", "(10**90) * (10**90) * (10**90) ** 99"):
+        with pytest.raises(ValueError, match="too large"):
+            calculator(bad)
+    assert calculator("(2**64) * (2**64)") == str(2**128)
+    assert calculator("9**99") == str(9**99)
+
+
+@pytest.mark.timeout(30)
+def test_unclosed_tool_call_markers_and_deep_json_are_parsed_in_one_pass_without_a_crash():
+    """8,000 unclosed `<tool_call>` blocked the event loop for 7 s (a lazy regex rescanning
+    the rest from each); 80,000 now take one pass. JSON nested past the parser's stack is a
+    malformed call the model is told of, not an uncaught RecursionError."""
+    from rollmesh.engine.openai_common import parse_sglang_tool_calls
+
+    assert parse_tool_agent_calls("<tool_call>" * 80_000) == []
+    tools = [{"type": "function", "function": {"name": "calculator"}}]
+    assert parse_sglang_tool_calls("<tool_call>\n" * 80_000, tools, "qwen25").calls == []
+    deep = "[" * 100_000 + "]" * 100_000
+    calls = parse_tool_agent_calls(f"<tool_call>{deep}</tool_call>"
+                                   '<tool_call> {"name": "calculator", "arguments": {}} </tool_call>')
+    assert calls[0]["error"] == "malformed tool call: JSON nested too deeply"
+    assert calls[1] == {"name": "calculator", "arguments": {}}
+    assert parse_sglang_tool_calls(f"<tool_call>\n{deep}\n</tool_call>", tools, "qwen25").calls == []
