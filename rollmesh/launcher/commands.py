@@ -253,6 +253,10 @@ def stop_main(argv: list[str]) -> int:
     if not _pid_alive(pid):
         print(f"rollmesh: the launcher of {args.run} (pid {pid}) is not running")
         return 1
+    why_not = not_the_launcher(pid, info)
+    if why_not:
+        print(f"rollmesh: not signalling pid {pid}: {why_not}", file=sys.stderr)
+        return 1
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
     while _pid_alive(pid) and time.monotonic() < deadline:
@@ -299,6 +303,26 @@ async def _stop_over_socket(run: Path, info: dict[str, Any], timeout_s: float) -
             return f"the launcher still answers after {timeout_s:g}s"
         finally:
             client.close()
+
+
+def not_the_launcher(pid: int, info: dict[str, Any]) -> str | None:
+    """Why `pid` is not the launcher launcher.json names (None: it is). A pid is reused once
+    its process is gone: the process there must be a rollmesh one that started before the
+    launcher wrote `started_at`, which a process given the pid later cannot have."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration) as e:
+        return f"cannot read what process it is ({type(e).__name__}: {e})"
+    started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    if not any(b"rollmesh" in part for part in cmdline):
+        return f"it is not a rollmesh process ({b' '.join(cmdline).decode(errors='replace')[:120]!r})"
+    if started > float(info.get("started_at", 0)) + 2:  # (btime is whole seconds)
+        return ("it started after the run's launcher did (the launcher is gone and its pid "
+                "was given to another process)")
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
