@@ -45,6 +45,9 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-requests-per-call", type=int, default=4096,
+                   help="the most requests one call may make (prompts times n); more is a 400, "
+                        "not a queue of millions")
     p.add_argument("--seed", type=int, default=None, help="seed of the shared sampling RNG")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="prefill every request's prompt itself, as SGLang's flag: no prefix "

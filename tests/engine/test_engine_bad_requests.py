@@ -46,6 +46,11 @@ def _with(**changes):
         (_with(input_ids=[-1]), "outside the vocabulary"),
         (_with(input_ids=[]), "prompt is empty"),
         (_with(sp_n=0), "sampling_params.n must be >= 1"),
+        # issue 35: n = 2,000,000 reached 8 GB and queued 2M requests; a 60 MB text prompt
+        # was tokenized (101 s) before its length was checked
+        (_with(sp_n=2_000_000), "over this engine's limit of 4096 per call"),
+        (_with(input_ids=[[5]] * 3, sp_n=1366), "4098 requests"),
+        (_with(input_ids=None, text="a" * 300_000), "refused before tokenizing"),
         (_with(sp_repetition_penalty=2.5), "repetition_penalty must be in (0, 2]"),
         (_with(sp_frequency_penalty=-3), "frequency_penalty"),
         (_with(sp_logit_bias={"5000": 1.0}), "logit_bias"),
@@ -92,6 +97,15 @@ def test_malformed_json(engine):
         status, reply = engine.post("/generate", raw=raw)
         assert status == 400 and reply["object"] == "error" and reply["code"] == 400
         assert "JSON" in reply["message"]
+    assert engine.post("/generate", GOOD)[0] == 200
+
+
+def test_json_nested_100k_deep_is_a_400_on_every_route(engine):
+    """It answered 500 (an uncaught RecursionError in the JSON parser)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        status, reply = engine.post(path, raw=deep)
+        assert status == 400 and "nested too deeply" in json.dumps(reply), (path, reply)
     assert engine.post("/generate", GOOD)[0] == 200
 
 

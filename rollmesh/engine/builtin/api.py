@@ -47,10 +47,17 @@ _REFUSED = ("input_embeds", "image_data", "video_data", "audio_data", "modalitie
 _group_ids = itertools.count()
 
 
+MAX_REQUESTS_PER_CALL = 4096  # prompts times n in one call (`--max-requests-per-call`)
+# A token's text is rarely longer than this many characters: a text prompt longer than
+# context_length times it cannot fit, and is refused before the tokenizer spends minutes on it.
+MAX_CHARS_PER_TOKEN = 64
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     context_length: int
     vocab_size: int
+    max_requests: int = MAX_REQUESTS_PER_CALL
 
 
 @dataclass
@@ -90,6 +97,9 @@ def parse_generate_call(body: Any, limits: ModelLimits, tokenizer: Any) -> Gener
     n = params[0].n
     if any(p.n != n for p in params):
         raise BadRequest("sampling_params.n must be the same for every prompt of a batch")
+    if len(prompts) * n > limits.max_requests:
+        raise BadRequest(f"{len(prompts)} prompts times n = {n} is {len(prompts) * n} "
+                         f"requests, over this engine's limit of {limits.max_requests} per call")
     batched = batched or n > 1
     # SGLang's per-prompt options: one value for all prompts, or (a batch, n = 1) a list.
     lists = batched and n == 1
@@ -195,6 +205,11 @@ def _prompts(body: dict[str, Any], limits: ModelLimits,
         texts = text if batched else [text]
         if not all(isinstance(t, str) for t in texts):
             raise BadRequest("text must be a string or a list of strings")
+        longest = max(map(len, texts), default=0)
+        if longest > limits.context_length * MAX_CHARS_PER_TOKEN:
+            raise BadRequest(f"a text prompt of {longest} characters cannot fit the context "
+                             f"length ({limits.context_length} tokens); refused before "
+                             "tokenizing")
         prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     else:
         value = body["input_ids"]

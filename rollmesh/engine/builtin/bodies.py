@@ -33,6 +33,8 @@ async def read_body(request: web.Request, *, optional: bool = False) -> dict[str
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MalformedBody(f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise MalformedBody("malformed JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise MalformedBody("the request body must be a JSON object")
     return body

@@ -176,3 +176,5 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(f"malformed JSON: {e}", 400, "Bad Request") from None
+    except RecursionError:
+        raise OpenAIError("malformed JSON: nested too deeply", 400, "Bad Request") from None

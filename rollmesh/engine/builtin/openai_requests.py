@@ -295,7 +295,8 @@ def parse_chat(body: Any, served: ServedModel, tokenizer: Any) -> OpenAICall:
         input_ids = render_chat(tokenizer, messages, tools if use_tools else None,
                                 _typed(body, "chat_template_kwargs", dict, {}, "an object"),
                                 bool(_typed(body, "continue_final_message", bool, False,
-                                            "a boolean")))
+                                            "a boolean")),
+                                max_chars=served.limits.context_length * api.MAX_CHARS_PER_TOKEN)
     sampling = _sampling_params(body, max_tokens, served.chat_defaults)
     if use_tools:
         sampling["skip_special_tokens"] = False  # as SGLang: tool-call markers may be special
@@ -318,7 +319,8 @@ def parse_chat(body: Any, served: ServedModel, tokenizer: Any) -> OpenAICall:
 
 
 def render_chat(tokenizer: Any, messages: list[Any], tools: list[dict[str, Any]] | None,
-                template_kwargs: dict[str, Any], continue_final_message: bool) -> list[int]:
+                template_kwargs: dict[str, Any], continue_final_message: bool,
+                max_chars: int | None = None) -> list[int]:
     """The prompt ids of a chat, rendered by the tokenizer's own chat template as SGLang's
     _apply_jinja_template does (render to text, then encode without special tokens)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -338,6 +340,10 @@ def render_chat(tokenizer: Any, messages: list[Any], tools: list[dict[str, Any]]
                                              tools=tools, **template_kwargs)
     except Exception as e:  # jinja's raise_exception, a template reading a missing key, ...
         raise OpenAIError(f"chat template failed: {type(e).__name__}: {e}") from None
+    chars = len(text) + len(prefix or "")
+    if max_chars is not None and chars > max_chars:  # before the tokenizer spends minutes on it
+        raise OpenAIError(f"the rendered chat of {chars} characters cannot fit the context "
+                          "length; refused before tokenizing")
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     if prefix:
         extra = list(tokenizer.encode(prefix))

@@ -126,6 +126,7 @@ class EngineServer:
         self.limits = api.ModelLimits(
             context_length=config.max_position_embeddings,
             vocab_size=model.get_input_embeddings().num_embeddings,
+            max_requests=getattr(args, "max_requests_per_call", api.MAX_REQUESTS_PER_CALL),
         )
         self.scheduler = Scheduler(
             model, tokenizer, weight_version=args.weight_version,
