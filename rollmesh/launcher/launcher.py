@@ -171,7 +171,7 @@ class Launcher:
                 raise RuntimeError(f"run directory {self.run_dir} already exists: pick another "
                                    "--run-dir, or go on with it: --resume "
                                    f"{self.run_dir} (a run never writes over another's files)")
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # hosts.*.env, logs
             keys = CurveKeys.generate(self.run_dir / "keys")
         key_file = self.run_dir / "keys" / API_KEY_FILE
         if not key_file.exists():
@@ -183,7 +183,7 @@ class Launcher:
         cluster = to_toml(self.cluster).replace(
             f"experiment = {json.dumps(self.cluster.experiment)}",
             'experiment = "experiment.toml"', 1)
-        (self.run_dir / "cluster.toml").write_text(cluster)
+        write_atomic(self.run_dir / "cluster.toml", cluster, mode=0o600)  # hosts.*.env values
         (self.run_dir / "experiment.toml").write_text(to_toml(self.exp))
         for host in self.hosts.values():
             if not host.local:

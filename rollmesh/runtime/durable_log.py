@@ -136,13 +136,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str, fsync: bool = True) -> None:
+def write_atomic(path: Path, text: str, fsync: bool = True, mode: int = 0o666) -> None:
     """Replace `path` whole (a temporary file beside it, renamed over it): a reader sees the old
     text or the new, never half of one. `fsync`: the new text is on disk before the rename (a
     checkpoint's pointer); without it, only readers are protected (status files rewritten every
-    second)."""
+    second). `mode`: the file's permissions (less the umask), from its creation on."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with open(tmp, "w") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as f:
         f.write(text)
         if fsync:
             f.flush()

@@ -129,6 +129,10 @@ def test_launcher_writes_private_keys(tmp_path, monkeypatch):
                      "server.key_secret"]
     for p in key_dir.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    # the run directory is the user's alone, and so is the resolved cluster file, which holds
+    # `hosts.*.env` values (tokens a user puts there); it was world-readable (issue 35)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run_dir / "cluster.toml").stat().st_mode) == 0o600
     # and a key directory that existed with loose modes is tightened
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o755)
