@@ -150,6 +150,9 @@ async def main(ctx: RoleContext) -> None:
                             lora_path=ADAPTER_NAME if exp.model.lora.enabled else None,
                             ) as client:
         worker = AgentWorker(ctx, exp, client, channel)
+        python = worker.loop_ctx.tools.get("python")
+        if callable(getattr(python, "check", None)):  # model code runs isolated, or not at all
+            ctx.log.info("python_tool_checked", **await python.check())
         serving = asyncio.create_task(worker.serve(settings.credits))
         ctx.set_status(worker.stats)
         await ctx.ready()

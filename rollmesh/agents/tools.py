@@ -94,6 +94,15 @@ class PythonTool:
         return PythonTool(rollout.python_tool, timeout_s=rollout.tool_timeout_s,
                           tmp_root=self.tmp_root, namespaces=self.namespaces, python=self.python)
 
+    async def check(self) -> dict[str, str]:
+        """Run nothing through the sandbox once: its isolation, or RuntimeError naming what the
+        kernel refused (an agent worker calls it before it is ready, so that a host where
+        model code cannot be isolated fails the launch, not the first tool call)."""
+        run = await self.run("pass")
+        if run.error:
+            raise RuntimeError(run.error)
+        return run.isolation
+
     @property
     def wall_s(self) -> float:
         return min(self.config.wall_s, max(self.timeout_s - 1.0, self.timeout_s / 2))
@@ -145,6 +154,7 @@ class PythonTool:
                     "wall_s": self.wall_s,
                     "memory_mb": c.memory_mb, "file_mb": c.file_mb,
                     "max_processes": c.max_processes, "namespaces": self.namespaces,
+                    "require_isolation": not c.allow_unsafe,
                     "site_dirs": _site_dirs() if c.site_packages else []}
             env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                    "HOME": workdir, "TMPDIR": workdir, "USER": "sandbox",

@@ -535,6 +535,16 @@ def supervise(spec: dict, status_fd: int) -> dict:
         "processes": "pid namespace" if pidns else "session and subreaper",
         "process_limit": nproc,
     }
+    if spec.get("require_isolation") and not (net and pidns):
+        # an audit hook is no boundary (ctypes passes it): without these namespaces model code
+        # reached the launcher's socket; it does not run unless the user opted in
+        missing = [what for what, ok in (("network", net), ("PID", pidns)) if not ok]
+        status["setup_error"] = (
+            f"the kernel refused a new {' and a new '.join(missing)} namespace, which the "
+            "python tool needs to isolate model code; the code was not run (set "
+            "rollout.python_tool.allow_unsafe = true to run it without them)")
+        status["isolation"]["user"] = "none: not run"
+        return status
     try:
         _prctl(libc, PR_SET_CHILD_SUBREAPER, 1)
     except OSError:

@@ -74,8 +74,9 @@ def _leftovers(root: str) -> list[str]:
 
 def tool(tmp_root: str, namespaces: bool = True, **limits) -> PythonTool:
     base = dict(cpu_s=2, wall_s=10, memory_mb=128, file_mb=1, max_processes=4, max_output=4096)
-    return PythonTool(PythonToolConfig(**{**base, **limits}), tmp_root=tmp_root,
-                      namespaces=namespaces)
+    # the fallback (no namespaces) runs code only where the user opted in
+    return PythonTool(PythonToolConfig(**{**base, "allow_unsafe": not namespaces, **limits}),
+                      tmp_root=tmp_root, namespaces=namespaces)
 
 
 def run(t: PythonTool, code: str):
@@ -322,3 +323,26 @@ def test_registered_as_a_tool():
     assert project["project"]["entry-points"]["rollmesh.tools"]["python"] == "rollmesh.agents.tools:python"
     # needs the package (re)installed, as its entry points come from the installed metadata
     assert isinstance(builtin_tools().get("python"), PythonTool)
+
+
+def test_without_namespaces_model_code_does_not_run_unless_the_user_opts_in(tmp_root):
+    """Where the kernel refuses the network and PID namespaces, the tool used to fall back with
+    a warning; model code then reached the launcher's socket through ctypes and stopped the run
+    (issue 35, item 2). Now the code is not run, the error names what is missing, and the
+    worker's start-up check raises it; `allow_unsafe` runs it anyway. (`namespaces=False` has
+    the supervisor not ask for them: what a refusing kernel gives.)"""
+
+    async def main():
+        strict = PythonTool(tmp_root=tmp_root, namespaces=False)
+        run = await strict.run("print('ran')")
+        with pytest.raises(RuntimeError, match="refused a new network and a new PID namespace"):
+            await strict.check()
+        unsafe = PythonTool(PythonToolConfig(allow_unsafe=True), tmp_root=tmp_root,
+                            namespaces=False)
+        return run, await unsafe.run("print('ran')"), await PythonTool(tmp_root=tmp_root).check()
+
+    run, unsafe, isolation = asyncio.run(main())
+    assert "ran" not in run.output and "allow_unsafe" in run.error
+    assert unsafe.output.strip() == "ran" and unsafe.error is None
+    assert unsafe.isolation["network"] == "sockets refused by an audit hook"
+    assert isolation["network"] == "network namespace" and isolation["processes"] == "pid namespace"
