@@ -505,10 +505,13 @@ async def train_step(state: TrainState, batch: Batch, waited: float) -> dict[str
     metrics row (`waited`: when the wait for the batch began)."""
     started = time.monotonic()
     groups, invalid = valid_groups(state, batch.groups)
+    # invalid samples were handed out all the same: consumed, as the queue counts them
+    state.samples_consumed += invalid
     if not groups:  # the step goes by (the queue counts steps) and trains on nothing
         state.step += 1
         return {"step": state.step, "version": state.version, "time": time.time(),
                 "invalid_samples": invalid, "samples": 0, "wait_s": started - waited,
+                "samples_consumed": state.samples_consumed,
                 "group_ids": [g.group_id for g in batch.groups]}
     data = await run(prepare, state, from_groups(groups))
     stats = await run(update_policy, state, data)

@@ -32,11 +32,13 @@ def test_a_batch_with_a_token_past_the_vocabulary_trains_on_the_rest():
     before = {k: v.clone() for k, v in state.model.state_dict().items()}
     metrics = asyncio.run(train_step(state, Batch(step=1, version=0, groups=[good, bad]), 0.0))
     assert state.step == 1 and metrics["invalid_samples"] == 4 and metrics["samples"] == 4
+    assert metrics["samples_consumed"] == 8  # as the queue counts what it handed out
     assert any((before[k] != v).any() for k, v in state.model.state_dict().items())
     # a batch of nothing but invalid samples: the step goes by, nothing trains, nothing crashes
     after = {k: v.clone() for k, v in state.model.state_dict().items()}
     metrics = asyncio.run(train_step(state, Batch(step=2, version=0, groups=[bad]), 0.0))
     assert state.step == 2 and metrics["invalid_samples"] == 4 and metrics["samples"] == 0
+    assert metrics["samples_consumed"] == 12
     assert all((after[k] == v).all() for k, v in state.model.state_dict().items())
 
 
