@@ -9,19 +9,20 @@ expression's syntax tree, never with eval; a bad expression raises, and the loop
 (stdout and stderr together), a traceback when it raised, and one line per limit it hit
 ("error: CPU time limit (10 s) exceeded"): every outcome is a message for the model, the worker
 never goes down with the code. The child is `rollmesh/runtime/isolation.py` run as a script (its
-docstring has the mechanics): network, PID and IPC namespaces where the OS allows (else sockets
-are refused by an audit hook), rlimits on CPU time, memory, file size and processes, a fresh
+docstring has the mechanics): network, PID, IPC and mount namespaces (without them the code is
+not run, unless `rollout.python_tool.allow_unsafe`), a root of its own that shows the system's
+and the interpreter's files read-only and nothing of the run's directory, rlimits on CPU time, memory, file size and processes, a fresh
 temporary directory as cwd (removed afterwards) and a clean environment, `-I -S` isolation from
-the worker's environment, a uid of its own when the worker runs as root, and a supervisor that
-kills whatever the code left running. The limits are `rollout.python_tool.*`; `LoopContext`
+the worker's environment, a uid of its own with no capability when the worker runs as root, and
+a supervisor that kills whatever the code left running. The limits are `rollout.python_tool.*`; `LoopContext`
 hands the rollout's to every tool with a `configured(rollout)` method.
 
 What is not a boundary: the audit hook that refuses writes outside the directory and socket
 calls is a tripwire that code using ctypes or another program passes; writes outside the
-directory are really refused only where file permissions refuse them (running as another uid
-than root's: every place not world-writable; as the worker's own uid: nowhere it may write);
-reading files is not restricted; the limits are per process (memory at most max_processes
-times memory_mb in all) and disk use only per file.
+directory are refused by the read-only private root (and, as root, by file permissions); the
+limits are per process (memory at most max_processes times memory_mb in all, /tmp and /dev/shm
+one memory_mb each); an anonymous shared mapping counts against the address-space limit (4x
+memory_mb) only, not against memory_mb.
 """
 
 from __future__ import annotations

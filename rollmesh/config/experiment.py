@@ -124,9 +124,10 @@ class PythonToolConfig:
         "let the code import the packages installed beside rollmesh (numpy, sympy, ...); "
         "otherwise the standard library only", False)
     allow_unsafe: bool = _field(
-        "run model code even where the kernel refuses the network and PID namespaces (then "
-        "only an audit hook, which ctypes passes, stands between it and the host's sockets "
-        "and processes); otherwise agent workers fail at start, naming what is missing", False)
+        "run model code even where the kernel refuses the network, PID and mount namespaces "
+        "(then only an audit hook, which ctypes passes, stands between it and the host's "
+        "sockets and processes, and as root it can read any file); otherwise agent workers "
+        "fail at start, naming what is missing", False)
 
 
 @dataclass(kw_only=True)

@@ -8,22 +8,28 @@ the worker's site-packages (and PYTHONPATH) out of the child.
 
 The script (the "supervisor") and the child it forks (which runs the code):
 
-- supervisor: enters new network, PID and IPC namespaces where the OS allows (as root directly;
-  otherwise inside a new user namespace), becomes a child subreaper, forks the child, enforces
-  the wall-clock limit, then kills every process the code left behind (killing the PID
+- supervisor: enters new network, PID, IPC and mount namespaces where the OS allows (as root
+  directly; otherwise inside a new user namespace), becomes a child subreaper, forks the child,
+  enforces the wall-clock limit, then kills every process the code left behind (killing the PID
   namespace's first process ends all of them; without one, every process whose parent is the
   supervisor or that is in the code's session, repeatedly, orphans coming back to the
   supervisor as subreaper), and writes a JSON status (exit, CPU time, which limits were hit,
   which isolation applied) to the status pipe;
-- child: dies with the supervisor (PR_SET_PDEATHSIG), starts its own session; when running as
-  root, drops to a uid/gid of its own (SANDBOX_UIDS) keeping only CAP_DAC_READ_SEARCH, so that
-  the interpreter's files stay readable wherever it is installed while RLIMIT_NPROC (which root
-  ignores) applies and file permissions refuse writes outside the world-writable places; sets
-  no_new_privs, the rlimits (CPU, data, address space, file size, processes, no core files),
-  cwd = the fresh directory, an audit hook (refuses writes outside the directory,
-  connect/bind/sendto, signalling a process group or everything, and, when no network
-  namespace could be made, creating any socket but AF_UNIX); then runs the code as `__main__`
-  from the file name `<code>`.
+- child: dies with the supervisor (PR_SET_PDEATHSIG), starts its own session; in the mount
+  namespace, pivots into a root of its own (`private_root.py`: the system's and the interpreter's
+  directories read-only, its own directory, a /proc of its PID namespace, /tmp and /dev/shm
+  as tmpfs of the memory limit's size; nothing of the run's directory, keys or other
+  processes); when running as root, drops to a uid/gid of its own (SANDBOX_UIDS) with no
+  capability, so that RLIMIT_NPROC (which root ignores) applies and file permissions hold;
+  otherwise drops the capabilities its user namespace gave; sets no_new_privs, the rlimits
+  (CPU, data, address space, file size, processes, no core files), cwd = the fresh directory,
+  an audit hook (refuses writes outside the directory, connect/bind/sendto, signalling a
+  process group or everything, and, when no network namespace could be made, creating any
+  socket but AF_UNIX); then runs the code as `__main__` from the file name `<code>`.
+
+Without the network, PID and mount namespaces the code is not run at all unless the user set
+rollout.python_tool.allow_unsafe; then, as root, the code keeps CAP_DAC_READ_SEARCH (an
+interpreter under a private home must stay importable) and can read any file.
 
 RLIMIT_NPROC counts tasks (threads too) by real uid, system-wide; root is exempt. So: as root,
 the code runs as a uid of its own per call and the limit is that uid's count now (none, unless
@@ -50,6 +56,18 @@ import time
 
 __all__ = ["SANDBOX_UIDS", "count_tasks", "die_with_parent", "limit_data"]
 
+if __package__:
+    from rollmesh.runtime import private_root as _pr
+else:  # run as a script (-I -S: rollmesh is not importable there): the file beside this one
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "_rollmesh_private_root", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                               "private_root.py"))
+    _pr = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+    _spec.loader.exec_module(_pr)  # type: ignore[union-attr]
+
+
 # What the code runs as when the worker is root: a uid of its own per call (so that the process
 # limit counts that call's processes only, and calls cannot signal each other), from a range
 # above sssd's default ID mapping (to 2000200000) and below systemd's reserved ranges
@@ -60,15 +78,15 @@ CODE_FILENAME = "<code>"
 # prctl(2)
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
-PR_SET_KEEPCAPS = 8
-PR_CAPBSET_READ = 23
-PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_KEEPCAPS = 8
+PR_CAPBSET_READ = 23
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_RAISE = 2
 CAP_DAC_READ_SEARCH = 2
 # unshare(2)
+CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
@@ -79,7 +97,7 @@ CLONE_NEWNET = 0x40000000
 FLAG_MEMORY, FLAG_FILE_SIZE, FLAG_PROCESSES, FLAG_SETUP, FLAG_CPU = range(5)
 _FLAG_NAMES = {FLAG_CPU: "cpu", FLAG_MEMORY: "memory", FLAG_FILE_SIZE: "file_size",
                FLAG_PROCESSES: "processes"}
-_USER_AT, _ERROR_AT, _ERROR_LEN = 64, 128, 1024
+_USER_AT, _ERROR_AT, _ERROR_LEN, _FILES_AT = 64, 128, 1024, 1280
 EXIT_SETUP_FAILED = 125
 
 
@@ -145,15 +163,17 @@ class _Stop(Exception):
     """SIGTERM from the worker: stop the code now."""
 
 
-def _unshare(libc: ctypes.CDLL) -> tuple[bool, bool]:
-    """Enter new namespaces, the most that the OS allows: (network, pid) namespaces entered.
-    Without root, only inside a user namespace entered before."""
-    for flags, net, pid in ((CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC, True, True),
-                            (CLONE_NEWNET | CLONE_NEWIPC, True, False),
-                            (CLONE_NEWNET, True, False)):
+def _unshare(libc: ctypes.CDLL) -> tuple[bool, bool, bool]:
+    """Enter new namespaces, the most that the OS allows: (network, pid, mount) namespaces
+    entered. Without root, only inside a user namespace entered before."""
+    for flags, net, pid, mnt in (
+            (CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS, True, True, True),
+            (CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC, True, True, False),
+            (CLONE_NEWNET | CLONE_NEWIPC, True, False, False),
+            (CLONE_NEWNET, True, False, False)):
         if libc.unshare(ctypes.c_int(flags)) == 0:
-            return net, pid
-    return False, False
+            return net, pid, mnt
+    return False, False, False
 
 
 def _limit_processes_in_user_namespace(n: int) -> bool:
@@ -222,46 +242,29 @@ def _kill_leftovers(session: int, timeout_s: float = 5.0) -> int:
     return killed
 
 
-def _drop_root(libc: ctypes.CDLL, uid: int) -> str:
-    """From root to `uid`, keeping CAP_DAC_READ_SEARCH (reading and listing any file: the
-    interpreter may live under a private home) where the bounding set has it, and nothing else;
-    it stays across exec (ambient). Returns a description for the status."""
-    keep = CAP_DAC_READ_SEARCH if _prctl(libc, PR_CAPBSET_READ, CAP_DAC_READ_SEARCH) == 1 else None
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            last = int(f.read())
-    except OSError:
-        last = 40
-    CAP_SETPCAP = 8  # needed to drop the others: dropped last
-    for cap in [*(c for c in range(last + 1) if c != CAP_SETPCAP), CAP_SETPCAP]:
-        if cap != keep:
-            try:  # setuid programs then cannot get these back (no_new_privs covers them too)
-                _prctl(libc, PR_CAPBSET_DROP, cap)
-            except OSError:
-                pass
-    _prctl(libc, PR_SET_KEEPCAPS, 1)
+def _drop_root(libc: ctypes.CDLL, uid: int, private_root: bool) -> str:
+    """From root to `uid` with no capabilities at all (the code read any file while it kept
+    CAP_DAC_READ_SEARCH: the run's keys, /etc/shadow). The interpreter's files stay readable
+    through the private root (`private_root.private_root`), which shows their directories at their paths
+    whatever the modes of the directories above them. Without one (no mount namespace: only
+    with rollout.python_tool.allow_unsafe), CAP_DAC_READ_SEARCH is kept so that an interpreter
+    under a private home can still import: the code can then read any file. Returns a
+    description for the status."""
+    keep = None
+    if not private_root and _prctl(libc, PR_CAPBSET_READ, CAP_DAC_READ_SEARCH) == 1:
+        keep = CAP_DAC_READ_SEARCH
+    _pr.drop_bounding_set(libc, keep)
+    if keep is not None:
+        _prctl(libc, PR_SET_KEEPCAPS, 1)
     os.setgroups([])
     os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # (without PR_SET_KEEPCAPS, this clears the capabilities)
     if os.getuid() != uid or os.geteuid() != uid:
         raise OSError(errno.EPERM, f"still uid {os.getuid()} after setresuid({uid})")
-
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
-
-    bits = 0 if keep is None else 1 << keep
-    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
-    data[0].effective = data[0].permitted = data[0].inheritable = bits
-    if libc.capset(ctypes.byref(header), data) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"capset: {os.strerror(e)}")
-    if keep is not None:
+    _pr.clear_capabilities(libc, keep)
+    if keep is not None:  # across exec too (ambient)
         _prctl(libc, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, keep)
-        return f"uid {uid} (from root, keeps CAP_DAC_READ_SEARCH)"
+        return f"uid {uid} (keeps CAP_DAC_READ_SEARCH: reads any file)"
     return f"uid {uid} (from root, no capabilities)"
 
 
@@ -400,7 +403,8 @@ def _run_code(code: str, shared: object) -> int:
     return status
 
 
-def _child(spec: dict, status_fd: int, shared: object, root: bool, net: bool) -> None:
+def _child(spec: dict, status_fd: int, shared: object, root: bool, net: bool, pidns: bool,
+           mnt: bool) -> None:
     """The forked child: limits, identity, directory, hook; then the code. Never returns."""
     import resource
 
@@ -412,10 +416,23 @@ def _child(spec: dict, status_fd: int, shared: object, root: bool, net: bool) ->
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
+        files, private = "the host's (no mount namespace)", False
+        if mnt:  # (as root in this namespace: the real one or that of a new user namespace)
+            try:
+                files = _pr.private_root(libc, spec["dir"], spec["memory_mb"],
+                                         spec.get("site_dirs", []), proc=pidns)
+                private = True
+            except OSError as e:
+                if spec.get("require_isolation"):
+                    raise OSError(e.errno, f"the python tool's private root: {e}") from None
+                files = f"the host's (private root failed: {e})"
+        shared[_FILES_AT:_FILES_AT + 256] = files.encode()[:256].ljust(256)  # type: ignore
         if root:
-            user = _drop_root(libc, int(spec["uid"]))
-        else:
-            user = "own uid"
+            user = _drop_root(libc, int(spec["uid"]), private)
+        else:  # in a user namespace, the capabilities it gave: none left
+            _pr.drop_bounding_set(libc)
+            _pr.clear_capabilities(libc)
+            user = "own uid (no capabilities)"
         shared[_USER_AT:_USER_AT + 64] = user.encode()[:64].ljust(64)  # type: ignore[index]
         _prctl(libc, PR_SET_NO_NEW_PRIVS, 1)
         mb = 1 << 20
@@ -500,6 +517,10 @@ def _wait(child: int, deadline: float) -> tuple[int | None, object, bool]:
             os.close(pidfd)
 
 
+def _and(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def supervise(spec: dict, status_fd: int) -> dict:
     """The supervisor's whole job (module docstring). Returns the status it reports."""
     import mmap
@@ -508,7 +529,7 @@ def supervise(spec: dict, status_fd: int) -> dict:
                     "stopped": False, "limits": [], "setup_error": None, "isolation": {}}
     root = os.geteuid() == 0
     libc = _libc()
-    net = pidns = False
+    net = pidns = mnt = False
     nproc = "uid of its own" if root else "uid-wide count"
     wanted = spec.get("namespaces", True)
     if not root:
@@ -523,24 +544,26 @@ def supervise(spec: dict, status_fd: int) -> dict:
             # (its test fork before the PID namespace: a fork there would be its first process)
             if _limit_processes_in_user_namespace(n + 1):
                 nproc = "per user namespace"
-            net, pidns = _unshare(libc)
+            net, pidns, mnt = _unshare(libc)
         if nproc == "uid-wide count":
             import resource
 
             resource.setrlimit(resource.RLIMIT_NPROC, (uid_wide, uid_wide))
     elif wanted:  # root needs no user namespace to make the others
-        net, pidns = _unshare(libc)
+        net, pidns, mnt = _unshare(libc)
     status["isolation"] = {
         "network": "network namespace" if net else "sockets refused by an audit hook",
         "processes": "pid namespace" if pidns else "session and subreaper",
         "process_limit": nproc,
     }
-    if spec.get("require_isolation") and not (net and pidns):
+    if spec.get("require_isolation") and not (net and pidns and mnt):
         # an audit hook is no boundary (ctypes passes it): without these namespaces model code
-        # reached the launcher's socket; it does not run unless the user opted in
-        missing = [what for what, ok in (("network", net), ("PID", pidns)) if not ok]
+        # reached the launcher's socket (and, without a mount namespace, the run's keys); it
+        # does not run unless the user opted in
+        missing = [what for what, ok in (("network", net), ("PID", pidns), ("mount", mnt))
+                   if not ok]
         status["setup_error"] = (
-            f"the kernel refused a new {' and a new '.join(missing)} namespace, which the "
+            f"the kernel refused the {_and(missing)} namespaces, which the "
             "python tool needs to isolate model code; the code was not run (set "
             "rollout.python_tool.allow_unsafe = true to run it without them)")
         status["isolation"]["user"] = "none: not run"
@@ -560,7 +583,7 @@ def supervise(spec: dict, status_fd: int) -> dict:
     start = time.monotonic()
     child = os.fork()
     if child == 0:
-        _child(spec, status_fd, shared, root, net)  # never returns
+        _child(spec, status_fd, shared, root, net, pidns, mnt)  # never returns
     try:
         # The output pipe belongs to the code: the worker's read ends when its processes end.
         devnull = os.open(os.devnull, os.O_RDWR)
@@ -588,6 +611,8 @@ def supervise(spec: dict, status_fd: int) -> dict:
         status["signal"] = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
     user = bytes(shared[_USER_AT:_USER_AT + 64]).rstrip(b"\0 ").decode()
     status["isolation"]["user"] = user or "unknown"
+    files = bytes(shared[_FILES_AT:_FILES_AT + 256]).rstrip(b"\0 ").decode(errors="replace")
+    status["isolation"]["files"] = files or "unknown"
     if shared[FLAG_SETUP]:
         status["setup_error"] = bytes(shared[_ERROR_AT:_ERROR_AT + _ERROR_LEN]).rstrip(
             b"\0").decode(errors="replace")

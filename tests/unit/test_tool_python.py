@@ -326,7 +326,7 @@ def test_registered_as_a_tool():
 
 
 def test_without_namespaces_model_code_does_not_run_unless_the_user_opts_in(tmp_root):
-    """Where the kernel refuses the network and PID namespaces, the tool used to fall back with
+    """Where the kernel refuses the network, PID and mount namespaces, the tool used to fall back with
     a warning; model code then reached the launcher's socket through ctypes and stopped the run
     (issue 35, item 2). Now the code is not run, the error names what is missing, and the
     worker's start-up check raises it; `allow_unsafe` runs it anyway. (`namespaces=False` has
@@ -335,7 +335,7 @@ def test_without_namespaces_model_code_does_not_run_unless_the_user_opts_in(tmp_
     async def main():
         strict = PythonTool(tmp_root=tmp_root, namespaces=False)
         run = await strict.run("print('ran')")
-        with pytest.raises(RuntimeError, match="refused a new network and a new PID namespace"):
+        with pytest.raises(RuntimeError, match="refused the network, PID and mount namespaces"):
             await strict.check()
         unsafe = PythonTool(PythonToolConfig(allow_unsafe=True), tmp_root=tmp_root,
                             namespaces=False)
@@ -346,3 +346,85 @@ def test_without_namespaces_model_code_does_not_run_unless_the_user_opts_in(tmp_
     assert unsafe.output.strip() == "ran" and unsafe.error is None
     assert unsafe.isolation["network"] == "sockets refused by an audit hook"
     assert isolation["network"] == "network namespace" and isolation["processes"] == "pid namespace"
+
+
+def _secret(tmp_path_factory) -> Path:
+    """A run's key as rollmesh writes it: mode 0600 in a 0700 directory of the worker's user."""
+    keys = tmp_path_factory.mktemp("run") / "keys"
+    keys.mkdir(mode=0o700)
+    secret = keys / "server.key_secret"
+    secret.write_text("the run's secret key")
+    secret.chmod(0o600)
+    return secret
+
+
+def test_model_code_reads_no_file_of_the_host_but_the_interpreters(tmp_root, tmp_path_factory):
+    """Issue 35, item 1: as root, the code kept CAP_DAC_READ_SEARCH and printed the run's
+    `keys/server.key_secret`, `engine.token` and /etc/shadow, and saw every host process's
+    command line. Now it runs with no capability in a root of its own: the system's and the
+    interpreter's directories read-only, its own directory, a /proc of its own PID namespace,
+    and nothing else; the secret is not even there to be refused. Reads go through ctypes so
+    that the audit hook (a tripwire, no boundary) is not what holds."""
+    secret = _secret(tmp_path_factory)
+    code = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def read(path):
+    fd = libc.open(path.encode(), os.O_RDONLY)
+    if fd < 0:
+        return "refused " + os.strerror(ctypes.get_errno())
+    buf = ctypes.create_string_buffer(64)
+    n = libc.read(fd, buf, 64)
+    return f"READ {{n}} bytes"
+for path in ({str(secret)!r}, "/etc/shadow", {str(ROOT / "README.md")!r}, {sys.executable!r}):
+    print(path, read(path))
+print("root", sorted(os.listdir("/")))
+print("pids", [p for p in os.listdir("/proc") if p.isdigit()])
+status = open("/proc/self/status").read()
+print("caps", [l.split()[1] for l in status.splitlines() if l.startswith(("CapEff", "CapPrm", "CapBnd", "CapAmb"))])
+print("uid", os.getuid())
+"""
+    r, out = run(tool(tmp_root), code)
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert lines[str(secret)] == "refused No such file or directory", out
+    assert lines["/etc/shadow"] == "refused No such file or directory", out
+    assert lines[str(ROOT / "README.md")] == "refused No such file or directory", out
+    assert lines[sys.executable].startswith("READ"), out  # the interpreter is there
+    assert set(eval(lines["root"])) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32",
+                                        "proc", "sbin", "tmp", "usr", *Path(sys.prefix).parts[1:2],
+                                        *Path(sys.base_prefix).parts[1:2],
+                                        *Path(tmp_root).parts[1:2]}, out
+    assert eval(lines["pids"]) == ["1"], out  # the code itself, first of its PID namespace
+    assert eval(lines["caps"]) == ["0000000000000000"] * 4, out
+    if os.geteuid() == 0:
+        assert int(lines["uid"]) in range(2_100_000_000, 2_100_065_536), out
+    assert "private root" in r.isolation["files"], r.isolation
+
+
+def test_shared_memory_is_the_calls_own_sized_to_its_limit_and_dies_with_it(tmp_root):
+    """Issue 35, item 7: a file in /dev/shm took 1,500 MiB under a 512 MiB limit and outlived
+    the call. Now /dev/shm (and /tmp) are tmpfs of the call's own, of the memory limit's size:
+    writing past it fails with ENOSPC, and the next call finds them empty (as does the host)."""
+    before = set(os.listdir("/dev/shm"))
+    code = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print("before", os.listdir("/dev/shm"))
+fd = libc.open(b"/dev/shm/ballast", os.O_CREAT | os.O_WRONLY, 0o600)
+chunk = b"x" * (1 << 20)
+written = 0
+while written < 400:
+    if libc.write(fd, chunk, len(chunk)) != len(chunk):
+        print("stopped", written, os.strerror(ctypes.get_errno()))
+        break
+    written += 1
+else:
+    print("wrote", written)
+"""
+    t = tool(tmp_root, memory_mb=128, file_mb=1024)
+    first = run(t, code)[1]
+    second = run(t, code)[1]
+    assert "before []" in first and "before []" in second, (first, second)
+    assert "No space left on device" in first, first
+    assert 100 <= int(first.split("stopped ")[1].split()[0]) <= 128, first
+    assert set(os.listdir("/dev/shm")) <= before

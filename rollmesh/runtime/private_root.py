@@ -1,0 +1,193 @@
+"""A root of its own for code that must not see the host's files (Linux, standard library only).
+
+`rollmesh.runtime.isolation` (the python tool's supervisor, run as a script: it loads this file
+by its path) and the reward sandbox (`rollmesh.rewards.sandbox`) call `private_root` in a
+process that is root in a new mount namespace (the real root, or that of a new user namespace),
+then drop their capabilities (`drop_bounding_set`, `clear_capabilities`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+
+__all__ = ["clear_capabilities", "drop_bounding_set", "private_root", "visible_paths"]
+
+PR_CAPBSET_DROP = 24
+# mount(2), umount2(2); pivot_root(2) has no libc wrapper: its number per machine
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "ppc64le": 203, "s390x": 217}
+# What the code sees of the host's files, read-only (those that exist), besides the
+# interpreter's own directories: the system's programs and libraries and the few files of /etc
+# that libraries read. Not /home, /root, /srv, /var, /run, /tmp: nothing of a run's directory.
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                 "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
+                 "/etc/passwd", "/etc/group", "/etc/nsswitch.conf")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def drop_bounding_set(libc: ctypes.CDLL, keep: int | None = None) -> None:
+    """Empty this process's bounding set but `keep`: setuid programs cannot give anything back
+    (no_new_privs covers them too)."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except OSError:
+        last = 40
+    CAP_SETPCAP = 8  # needed to drop the others: dropped last
+    for cap in [*(c for c in range(last + 1) if c != CAP_SETPCAP), CAP_SETPCAP]:
+        if cap == keep:
+            continue
+        # (fails without CAP_SETPCAP, in a process that had no capabilities to drop)
+        libc.prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+def clear_capabilities(libc: ctypes.CDLL, keep: int | None = None) -> None:
+    """capset: no effective, permitted or inheritable capability left but `keep`."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    bits = 0 if keep is None else 1 << keep
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    data[0].effective = data[0].permitted = data[0].inheritable = bits
+    if libc.capset(ctypes.byref(header), data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"capset: {os.strerror(e)}")
+
+
+def _mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int,
+           data: str | None = None) -> None:
+    enc = (lambda v: None if v is None else os.fsencode(v))
+    if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount {source or fstype} on {target}: {os.strerror(e)}")
+
+
+def _pivot_root(libc: ctypes.CDLL, new: str, old: str) -> None:
+    import platform
+
+    number = _SYS_PIVOT_ROOT.get(platform.machine())
+    if number is None:
+        raise OSError(errno.ENOSYS, f"pivot_root: unknown syscall number on "
+                                    f"{platform.machine()}")
+    if libc.syscall(ctypes.c_long(number), os.fsencode(new), os.fsencode(old)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"pivot_root({new}): {os.strerror(e)}")
+
+
+def visible_paths(extra: list[str]) -> list[str]:
+    """The host paths the code may read (existing ones, no path inside another): the system's,
+    the interpreter's and `extra` (the python tool's site-packages where configured, the reward
+    functions' import path)."""
+    import sysconfig
+
+    wanted = [*_SYSTEM_PATHS, sys.prefix, sys.base_prefix, sys.exec_prefix,
+              sys.base_exec_prefix, os.path.dirname(sys.executable),
+              os.path.dirname(os.path.realpath(sys.executable)),
+              *(sysconfig.get_paths().get(k) or "" for k in ("stdlib", "platstdlib")),
+              *extra]
+    out: list[str] = []
+    for p in sorted({os.path.normpath(p) for p in wanted if p and os.path.isabs(p)}, key=len):
+        if os.path.lexists(p) and p != "/" and not any(p.startswith(q.rstrip("/") + "/")
+                                                      for q in out):
+            out.append(p)
+    return out
+
+
+def private_root(libc: ctypes.CDLL, workdir: str, memory_mb: int, extra: list[str],
+                 proc: bool) -> str:
+    """In this process's new mount namespace, as root there: a root of its own on a tmpfs, with
+    `visible_paths` bound read-only at their paths, the code's directory read-write, the five
+    harmless devices, /tmp and /dev/shm as tmpfs of the memory limit's size (files there die
+    with the call), a fresh /proc of the PID namespace (`proc`), and nothing else of the host
+    (old root unmounted). Returns a description for the status."""
+    workdir = os.path.realpath(workdir)
+    mb = int(memory_mb)
+    visible = visible_paths(extra)
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing leaks back to the host
+    # Build on a tmpfs over /tmp (private now), the host's root moved to /tmp/old; the new root
+    # at /tmp/new, which becomes / in the end
+    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m")
+    os.mkdir("/tmp/new", 0o755)
+    os.mkdir("/tmp/old", 0o755)
+    _mount(libc, "/tmp/new", "/tmp/new", None, MS_BIND)
+    _pivot_root(libc, "/tmp", "/tmp/old")
+    os.chdir("/")
+
+    def place(path: str, is_dir: bool) -> str:
+        target = "/new" + path
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        if is_dir:
+            os.makedirs(target, 0o755, exist_ok=True)
+        elif not os.path.lexists(target):
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+        return target
+
+    def bind(path: str, writable: bool) -> None:
+        old = "/old" + path
+        if os.path.islink(old):  # /lib -> usr/lib: the same link, its target bound on its own
+            os.makedirs(os.path.dirname("/new" + path), 0o755, exist_ok=True)
+            if not os.path.lexists("/new" + path):
+                os.symlink(os.readlink(old), "/new" + path)
+            return
+        target = place(path, os.path.isdir(old))
+        _mount(libc, old, target, None, MS_BIND | MS_REC)
+        if not writable:  # read-only, keeping the flags a user namespace may not clear
+            keep = os.statvfs(target).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            try:
+                _mount(libc, None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+            except OSError:
+                pass  # file modes still hold: the code runs with no capabilities
+
+    for path in ("/dev/shm", "/tmp"):  # first: the code's directory may be under /tmp
+        _mount(libc, "tmpfs", place(path, True), "tmpfs", MS_NOSUID | MS_NODEV,
+               f"mode=1777,size={mb}m")
+    for path in visible:
+        bind(path, writable=False)
+    for path in visible:  # a path reached through a link (a venv's python) as well
+        real = os.path.realpath("/old" + path)[len("/old"):] or "/"
+        if real != path and not any((real + "/").startswith(v.rstrip("/") + "/")
+                                    for v in visible) and os.path.exists("/old" + real):
+            bind(real, writable=False)
+    bind(workdir, writable=True)
+    for name in _DEVICES:
+        if os.path.exists("/old/dev/" + name):
+            _mount(libc, "/old/dev/" + name, place("/dev/" + name, False), None, MS_BIND)
+    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+        os.symlink(f"/proc/self/fd/{fd}", "/new/dev/" + name)
+    os.symlink("/proc/self/fd", "/new/dev/fd")
+    proc_view = "no /proc"
+    if proc:
+        try:
+            _mount(libc, "proc", place("/proc", True), "proc",
+                   MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            proc_view = "its own /proc"
+        except OSError:
+            os.rmdir("/new/proc")
+    os.mkdir("/new/.old", 0o755)
+    _pivot_root(libc, "/new", "/new/.old")
+    os.chdir("/")
+    libc.umount2(b"/.old", ctypes.c_int(MNT_DETACH))
+    os.rmdir("/.old")
+    try:  # the tree's own directories: read-only
+        _mount(libc, None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    except OSError:
+        pass
+    return (f"private root: {len(visible)} system and interpreter paths read-only, "
+            f"{proc_view}, /dev/shm and /tmp of {mb} MiB")
+
+
