@@ -164,16 +164,21 @@ class _Stop(Exception):
 
 
 def _unshare(libc: ctypes.CDLL) -> tuple[bool, bool, bool]:
-    """Enter new namespaces, the most that the OS allows: (network, pid, mount) namespaces
-    entered. Without root, only inside a user namespace entered before."""
-    for flags, net, pid, mnt in (
-            (CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS, True, True, True),
-            (CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC, True, True, False),
-            (CLONE_NEWNET | CLONE_NEWIPC, True, False, False),
-            (CLONE_NEWNET, True, False, False)):
+    """Enter new namespaces, the most that the OS allows: (network, pid, mount) where the mount
+    namespace is only probed (a forked process tries it, before the PID namespace, whose first
+    process it would otherwise be): the child makes its own, since a pivot_root there would
+    move this process's root too. Without root, only inside a user namespace entered before."""
+    probe = os.fork()
+    if probe == 0:
+        os._exit(0 if libc.unshare(ctypes.c_int(CLONE_NEWNS)) == 0 else 1)
+    _, st = os.waitpid(probe, 0)
+    mnt = os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
+    for flags, net, pid in ((CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC, True, True),
+                            (CLONE_NEWNET | CLONE_NEWIPC, True, False),
+                            (CLONE_NEWNET, True, False)):
         if libc.unshare(ctypes.c_int(flags)) == 0:
             return net, pid, mnt
-    return False, False, False
+    return False, False, mnt
 
 
 def _limit_processes_in_user_namespace(n: int) -> bool:
@@ -419,6 +424,9 @@ def _child(spec: dict, status_fd: int, shared: object, root: bool, net: bool, pi
         files, private = "the host's (no mount namespace)", False
         if mnt:  # (as root in this namespace: the real one or that of a new user namespace)
             try:
+                if libc.unshare(ctypes.c_int(CLONE_NEWNS)) != 0:
+                    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS): " +
+                                  os.strerror(ctypes.get_errno()))
                 files = _pr.private_root(libc, spec["dir"], spec["memory_mb"],
                                          spec.get("site_dirs", []), proc=pidns)
                 private = True
@@ -533,18 +541,21 @@ def supervise(spec: dict, status_fd: int) -> dict:
     nproc = "uid of its own" if root else "uid-wide count"
     wanted = spec.get("namespaces", True)
     if not root:
-        # not inspectable by the code, which has the same uid (/proc/<pid>/fd: the status pipe)
-        _prctl(libc, PR_SET_DUMPABLE, 0)
         # RLIMIT_NPROC: this process and the code's, in a user namespace of their own where the
         # kernel counts per namespace; else the uid's tasks now plus max_processes (counted
         # before the namespace, whose /proc view shows other tasks' uids as unmapped)
         n = int(spec["max_processes"])
         uid_wide = count_tasks(os.getuid()) + n
+        ids = os.getuid(), os.getgid()
         if wanted and libc.unshare(ctypes.c_int(CLONE_NEWUSER)) == 0:
+            _pr.map_own_ids(*ids)  # (unmapped, it could create no file: the private root)
             # (its test fork before the PID namespace: a fork there would be its first process)
             if _limit_processes_in_user_namespace(n + 1):
                 nproc = "per user namespace"
             net, pidns, mnt = _unshare(libc)
+        # not inspectable by the code, which has the same uid (/proc/<pid>/fd: the status
+        # pipe); after the id maps, which a process that is not dumpable cannot write
+        _prctl(libc, PR_SET_DUMPABLE, 0)
         if nproc == "uid-wide count":
             import resource
 

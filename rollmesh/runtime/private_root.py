@@ -13,7 +13,8 @@ import errno
 import os
 import sys
 
-__all__ = ["clear_capabilities", "drop_bounding_set", "private_root", "visible_paths"]
+__all__ = ["clear_capabilities", "drop_bounding_set", "map_own_ids", "private_root",
+           "visible_paths"]
 
 PR_CAPBSET_DROP = 24
 # mount(2), umount2(2); pivot_root(2) has no libc wrapper: its number per machine
@@ -32,6 +33,16 @@ _DEVICES = ("null", "zero", "full", "random", "urandom")
 
 def libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def map_own_ids(uid: int, gid: int) -> None:
+    """In a user namespace just made: `uid` and `gid` map to themselves (and nothing else), so
+    that files can be created there; setgroups is denied, as the kernel requires of an
+    unprivileged gid map."""
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
 
 
 def drop_bounding_set(libc: ctypes.CDLL, keep: int | None = None) -> None:

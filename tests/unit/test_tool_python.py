@@ -428,3 +428,49 @@ else:
     assert "No space left on device" in first, first
     assert 100 <= int(first.split("stopped ")[1].split()[0]) <= 128, first
     assert set(os.listdir("/dev/shm")) <= before
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv")
+                    or not Path("/usr/bin/python3").exists(),
+                    reason="needs root (to become an unprivileged user), setpriv and /usr/bin/python3")
+def test_as_an_unprivileged_user_the_code_gets_the_same_private_root(tmp_root):
+    """A worker that is not root: the supervisor makes a user namespace (its own ids mapped to
+    themselves, without which no file could be created for the private root) and the code
+    runs there with no capability; a secret the worker's own user owns is not there. The
+    supervisor script runs with the system's python (`-I -S`, standard library only) as uid
+    65534 (nobody), like a worker started by an ordinary user."""
+    nobody = 65534
+    tmp_path = Path(tmp_root)  # (pytest's own is under a 0700 directory of root's)
+    home = tmp_path / "home"
+    (home / "keys").mkdir(parents=True)
+    secret = home / "keys" / "server.key_secret"
+    secret.write_text("the run's secret key")
+    work = tmp_path / "work"
+    work.mkdir()
+    for p in (home, home / "keys", secret, work):
+        os.chown(p, nobody, nobody)
+    secret.chmod(0o600)
+    (home / "keys").chmod(0o700)
+    code = (f"import os\nprint(os.path.exists({str(secret)!r}), os.getuid(), "
+            "[p for p in os.listdir('/proc') if p.isdigit()])\n"
+            "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+    spec = {"code": code, "uid": 0, "dir": str(work), "cpu_s": 5, "wall_s": 10, "memory_mb": 128,
+            "file_mb": 1, "max_processes": 8, "namespaces": True, "require_isolation": True,
+            "site_dirs": []}
+    r, w = os.pipe()
+    import json
+    import subprocess
+
+    done = subprocess.run(
+        ["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups", "/usr/bin/python3",
+         "-I", "-S", "-B", "-u", str(ROOT / "rollmesh/runtime/isolation.py"), str(w)],
+        input=json.dumps(spec).encode(), capture_output=True, pass_fds=(w,), cwd=work, timeout=60)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        status = json.loads(f.read() or b"{}")
+    if status.get("setup_error") and "refused" in status["setup_error"]:
+        pytest.skip(f"the kernel refuses an unprivileged user namespace: {status['setup_error']}")
+    out = done.stdout.decode()
+    assert status.get("exit_code") == 0, (status.get("setup_error"), out, done.stderr)
+    assert out.splitlines() == [f"False {nobody} ['1']", "0000000000000000"], (out, status)
+    assert status["isolation"]["files"].startswith("private root"), status
