@@ -96,3 +96,41 @@ def trajectory_raising(response: str, label: Any, metadata: dict, trajectory: di
 
 def takes_any_keyword(response: str, label: Any, metadata: dict, **kwargs: Any) -> float:
     return float(len(kwargs))  # 0.0: a `trajectory` parameter must be declared by name
+
+
+def hostile(response: str, label: Any, metadata: dict) -> dict:
+    """What a hostile reward function from a dataset tries (issue 35, item 10): read the run's
+    key, list a hidden directory, reach a listener, read the worker's environment, signal the
+    worker, fill /dev/shm past its memory limit. Through ctypes where Python would be seen."""
+    import ctypes
+    import socket
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    found: dict[str, Any] = {"secret": libc.open(metadata["secret"].encode(), os.O_RDONLY) >= 0}
+    hidden = metadata["hidden"]
+    try:
+        found["hidden"] = bool(os.listdir(hidden))
+    except OSError:
+        found["hidden"] = False
+    s = socket.socket()
+    s.settimeout(1.0)
+    try:
+        s.connect(("127.0.0.1", int(metadata["port"])))
+        found["network"] = True
+    except OSError:
+        found["network"] = False
+    finally:
+        s.close()
+    found["env"] = sorted(k for k in os.environ if k.startswith("ROLLMESH_TEST_SECRET"))
+    try:
+        os.kill(int(metadata["worker"]), 0)
+        found["signal_worker"] = True
+    except OSError:
+        found["signal_worker"] = False
+    fd = libc.open(b"/dev/shm/rollmesh-test-ballast", os.O_CREAT | os.O_WRONLY, 0o600)
+    chunk, n = b"x" * (1 << 20), 0
+    while fd >= 0 and n < 400 and libc.write(fd, chunk, len(chunk)) == len(chunk):
+        n += 1
+    found["shm_mb"] = n
+    found["uid"] = os.getuid()
+    return {"reward": 0.0, **{f"found_{k}": v for k, v in found.items()}}

@@ -169,6 +169,12 @@ class RolloutConfig:
         "memory limit of each reward function's sandbox process (MiB of data: heap and "
         "anonymous mappings); a function that allocates more fails with reward_status error",
         2048, ge=64)
+    reward_allow_unsafe: bool = _field(
+        "run reward functions uncontained, as the worker (its user, environment, network and "
+        "files); otherwise each runs in new network, PID and mount namespaces with a root of "
+        "its own and no capability (as root: a uid of its own), and a reward worker on a host "
+        "whose kernel refuses them fails at start, naming what is missing. The `remote` "
+        "reward runs in the worker either way (it needs the network)", False)
     eval_every: int = _field(
         "evaluate the held-out set (data.eval_path) every N weight versions, alongside training "
         "(0 = never)", 0, ge=0)

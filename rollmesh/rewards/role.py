@@ -15,6 +15,7 @@ import asyncio
 import functools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from rollmesh.config import ExperimentConfig, parse_config
@@ -75,8 +76,12 @@ async def main(ctx: RoleContext) -> None:
     exp, pool = settings.experiment, settings.pool
     identity = f"reward-{ctx.spec.instance}-{os.getpid()}-{time.time_ns() & 0xFFFF:x}".encode()
     channel = ChannelClient(ctx.transport, settings.rollouter, identity=identity)
-    async with RewardSandbox(pool, memory_limit_mb=exp.rollout.reward_memory_mb) as sandbox:
+    run_dir = [str(Path(ctx.spec.keys_dir).parent)] if ctx.spec.keys_dir else []
+    async with RewardSandbox(pool, memory_limit_mb=exp.rollout.reward_memory_mb,
+                             contained=not exp.rollout.reward_allow_unsafe,
+                             hide=run_dir) as sandbox:
         await sandbox.start()
+        ctx.log.info("reward_isolation", isolation=sandbox.isolation)
         worker = RewardWorker(ctx, exp, sandbox, channel)
         serving = asyncio.create_task(worker.serve(credits=pool * 4))
         ctx.set_status(lambda: dict(worker.counts))

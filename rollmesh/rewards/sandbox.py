@@ -43,6 +43,12 @@ __all__ = ["RewardResult", "RewardSandbox", "serve"]
 log = get_logger("rollmesh.rewards")
 
 MAX_FRAME_BYTES = 64 << 20
+# rollmesh's own rewards that need the network (a reward model over HTTP): a contained child
+# has none, so they run in the worker (they run no code from data)
+_NEEDS_NETWORK = {"remote"}
+# What a contained child keeps of the worker's environment (plus RewardSandbox's `env`)
+_KEPT_ENV = {"PATH", "LANG", "PYTHONPATH", "PYTHONHASHSEED", "TZ", "OMP_NUM_THREADS",
+             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM"}
 _LEN = struct.Struct(">I")
 
 
@@ -154,12 +160,17 @@ class RewardSandbox:
         stderr: int | BinaryIO | None = None,
         start_timeout_s: float = 60.0,
         python: str = sys.executable,
+        contained: bool = True,
+        hide: list[str] | tuple[str, ...] = (),
     ) -> None:
         if size < 1:
             raise ValueError(f"RewardSandbox: size: expected int >= 1, got {size}")
         self.size, self.memory_limit_mb = size, memory_limit_mb
         self.env, self.stderr = env, stderr
         self.start_timeout_s, self.python = start_timeout_s, python
+        self.contained, self.hide = contained, list(hide)
+        self.isolation = "not contained (rollout.reward_allow_unsafe)"
+        self._here: dict[str, Any] = {}  # _NEEDS_NETWORK's functions, loaded in this process
         self._free: asyncio.Queue[_Child | None] = asyncio.Queue()
         for _ in range(size):
             self._free.put_nowait(None)  # a slot whose child starts on first use
@@ -187,20 +198,28 @@ class RewardSandbox:
         args = [self.python, "-m", "rollmesh.rewards", "serve", "--parent-pid", str(os.getpid())]
         if self.memory_limit_mb:
             args += ["--memory-limit-mb", str(self.memory_limit_mb)]
+        env = {**os.environ, **(self.env or {})}
+        if self.contained:  # the worker's environment (tokens a user put there) is not theirs
+            args += ["--contain", *(f"--hide={p}" for p in self.hide)]
+            env = {k: v for k, v in env.items() if k in _KEPT_ENV or k.startswith("LC_")}
+            env.update(self.env or {})
         proc = await asyncio.create_subprocess_exec(
             *args,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=self.stderr,
-            env={**os.environ, **(self.env or {})},
+            env=env,
             start_new_session=True,  # a terminal's Ctrl-C goes to the role, which then closes us
         )
         child = _Child(proc)
         self._children.add(child)
         try:
             hello = await asyncio.wait_for(child.receive(), self.start_timeout_s)
+            if hello.get("op") == "refused":
+                raise _Died(str(hello.get("error")))
             if hello.get("op") != "ready":
                 raise _Died(f"reward process said {hello!r:.200} instead of ready")
+            self.isolation = str(hello.get("isolation") or self.isolation)
         except BaseException as e:
             await self._discard(child)
             if isinstance(e, TimeoutError):
@@ -228,6 +247,8 @@ class RewardSandbox:
         without it is an error."""
         if self._closed:
             raise RuntimeError("RewardSandbox is closed")
+        if self.contained and name in _NEEDS_NETWORK:
+            return await self._score_here(name, response, label, metadata, timeout_s)
         child = await self._free.get()
         try:
             if self._closed:  # closed while this call waited for a free child
@@ -253,6 +274,26 @@ class RewardSandbox:
             raise
         finally:
             self._free.put_nowait(child)
+
+    async def _score_here(self, name: str, response: str, label: Any, metadata: dict[str, Any],
+                          timeout_s: float) -> RewardResult:
+        """rollmesh's own reward that asks a reward model over HTTP (`_NEEDS_NETWORK`): in this
+        process, on a thread (it runs no code from data, and a contained child has no
+        network)."""
+        msg = {"op": "call", "fn": name, "response": response, "label": label,
+               "metadata": metadata}
+        start = time.monotonic()
+        try:
+            reply = await asyncio.wait_for(asyncio.to_thread(_handle, msg, self._here), timeout_s)
+        except TimeoutError:
+            return RewardResult("timeout", error=f"timed out after {timeout_s:g}s",
+                                elapsed_s=time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        info = reply.get("info") if isinstance(reply.get("info"), dict) else {}
+        if not reply.get("ok"):
+            return RewardResult("error", error=str(reply.get("error")), info=info,
+                                elapsed_s=elapsed)
+        return RewardResult("ok", float(reply["reward"]), info=info, elapsed_s=elapsed)
 
     async def _score(
         self, child: _Child, name: str, response: str, label: Any, metadata: dict[str, Any],
@@ -352,8 +393,40 @@ def _handle(msg: Any, fns: dict[str, Any], memory_limit_mb: int | None = None) -
         }
 
 
-def serve(parent_pid: int = 0, memory_limit_mb: int | None = None) -> int:
-    """The child's loop: read requests from stdin, answer on stdout, until stdin closes."""
+def _contain(memory_mb: int, hide: list[str] | tuple[str, ...]) -> str:
+    """This process as a boundary for reward code from data (`private_root.confine`): new
+    network, IPC, PID and mount namespaces, a root of its own that shows the system, the
+    interpreter and the import path (sys.path, rollmesh) read-only and covers `hide` (the run's
+    directory), a fresh working directory, as root a uid of its own; no capability."""
+    import tempfile
+
+    import rollmesh
+    from rollmesh.runtime import private_root
+    from rollmesh.runtime.isolation import SANDBOX_UIDS
+
+    sys.path[:] = [os.path.abspath(p or os.curdir) for p in sys.path]  # '' was the cwd
+    extra = [p for p in sys.path if os.path.isdir(p)]
+    extra.append(os.path.dirname(os.path.abspath(rollmesh.__file__)))
+    work = tempfile.mkdtemp(prefix="rollmesh-reward-")
+    uid = None
+    if os.geteuid() == 0:
+        uid = SANDBOX_UIDS[(os.getpid() * 7919 + 1) % len(SANDBOX_UIDS)]
+        os.chown(work, uid, uid)
+    try:
+        how = private_root.confine(work, memory_mb, extra, uid, hide)
+    except OSError:
+        os.rmdir(work)
+        raise
+    os.chdir(work)
+    os.environ["HOME"] = os.environ["TMPDIR"] = work
+    tempfile.tempdir = None
+    return how
+
+
+def serve(parent_pid: int = 0, memory_limit_mb: int | None = None, contain: bool = False,
+          hide: list[str] | tuple[str, ...] = ()) -> int:
+    """The child's loop: read requests from stdin, answer on stdout, until stdin closes.
+    `contain`: first `_contain` this process (a refusal is answered, op "refused")."""
     # The pipes belong to the protocol: a function's print() or a C library's write to fd 1
     # would corrupt it, and a read from fd 0 would eat requests. Keep private copies and point
     # fds 0 and 1 elsewhere.
@@ -364,8 +437,6 @@ def serve(parent_pid: int = 0, memory_limit_mb: int | None = None) -> int:
     os.dup2(2, 1)
     os.close(devnull)
     die_with_parent(parent_pid)
-    if memory_limit_mb:
-        limit_data(memory_limit_mb)  # RLIMIT_DATA, not RLIMIT_AS: its docstring says why
 
     def reply(msg: dict[str, Any]) -> None:
         try:
@@ -379,7 +450,18 @@ def serve(parent_pid: int = 0, memory_limit_mb: int | None = None) -> int:
         replies.write(_LEN.pack(len(body)) + body)
         replies.flush()
 
-    reply({"op": "ready", "pid": os.getpid()})
+    isolation = "not contained"
+    if contain:
+        try:
+            isolation = _contain(memory_limit_mb or 512, hide)
+        except OSError as e:
+            reply({"op": "refused", "error": f"reward sandbox: {e}; reward functions are not "
+                   "run without it (rollout.reward_allow_unsafe = true runs them so)"})
+            return 3
+    if memory_limit_mb:
+        limit_data(memory_limit_mb)  # RLIMIT_DATA, not RLIMIT_AS: its docstring says why
+
+    reply({"op": "ready", "pid": os.getpid(), "isolation": isolation})
     fns: dict[str, Any] = {}
     while True:
         header = requests.read(_LEN.size)

@@ -437,6 +437,7 @@ def _child(spec: dict, status_fd: int, shared: object, root: bool, net: bool, pi
         shared[_FILES_AT:_FILES_AT + 256] = files.encode()[:256].ljust(256)  # type: ignore
         if root:
             user = _drop_root(libc, int(spec["uid"]), private)
+            _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)  # (the uid change cleared it)
         else:  # in a user namespace, the capabilities it gave: none left
             _pr.drop_bounding_set(libc)
             _pr.clear_capabilities(libc)

@@ -13,10 +13,12 @@ import errno
 import os
 import sys
 
-__all__ = ["clear_capabilities", "drop_bounding_set", "map_own_ids", "private_root",
+__all__ = ["clear_capabilities", "confine", "drop_bounding_set", "map_own_ids", "private_root",
            "visible_paths"]
 
-PR_CAPBSET_DROP = 24
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 # mount(2), umount2(2); pivot_root(2) has no libc wrapper: its number per machine
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -120,12 +122,13 @@ def visible_paths(extra: list[str]) -> list[str]:
 
 
 def private_root(libc: ctypes.CDLL, workdir: str, memory_mb: int, extra: list[str],
-                 proc: bool) -> str:
+                 proc: bool, hide: list[str] | tuple[str, ...] = ()) -> str:
     """In this process's new mount namespace, as root there: a root of its own on a tmpfs, with
     `visible_paths` bound read-only at their paths, the code's directory read-write, the five
     harmless devices, /tmp and /dev/shm as tmpfs of the memory limit's size (files there die
     with the call), a fresh /proc of the PID namespace (`proc`), and nothing else of the host
-    (old root unmounted). Returns a description for the status."""
+    (old root unmounted); `hide` (a run's directory inside a visible one, say) covered by an
+    empty directory. Returns a description for the status."""
     workdir = os.path.realpath(workdir)
     mb = int(memory_mb)
     visible = visible_paths(extra)
@@ -175,6 +178,13 @@ def private_root(libc: ctypes.CDLL, workdir: str, memory_mb: int, extra: list[st
                                     for v in visible) and os.path.exists("/old" + real):
             bind(real, writable=False)
     bind(workdir, writable=True)
+    for path in hide:
+        path = os.path.realpath(path)
+        if os.path.isdir("/new" + path):
+            _mount(libc, "tmpfs", "/new" + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY,
+                   "mode=0,size=4k")
+        elif os.path.lexists("/new" + path):
+            _mount(libc, "/old/dev/null", "/new" + path, None, MS_BIND)
     for name in _DEVICES:
         if os.path.exists("/old/dev/" + name):
             _mount(libc, "/old/dev/" + name, place("/dev/" + name, False), None, MS_BIND)
@@ -202,3 +212,75 @@ def private_root(libc: ctypes.CDLL, workdir: str, memory_mb: int, extra: list[st
             f"{proc_view}, /dev/shm and /tmp of {mb} MiB")
 
 
+
+
+def _die_with(lc: ctypes.CDLL, alive_r: int) -> None:
+    """SIGKILL when the parent dies; exit now if it already has (its pipe's end at EOF: from a
+    PID namespace of its own, the parent is not there to ask)."""
+    import select
+    import signal
+
+    if lc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if select.select([alive_r], [], [], 0)[0]:
+        os._exit(1)
+    os.close(alive_r)
+
+
+def confine(workdir: str, memory_mb: int, extra: list[str], uid: int | None,
+            hide: list[str] | tuple[str, ...] = ()) -> str:
+    """Make this process a contained one (the reward sandbox's children): new user (unless
+    root), network, IPC and PID namespaces, then a fork. The parent stays outside, waits, removes
+    `workdir` and ends as the child ended (it never returns); the child (first process of the PID
+    namespace: it sees no other process and can signal none) dies with it, makes its mount
+    namespace and `private_root` (`extra` readable, `hide` covered), becomes `uid` when root
+    (SANDBOX uid) with no capability, and sets no_new_privs. Returns, in the child, a
+    description; raises OSError naming what the kernel refused (in the child, from the mount
+    namespace on: its caller reports it and exits, and the parent with it)."""
+    lc = libc()
+    ids = os.getuid(), os.getgid()
+    root = os.geteuid() == 0
+
+    def unshare(flags: int, what: str) -> None:
+        if lc.unshare(ctypes.c_int(flags)) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"the kernel refused {what}: {os.strerror(e)}")
+
+    if not root:
+        unshare(CLONE_NEWUSER, "a user namespace")
+        map_own_ids(*ids)
+    unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID, "the network, IPC and PID namespaces")
+    alive_r, alive_w = os.pipe()  # the child sees its end reach EOF once the parent is gone
+    child = os.fork()
+    if child:
+        import shutil
+        import signal
+
+        os.closerange(0, 2)  # the protocol's pipes are the child's alone; stderr stays
+        os.closerange(3, alive_w)
+        os.closerange(alive_w + 1, 65536)
+        _, st = os.waitpid(child, 0)
+        shutil.rmtree(workdir, ignore_errors=True)
+        if os.WIFSIGNALED(st):  # end as it ended: the sandbox reports the signal
+            signal.signal(os.WTERMSIG(st), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(st))
+        os._exit(os.WEXITSTATUS(st) if os.WIFEXITED(st) else 1)
+    os.close(alive_w)
+    unshare(CLONE_NEWNS, "a mount namespace")
+    files = private_root(lc, workdir, memory_mb, extra, proc=True, hide=hide)
+    if root and uid is not None:
+        drop_bounding_set(lc)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        who = f"uid {uid}"
+    else:
+        drop_bounding_set(lc)
+        who = "own uid"
+    clear_capabilities(lc)
+    _die_with(lc, alive_r)  # (after the uid change, which clears the parent-death signal)
+    if lc.prctl(ctypes.c_int(PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), ctypes.c_ulong(0),
+                ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    return f"{who}, no capability, no network, pid namespace, {files}"

@@ -61,7 +61,7 @@ def registered(group: str, *builtin: str) -> str:
 EXP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics, sft"
 ROLLOUT_KEYS = ("max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, "
                 "max_turns, tool_timeout_s, python_tool, openai_agent, max_retries, engine_wait_s, over_sampling, group_filter, reward, "
-                "reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, "
+                "reward_timeout_s, reward_memory_mb, reward_allow_unsafe, eval_every, eval_temperature, eval_n, "
                 "eval_pass_threshold")
 MODEL_KEYS = "path, tokenizer_path, dtype, trust_remote_code, max_context, lora"
 CLUSTER_KEYS = "name, experiment, run_dir, launcher_address, hosts, roles, ports, share_gpus, colocate, slurm, launcher_cpus, role_max_restarts, settings"

@@ -31,7 +31,7 @@ EXP = '[model]\npath = "tiny"\n\n[data]\ntrain_path = "t.jsonl"\n'
 TOP_KEYS = "name, seed, model, data, rollout, staleness, algorithm, trainer, sync, engine, metrics, sft"
 ROLLOUT_KEYS = (
     "max_new_tokens, temperature, top_p, top_k, max_concurrent, batch_groups, max_turns, "
-    "tool_timeout_s, python_tool, openai_agent, max_retries, engine_wait_s, over_sampling, group_filter, reward, reward_timeout_s, reward_memory_mb, eval_every, eval_temperature, eval_n, eval_pass_threshold"
+    "tool_timeout_s, python_tool, openai_agent, max_retries, engine_wait_s, over_sampling, group_filter, reward, reward_timeout_s, reward_memory_mb, reward_allow_unsafe, eval_every, eval_temperature, eval_n, eval_pass_threshold"
 )
 HOST_KEYS = "address, user, port, identity_file, python, workdir, env, gpus, launch, ssh_options"
 

@@ -343,9 +343,12 @@ def alive(pid: int) -> bool:
 
 
 async def pid_of(sb: RewardSandbox) -> int:
+    """The host pid of the process serving `sb` (a one-child sandbox): a contained child is the
+    first process of its PID namespace (the function sees pid 1)."""
     res = await sb.score(FIX + "pid", "", None, {}, timeout_s=10)
     assert res.status == "ok", res
-    return res.info["pid"]
+    (child,) = sb._children
+    return child.proc.pid
 
 
 def test_sandbox_scores_and_survives_every_failure():
@@ -609,3 +612,50 @@ def test_reward_result_is_plain_data():
         "status": "timeout", "reward": None, "error": "timed out after 1s", "info": {},
         "elapsed_s": 1.0,
     }
+
+
+def test_a_hostile_reward_function_meets_a_boundary(tmp_path, monkeypatch):
+    """Issue 35, item 10: a reward function from a dataset ran as root with the worker's
+    environment and network: it read the run's keys, reached a listener, used 1 GiB under a
+    512 MiB limit and killed its parent. Contained (the default), it finds none of that: no
+    file of the run (its directory hidden even where it lies inside what is visible), no
+    network, none of the worker's environment, no process to signal, /dev/shm of its memory
+    limit that dies with it, and (as root) a uid of its own."""
+    import socket
+
+    run = tmp_path / "run"
+    (run / "keys").mkdir(parents=True, mode=0o700)
+    secret = run / "keys" / "server.key_secret"
+    secret.write_text("the run's secret key")
+    secret.chmod(0o600)
+    hidden = Path(__file__).resolve().parents[1] / "packages"  # visible (under the cwd, on sys.path) unless hidden
+    monkeypatch.setenv("ROLLMESH_TEST_SECRET_TOKEN", "hf_secret")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    meta = {"secret": str(secret), "hidden": str(hidden), "port": listener.getsockname()[1],
+            "worker": os.getpid()}
+
+    async def main():
+        async with RewardSandbox(1, memory_limit_mb=128, hide=[str(hidden)],
+                                 stderr=subprocess.DEVNULL) as sb:
+            res = await sb.score(FIX + "hostile", "", None, meta, timeout_s=20)
+            return res, sb.isolation
+
+    try:
+        res, isolation = asyncio.run(main())
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing reached it
+    finally:
+        listener.close()
+    assert res.status == "ok", res
+    found = {k.removeprefix("found_"): v for k, v in res.info.items()}
+    assert found["secret"] is False and found["hidden"] is False, found
+    assert found["network"] is False and found["env"] == [], found
+    assert found["signal_worker"] is False, found
+    assert found["shm_mb"] <= 128, found
+    assert not os.path.exists("/dev/shm/rollmesh-test-ballast")
+    if os.geteuid() == 0:
+        assert found["uid"] != 0, found
+    assert "no network" in isolation and "private root" in isolation, isolation
