@@ -27,6 +27,7 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+@pytest.mark.long
 def test_a_tool_using_agent_learns_through_interrupted_turns(tmp_path):
     policy = tmp_path / "agent_calc_sft"
     sft = subprocess.run([sys.executable, "-m", "rollmesh", "sft", "configs/agent_calc.toml",

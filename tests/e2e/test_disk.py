@@ -57,6 +57,7 @@ def test_queue_log_full_disk_refuses_puts_naming_the_file_then_resumes(tmp_path,
     assert "log_write_recovered" in text and "log_torn_tail" not in text
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_full_disk_under_the_rollouters_journal_in_a_whole_run_loses_nothing(tmp_path):

@@ -167,6 +167,7 @@ def two_engine_cluster(tmp_path: Path) -> str:
     return str(path)
 
 
+@pytest.mark.long
 def test_an_engine_killed_at_a_sync_gets_the_current_weights_and_the_run_finishes(tmp_path):
     """Two kills of the only engine: as a sync starts (SyncGo sent, the broadcast under way),
     then just after a sync was published (the engine held the version, then restarted)."""
@@ -216,6 +217,7 @@ def test_an_engine_killed_at_a_sync_gets_the_current_weights_and_the_run_finishe
 KILLS = int(os.environ.get("CHAOS_KILLS", 4))
 
 
+@pytest.mark.long
 def test_chaos_the_only_engine_killed_again_and_again_at_random_moments(tmp_path):
     """kill -9 of the only engine, KILLS times, each at a random moment once it serves again:
     every third one as a sync starts (mid-broadcast), the others 0-1.5 s after the engine is
@@ -258,6 +260,7 @@ def test_chaos_the_only_engine_killed_again_and_again_at_random_moments(tmp_path
             seconds=round(rows[-1]["time"] - rows[0]["time"], 1))
 
 
+@pytest.mark.long
 def test_two_engines_one_killed_the_run_goes_on_without_a_hiccup(tmp_path):
     """Two engines, engine[1] kill -9'ed while training: the other one carries the rollout,
     nothing is lost (drops only for staleness, counted), the run finishes, and the restarted engine gets the current weights.
@@ -303,6 +306,7 @@ def test_two_engines_one_killed_the_run_goes_on_without_a_hiccup(tmp_path):
             steps_in_10s_after=len(after))
 
 
+@pytest.mark.long
 def test_two_trainer_ranks_republish_to_an_engine_restarted_between_syncs(tmp_path):
     """Two trainer ranks (FSDP2 over gloo), a sync every 8 steps (max_staleness 7): the engine
     is killed just after a sync was published, so it comes back with the initial weights while

@@ -407,6 +407,7 @@ def log_events(run_dir: Path, pattern: str, event: str) -> list[dict]:
     return out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_kill9_of_the_only_engine_mid_run_drops_nothing_and_training_goes_on(tmp_path):

@@ -32,7 +32,9 @@ def proc_of(run_dir: Path, name: str) -> dict:
     return next(p for p in status(run_dir).get("processes", []) if p["name"] == name)
 
 
-@pytest.mark.parametrize("victim", ["rollouter[0]", "synchronizer[0]", "reward_worker[0]"])
+@pytest.mark.parametrize("victim", ["rollouter[0]",
+                                    pytest.param("synchronizer[0]", marks=pytest.mark.long),
+                                    pytest.param("reward_worker[0]", marks=pytest.mark.long)])
 def test_killed_role_is_restarted_and_the_run_completes(tmp_path, victim):
     run_dir = tmp_path / "run"
     steps = 30
@@ -55,6 +57,7 @@ def test_killed_role_is_restarted_and_the_run_completes(tmp_path, victim):
         assert restored and restored[-1]["admitted"] > 0, "the new rollouter used the journal"
 
 
+@pytest.mark.long
 def test_killed_trainer_without_restarts_stops_the_run_and_resume_goes_on(tmp_path):
     run_dir = tmp_path / "run"
     steps = 24
@@ -101,6 +104,7 @@ def test_killed_trainer_without_restarts_stops_the_run_and_resume_goes_on(tmp_pa
     assert rollmesh("status", str(run_dir)).returncode == 1  # not running any more
 
 
+@pytest.mark.long
 def test_roles_killed_while_starting_are_started_again(tmp_path):
     """kill -9 of the engine, then of the trainer, then of an agent worker, each as soon as the
     launcher spawned it and before it was ready (issue 34: an agent worker killed 3 s after its
@@ -133,6 +137,7 @@ def test_roles_killed_while_starting_are_started_again(tmp_path):
     assert [(e["child"], e["exit_code"]) for e in events] == [(n, -9) for n in victims], events
 
 
+@pytest.mark.long
 def test_checkpoints_by_time_so_a_dead_trainer_loses_seconds_not_the_run(tmp_path):
     """trainer.checkpoint_every_s (300 s by default; 3 s here) with no step-based checkpoints:
     a checkpoint comes by time alone, only the latest two stay on disk, and a trainer killed

@@ -211,6 +211,7 @@ def test_killed_agent_worker_is_restarted_and_the_run_completes(tmp_path):
     assert next(p for p in final["processes"] if p["name"] == "agent_worker[0]")["restarts"] == 1
 
 
+@pytest.mark.long
 def test_killed_engine_is_restarted_and_rejoins_at_the_current_weight_version(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", "trainer.total_steps=60")
@@ -277,6 +278,7 @@ def pinned_args(here: list[int]) -> list[str]:
             "--set", f"launcher_cpus={first}"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("how", ["ctrl-c", "rollmesh stop"])
 def test_stopping_a_run_leaves_no_process_behind(tmp_path, how):
     # with CPU placement (cpus per role and per process, launcher_cpus): each process runs

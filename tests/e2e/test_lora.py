@@ -111,6 +111,7 @@ def test_after_a_lora_sync_the_engine_decodes_exactly_as_the_trainers_adapted_mo
         initial_model, prompt, out["output_ids"]))) > 1e-3  # the adapter changed the policy
 
 
+@pytest.mark.long
 def test_a_launched_lora_run_survives_kill_9_of_the_trainer_and_the_engine(tmp_path):
     """`launch/lora_local.toml` (rank 8, lm_head among the targets), a checkpoint every 4 steps:
     kill -9 of the trainer (it resumes from its checkpoint and sends the engines its adapter

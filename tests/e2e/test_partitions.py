@@ -327,6 +327,7 @@ raise SystemExit(main())
 """
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_with_the_queue_cut_off_from_trainer_and_rollouter_resumes_and_finishes(tmp_path):

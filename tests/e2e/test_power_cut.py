@@ -91,6 +91,7 @@ def resume(run_dir: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.long
 def test_five_power_cuts_at_random_moments_lose_nothing_and_train_nothing_twice(tmp_path):
     run_dir = tmp_path / "run"
     rng = random.Random(34)

@@ -189,6 +189,7 @@ def test_pause_mid_generation_resumes_without_generating_anything_twice(tmp_path
     assert engine_tokens == sum(int(t.loss_mask.sum()) for t in trajs)
 
 
+@pytest.mark.long
 def test_an_in_place_pause_mid_generation_keeps_every_request_running(tmp_path):
     """sync.pause_mode = "in_place": the rollouter answers the Pause at once with its
     trajectories still out with the workers (no Cancel, nothing to the cancel queue), the engine
@@ -299,6 +300,7 @@ def test_killed_agent_worker_has_its_samples_redispatched(tmp_path):
     assert admitted == accounted
 
 
+@pytest.mark.long
 def test_rollouter_killed_during_a_sync_comes_back_paused_until_its_resume(tmp_path):
     # Killed between Pause and Resume, the new rollouter must not generate while the engines
     # may be half-way through a broadcast: it waits for the Resume the synchronizer re-sends.
@@ -347,6 +349,7 @@ def test_rollouter_killed_during_a_sync_comes_back_paused_until_its_resume(tmp_p
     assert admitted == accounted
 
 
+@pytest.mark.long
 def test_a_paused_journal_does_not_hold_a_new_launch_and_a_lost_resume_does_not_stall(tmp_path):
     state = tmp_path / "state"
     state.mkdir()

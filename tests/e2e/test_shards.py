@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CLUSTER = "launch/shards_local.toml"  # the embedded default, 2 rollouters x 2 queue shards
 
 
+@pytest.mark.long
 def test_two_by_two_shards_survive_kill_9_of_a_rollouter_a_queue_shard_and_the_trainer(
         tmp_path):
     run_dir = tmp_path / "run"

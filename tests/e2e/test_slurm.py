@@ -69,6 +69,7 @@ def test_sbatch_runs_the_default_to_the_end_and_restarts_a_killed_step(cluster, 
     assert not cluster.steps() and not leftovers(run_dir), leftovers(run_dir)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rollmesh_stop_ends_the_job_and_leaves_nothing_running(cluster, tmp_path):
@@ -94,6 +95,7 @@ def test_rollmesh_stop_ends_the_job_and_leaves_nothing_running(cluster, tmp_path
     assert rollmesh(cluster, "status", str(run_dir)).returncode == 1
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scancel_of_the_job_ends_everything_and_resume_goes_on_under_sbatch(cluster, tmp_path):

@@ -49,6 +49,7 @@ def fds(pid: int) -> int | None:
         return None
 
 
+@pytest.mark.long
 def test_soak_memory_and_descriptors_stay_bounded_and_nothing_leaks(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--set", f"trainer.total_steps={STEPS}", "--set", "sync.sync_every=1",

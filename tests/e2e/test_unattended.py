@@ -28,6 +28,7 @@ from tests.helpers.sshd import Sshd
 from tests.unit.test_unattended import proc_of, processes_of
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_trainer_is_restarted_by_the_launcher_and_the_run_finishes(tmp_path):
@@ -79,6 +80,7 @@ def test_killed_trainer_is_restarted_by_the_launcher_and_the_run_finishes(tmp_pa
           f"trained again after {recovered_s:.1f}s")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_launcher_takes_every_process_with_it_and_resume_goes_on(tmp_path):
@@ -122,6 +124,7 @@ def test_killed_launcher_takes_every_process_with_it_and_resume_goes_on(tmp_path
     print(f"\nkill -9 of the launcher: all {len(pids)} processes gone after {gone_s:.1f}s")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_that_cannot_progress_is_stopped_with_the_cause(tmp_path):
@@ -150,6 +153,7 @@ def test_a_run_that_cannot_progress_is_stopped_with_the_cause(tmp_path):
     print(f"\nwatchdog: stopped {took:.0f}s into the run: {failure}")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_killed_launcher_takes_its_ssh_processes_with_it(tmp_path):

@@ -64,6 +64,7 @@ def test_offline_wandb_run_holds_every_step_and_the_resolved_config(tmp_path, wa
     assert not (wandb_core_pids() - services_before)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_restarted_trainer_goes_on_with_the_same_wandb_run(tmp_path, wandb_env):
