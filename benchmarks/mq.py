@@ -77,7 +77,7 @@ from rollmesh.mq.client import STREAM_AHEAD, BatchFeed, put_ready  # noqa: E402
 from rollmesh.wire.protocol import encode  # noqa: E402
 from rollmesh.wire.messages import Group, PutGroups, Trajectory
 from rollmesh.launcher.supervisor import Supervisor  # noqa: E402
-from rollmesh.wire.transport import RpcClient, Transport, free_port  # noqa: E402
+from rollmesh.wire.transport import CurveKeys, RpcClient, Transport, free_port  # noqa: E402
 
 
 def _load(name: str) -> Any:
@@ -257,7 +257,7 @@ async def mq_produce(p: dict[str, Any]) -> None:
     or paced) while at most `window` wait to be queued, and go to the queue as it puts them."""
     groups = [group(p["tokens"], p["n"], i) for i in range(16)]
     log = structlog.get_logger("bench")
-    with Transport() as t:
+    with Transport(CurveKeys.load(p["keys"]) if p.get("keys") else None) as t:
         client = RpcClient(t, p["address"], timeout_s=60)
         ready: collections.deque[Group] = collections.deque()
         added, room = asyncio.Event(), asyncio.Event()
@@ -291,7 +291,7 @@ async def mq_consume(p: dict[str, Any]) -> dict[str, Any]:
     steps of credit ahead, each step's checkpoint committed at the next (as a trainer that
     checkpoints every step)."""
     clock, bg = Clock(p["warmup"]), p["batch_groups"]
-    with Transport() as t:
+    with Transport(CurveKeys.load(p["keys"]) if p.get("keys") else None) as t:
         client = RpcClient(t, p["address"], timeout_s=120)
         feed = BatchFeed(client, bg)
         first, last = p["first_step"], p["first_step"] + -(-p["groups"] // bg) - 1
@@ -377,11 +377,16 @@ def run_raw(a: argparse.Namespace, ph: dict[str, Any], hops: int,
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
-async def run_mq(a: argparse.Namespace, which: list[str]) -> dict[str, dict[str, Any]]:
+async def run_mq(a: argparse.Namespace, which: list[str],
+                 curve: bool = False) -> dict[str, dict[str, Any]]:
+    """`curve`: the run's keys in every process (as a launched run has them), so every socket,
+    loopback included, is CURVE (`mqc`)."""
     exp = load_experiment(ROOT / "configs/tiny_cpu.toml")
     out = {}
-    with Transport() as t:
-        sup = Supervisor(t, heartbeat_s=1.0)
+    keys_dir = tempfile.mkdtemp(prefix="rollmesh-bench-keys-") if curve else None
+    keys = CurveKeys.generate(Path(keys_dir) / "keys") if keys_dir else None
+    with Transport(keys) as t:
+        sup = Supervisor(t, heartbeat_s=1.0, keys_dir=str(keys.directory) if keys else None)
         try:
             config = {"experiment": to_dict(exp), "bind": f"tcp://127.0.0.1:{free_port()}",
                       "capacity_groups": a.capacity}
@@ -398,17 +403,20 @@ async def run_mq(a: argparse.Namespace, which: list[str]) -> dict[str, dict[str,
                 consumer = child("mq-consume", {
                     "address": address, "groups": total, "warmup": ph["warmup"] * a.n,
                     "batch_groups": ph["bg"], "prefetch": ph["prefetch"],
-                    "first_step": first_step})
+                    "first_step": first_step, "keys": str(keys.directory) if keys else None})
                 first_step += -(-total // ph["bg"])
                 producer = child("mq-produce", {
                     "phase": name, "address": address, "groups": total, "window": ph["window"],
-                    "rate": ph["rate"], "tokens": a.tokens, "n": a.n})
+                    "rate": ph["rate"], "tokens": a.tokens, "n": a.n,
+                    "keys": str(keys.directory) if keys else None})
                 out[name] = await asyncio.to_thread(last_json, consumer, a.timeout_s)
                 await asyncio.to_thread(producer.wait, a.timeout_s)
         finally:
             await sup.close()
             if a.durable:
                 shutil.rmtree(config["state_dir"], ignore_errors=True)
+    if keys_dir:
+        shutil.rmtree(keys_dir, ignore_errors=True)
     return out
 
 
@@ -453,7 +461,7 @@ def main() -> None:
     p.add_argument("--latency-warmup", type=int, default=20)
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs of every system")
     p.add_argument("--systems", default="raw1,raw2,mq,ray",
-                   help="of raw1, raw2, py2, py2d, mq, ray")
+                   help="of raw1, raw2, py2, py2d, mq, mqc (CURVE on every socket), ray")
     p.add_argument("--ray-serialize", choices=("arrays", "cloudpickle"), default="arrays",
                    help="arrays: Ray's zero-copy numpy path; cloudpickle: as verl's rollouter")
     p.add_argument("--durable", action="store_true",
@@ -507,8 +515,8 @@ def main() -> None:
             elif s in ("py2", "py2d"):
                 for name, phase in ph.items():
                     runs[s][name].append(run_raw(a, phase, 2, "py-forward", s == "py2d"))
-            elif s == "mq":
-                for name, r in asyncio.run(run_mq(a, list(ph))).items():
+            elif s in ("mq", "mqc"):
+                for name, r in asyncio.run(run_mq(a, list(ph), curve=s == "mqc")).items():
                     runs[s][name].append(r)
             elif s == "ray":
                 r = run_ray(a)
@@ -520,7 +528,7 @@ def main() -> None:
                 for name in ph:
                     runs[s][name].append(r[name])
             else:
-                raise SystemExit(f"unknown system {s!r} (raw1, raw2, py2, py2d, mq, ray)")
+                raise SystemExit(f"unknown system {s!r} (raw1, raw2, py2, py2d, mq, mqc, ray)")
             tp = runs[s]["throughput"][-1]
             print(f"  run {rep + 1}/{a.repeat} {s:5s} {rate(tp):9.0f} samples/s "
                   f"({time.time() - t0:.1f}s with start-up)", flush=True)
@@ -530,6 +538,7 @@ def main() -> None:
              "py2": "2-hop via a Python forwarder",
              "py2d": "2-hop via a Python forwarder + log",
              "mq": "rollmesh MessageQueue (puts/stream)",
+             "mqc": "rollmesh MessageQueue, CURVE everywhere",
              "ray": f"Ray actor queue, verl-style ({a.ray_serialize})"}
     summary = {s: {k: summarize(v) for k, v in runs[s].items()} for s in runs}
     print(f"\n{'':40s} {'samples/s':>9s} {'min-max':>13s} {'sat p50':>8s} {'sat p99':>8s}"
@@ -544,7 +553,7 @@ def main() -> None:
     print("(sat: latency ms while running flat out, mostly buffer wait; lat: ms at "
           f"{a.latency_rate:g} samples/s offered, one group per get)")
     if "mq" in runs and a.repeat > 1:  # runs of one round are minutes apart at most: paired
-        for f in ("raw2", "raw1", "ray"):
+        for f in ("raw2", "raw1", "ray", "mqc"):
             if f in runs:
                 pairs = [rate(m) / rate(b) for m, b in zip(runs["mq"]["throughput"],
                                                            runs[f]["throughput"])]

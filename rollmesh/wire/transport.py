@@ -2,7 +2,9 @@
 
 - `Transport` owns a process's ZeroMQ context, its CURVE keys and authenticator, and makes
   every socket with bounded high-water marks, a maximum message size and a linger. CURVE is on
-  by default for any non-loopback address; a non-loopback socket without keys is refused.
+  by default for every socket of a process that holds the run's keys, loopback included (a
+  local process without them is refused: model code, another user); a non-loopback socket
+  without keys is refused.
 - `RpcServer` (ROUTER) / `RpcClient` (DEALER): request-reply with correlation ids, timeouts
   and retries (the "lazy pirate": on a timeout the socket is rebuilt and pending requests are
   sent again), a dispatcher from record type to handler, protocol errors answered and counted.
@@ -234,12 +236,14 @@ class Transport:
         linger_ms: int | None = None,
         identity: bytes | None = None,
     ) -> zmq.Socket:
-        """Make a socket and bind or connect it. `secure=None`: CURVE iff not loopback."""
+        """Make a socket and bind or connect it. `secure=None`: CURVE where this transport has
+        the run's keys (loopback too: on one host, a local process without the keys sent a
+        StopRun, took batches and stalled a run) or the address is not loopback."""
         address = bind or connect
         if address is None or (bind and connect):
             raise TransportError("give exactly one of bind= or connect=")
         if secure is None:
-            secure = not is_loopback(address)
+            secure = self.keys is not None or not is_loopback(address)
         if secure and self.keys is None:
             raise TransportError(
                 f"{address}: CURVE keys are required for a non-loopback address "

@@ -19,7 +19,11 @@ from tests.unit.test_security import ENV, first_handshake, launcher_keys
 
 
 @pytest.mark.slow
-def test_a_role_refuses_clients_without_the_runs_keys(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bind", ["*", "127.0.0.1"], ids=["every_interface", "loopback"])
+def test_a_role_refuses_clients_without_the_runs_keys(tmp_path, monkeypatch, bind):
+    """On every interface, and on loopback too (issue 35, item 3: on one host the role sockets
+    were plain TCP, and a local process without keys, model code among them, registered a fake
+    reward worker, took batches, sent WeightVersion and StopRun)."""
     run_dir, keys = launcher_keys(tmp_path, monkeypatch)
     _, other = launcher_keys(tmp_path / "other", monkeypatch)
     # Knows the server's public key (it is no secret) but has a key pair of its own.
@@ -27,16 +31,16 @@ def test_a_role_refuses_clients_without_the_runs_keys(tmp_path, monkeypatch):
                          other.directory)
 
     async def main():
-        with Transport() as t:
+        with Transport(keys) as t:  # (the launcher holds the run's keys, as the roles do)
             sup = Supervisor(t, heartbeat_s=0.5, liveness=6, log_dir=tmp_path / "logs",
                              keys_dir=str(keys.directory))
-            # "*": every interface, so not loopback: the role's transport must make it CURVE.
+            # the role's transport holds the run's keys: CURVE on either address
+            port = free_port("0.0.0.0" if bind == "*" else bind)
             child = sup.spawn("echo", "tests.helpers.roles:echo", env=ENV,
-                              config={"bind": f"tcp://*:{free_port('0.0.0.0')}"})
+                              config={"bind": f"tcp://{bind}:{port}"})
             try:
                 address = (await sup.wait_ready(child, 60))["rpc"]
-                assert address.startswith("tcp://0.0.0.0:")
-                target = address.replace("0.0.0.0", "127.0.0.1")
+                target = f"tcp://127.0.0.1:{address.rsplit(':', 1)[1]}"
                 # Each client's handshake must fail: without keys (a plain client), with a key
                 # pair of its own and another server key, and the impostor's (ZAP says 400).
                 outcomes = {}

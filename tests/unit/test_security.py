@@ -82,7 +82,11 @@ async def first_handshake(transport: Transport, target: str, secure: bool,
     ("ipc:///tmp/rollmesh-x", False), ("tcp://*:0", True), ("tcp://0.0.0.0:0", True),
     ("tcp://192.0.2.2:0", True), ("tcp://gpu-node-3:0", True), ("tcp://eth0:0", True),
 ])
-def test_non_loopback_is_curve_by_default(tmp_path, address, curve):
+def test_with_the_runs_keys_every_socket_is_curve_and_without_non_loopback_is_refused(
+        tmp_path, address, curve):
+    """A process holding the run's keys makes every socket CURVE, loopback included (issue 35,
+    item 3: on one host a local process without keys drove the roles' plain sockets); one
+    without keys makes loopback sockets plain and refuses the others."""
     assert is_loopback(address) is not curve
     keys = CurveKeys.generate(tmp_path / "keys")
     # Wildcards can only be bound; the others are connected (no peer or network needed).
@@ -90,16 +94,17 @@ def test_non_loopback_is_curve_by_default(tmp_path, address, curve):
     target = address if how == "bind" else address.replace(":0", ":9")
     with Transport(keys) as t:
         sock = t.socket(zmq.ROUTER, **{how: target})
-        assert sock.getsockopt(zmq.MECHANISM) == (zmq.CURVE if curve else zmq.NULL)
-        if curve:
-            assert bool(sock.curve_server) is (how == "bind")
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+        assert bool(sock.curve_server) is (how == "bind")
         sock.close(0)
     with Transport() as t:  # no keys: refused where CURVE is due, plain TCP otherwise
         if curve:
             with pytest.raises(TransportError, match="CURVE keys are required"):
                 t.socket(zmq.ROUTER, **{how: target})
         else:
-            t.socket(zmq.ROUTER, **{how: target}).close(0)
+            sock = t.socket(zmq.ROUTER, **{how: target})
+            assert sock.getsockopt(zmq.MECHANISM) == zmq.NULL
+            sock.close(0)
 
 
 def test_the_launcher_binds_remote_roles_and_the_hub_with_curve():
