@@ -136,6 +136,14 @@ class _Child:
         await self.proc.wait()
 
 
+def _result(reply: dict[str, Any], elapsed: float) -> RewardResult:
+    """A child's (or `_handle`'s) answer to a call, as a RewardResult."""
+    info = reply.get("info") if isinstance(reply.get("info"), dict) else {}
+    if not reply.get("ok"):
+        return RewardResult("error", error=str(reply.get("error")), info=info, elapsed_s=elapsed)
+    return RewardResult("ok", float(reply["reward"]), info=info, elapsed_s=elapsed)
+
+
 class RewardSandbox:
     """Scores responses with reward functions run in `size` child processes (concurrent calls
     beyond that wait for a free child). Use `async with RewardSandbox() as sb:` or `close()`.
@@ -288,12 +296,7 @@ class RewardSandbox:
         except TimeoutError:
             return RewardResult("timeout", error=f"timed out after {timeout_s:g}s",
                                 elapsed_s=time.monotonic() - start)
-        elapsed = time.monotonic() - start
-        info = reply.get("info") if isinstance(reply.get("info"), dict) else {}
-        if not reply.get("ok"):
-            return RewardResult("error", error=str(reply.get("error")), info=info,
-                                elapsed_s=elapsed)
-        return RewardResult("ok", float(reply["reward"]), info=info, elapsed_s=elapsed)
+        return _result(reply, time.monotonic() - start)
 
     async def _score(
         self, child: _Child, name: str, response: str, label: Any, metadata: dict[str, Any],
@@ -336,12 +339,7 @@ class RewardSandbox:
             if self.memory_limit_mb:  # a C extension whose malloc failed may abort or crash
                 why += f" (its memory limit is {self.memory_limit_mb} MiB, rollout.reward_memory_mb)"
             return RewardResult("error", error=why, elapsed_s=time.monotonic() - start)
-        elapsed = time.monotonic() - start
-        info = reply.get("info") if isinstance(reply.get("info"), dict) else {}
-        if not reply.get("ok"):
-            error = str(reply.get("error"))
-            return RewardResult("error", error=error, info=info, elapsed_s=elapsed)
-        return RewardResult("ok", float(reply["reward"]), info=info, elapsed_s=elapsed)
+        return _result(reply, time.monotonic() - start)
 
     async def close(self) -> None:
         """Kill every child (idempotent)."""

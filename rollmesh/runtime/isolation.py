@@ -80,10 +80,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
-PR_SET_KEEPCAPS = 8
 PR_CAPBSET_READ = 23
-PR_CAP_AMBIENT = 47
-PR_CAP_AMBIENT_RAISE = 2
 CAP_DAC_READ_SEARCH = 2
 # unshare(2)
 CLONE_NEWNS = 0x00020000
@@ -250,25 +247,16 @@ def _kill_leftovers(session: int, timeout_s: float = 5.0) -> int:
 def _drop_root(libc: ctypes.CDLL, uid: int, private_root: bool) -> str:
     """From root to `uid` with no capabilities at all (the code read any file while it kept
     CAP_DAC_READ_SEARCH: the run's keys, /etc/shadow). The interpreter's files stay readable
-    through the private root (`private_root.private_root`), which shows their directories at their paths
-    whatever the modes of the directories above them. Without one (no mount namespace: only
+    through the private root (`private_root.private_root`), which shows their directories at
+    their paths whatever the modes of the directories above them. Without one (no mount namespace: only
     with rollout.python_tool.allow_unsafe), CAP_DAC_READ_SEARCH is kept so that an interpreter
     under a private home can still import: the code can then read any file. Returns a
     description for the status."""
     keep = None
     if not private_root and _prctl(libc, PR_CAPBSET_READ, CAP_DAC_READ_SEARCH) == 1:
         keep = CAP_DAC_READ_SEARCH
-    _pr.drop_bounding_set(libc, keep)
+    _pr.become(libc, uid, keep)
     if keep is not None:
-        _prctl(libc, PR_SET_KEEPCAPS, 1)
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)  # (without PR_SET_KEEPCAPS, this clears the capabilities)
-    if os.getuid() != uid or os.geteuid() != uid:
-        raise OSError(errno.EPERM, f"still uid {os.getuid()} after setresuid({uid})")
-    _pr.clear_capabilities(libc, keep)
-    if keep is not None:  # across exec too (ambient)
-        _prctl(libc, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, keep)
         return f"uid {uid} (keeps CAP_DAC_READ_SEARCH: reads any file)"
     return f"uid {uid} (from root, no capabilities)"
 

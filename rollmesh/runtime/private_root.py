@@ -13,10 +13,11 @@ import errno
 import os
 import sys
 
-__all__ = ["clear_capabilities", "confine", "drop_bounding_set", "map_own_ids", "private_root",
+__all__ = ["become", "clear_capabilities", "confine", "drop_bounding_set", "map_own_ids", "private_root",
            "visible_paths"]
 
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_SET_PDEATHSIG, PR_SET_KEEPCAPS, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 8, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 # mount(2), umount2(2); pivot_root(2) has no libc wrapper: its number per machine
@@ -80,6 +81,28 @@ def clear_capabilities(libc: ctypes.CDLL, keep: int | None = None) -> None:
     if libc.capset(ctypes.byref(header), data) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"capset: {os.strerror(e)}")
+
+
+def _prctl(lc: ctypes.CDLL, *args: int) -> None:
+    full = [*args, *([0] * (5 - len(args)))]
+    if lc.prctl(ctypes.c_int(full[0]), *(ctypes.c_ulong(a) for a in full[1:])) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl({args[0]}): {os.strerror(e)}")
+
+
+def become(lc: ctypes.CDLL, uid: int, keep: int | None = None) -> None:
+    """From root to `uid` (and gid), with no capability but `keep` (kept across exec too)."""
+    drop_bounding_set(lc, keep)
+    if keep is not None:
+        _prctl(lc, PR_SET_KEEPCAPS, 1)
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # (without PR_SET_KEEPCAPS, this clears the capabilities)
+    if os.getuid() != uid or os.geteuid() != uid:
+        raise OSError(errno.EPERM, f"still uid {os.getuid()} after setresuid({uid})")
+    clear_capabilities(lc, keep)
+    if keep is not None:
+        _prctl(lc, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, keep)
 
 
 def _mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int,
@@ -220,9 +243,7 @@ def _die_with(lc: ctypes.CDLL, alive_r: int) -> None:
     import select
     import signal
 
-    if lc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-                ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    _prctl(lc, PR_SET_PDEATHSIG, signal.SIGKILL)
     if select.select([alive_r], [], [], 0)[0]:
         os._exit(1)
     os.close(alive_r)
@@ -270,17 +291,12 @@ def confine(workdir: str, memory_mb: int, extra: list[str], uid: int | None,
     unshare(CLONE_NEWNS, "a mount namespace")
     files = private_root(lc, workdir, memory_mb, extra, proc=True, hide=hide)
     if root and uid is not None:
-        drop_bounding_set(lc)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
+        become(lc, uid)
         who = f"uid {uid}"
     else:
         drop_bounding_set(lc)
+        clear_capabilities(lc)
         who = "own uid"
-    clear_capabilities(lc)
     _die_with(lc, alive_r)  # (after the uid change, which clears the parent-death signal)
-    if lc.prctl(ctypes.c_int(PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), ctypes.c_ulong(0),
-                ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _prctl(lc, PR_SET_NO_NEW_PRIVS, 1)
     return f"{who}, no capability, no network, pid namespace, {files}"
