@@ -257,7 +257,7 @@ async def mq_produce(p: dict[str, Any]) -> None:
     or paced) while at most `window` wait to be queued, and go to the queue as it puts them."""
     groups = [group(p["tokens"], p["n"], i) for i in range(16)]
     log = structlog.get_logger("bench")
-    with Transport(CurveKeys.load(p["keys"]) if p.get("keys") else None) as t:
+    with Transport(CurveKeys.load(p["keys"], "rollouter-0") if p.get("keys") else None) as t:
         client = RpcClient(t, p["address"], timeout_s=60)
         ready: collections.deque[Group] = collections.deque()
         added, room = asyncio.Event(), asyncio.Event()
@@ -291,7 +291,7 @@ async def mq_consume(p: dict[str, Any]) -> dict[str, Any]:
     steps of credit ahead, each step's checkpoint committed at the next (as a trainer that
     checkpoints every step)."""
     clock, bg = Clock(p["warmup"]), p["batch_groups"]
-    with Transport(CurveKeys.load(p["keys"]) if p.get("keys") else None) as t:
+    with Transport(CurveKeys.load(p["keys"], "trainer-0") if p.get("keys") else None) as t:
         client = RpcClient(t, p["address"], timeout_s=120)
         feed = BatchFeed(client, bg)
         first, last = p["first_step"], p["first_step"] + -(-p["groups"] // bg) - 1
@@ -384,7 +384,9 @@ async def run_mq(a: argparse.Namespace, which: list[str],
     exp = load_experiment(ROOT / "configs/tiny_cpu.toml")
     out = {}
     keys_dir = tempfile.mkdtemp(prefix="rollmesh-bench-keys-") if curve else None
-    keys = CurveKeys.generate(Path(keys_dir) / "keys") if keys_dir else None
+    # each process its own key, as in a launched run: the queue checks who sends what
+    keys = (CurveKeys.generate(Path(keys_dir) / "keys", ["launcher", "rollouter-0", "trainer-0"])
+            if keys_dir else None)
     with Transport(keys) as t:
         sup = Supervisor(t, heartbeat_s=1.0, keys_dir=str(keys.directory) if keys else None)
         try:

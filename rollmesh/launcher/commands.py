@@ -206,8 +206,8 @@ def stop_main(argv: list[str]) -> int:
     """`rollmesh stop RUN`: ask the launcher to shut the run down, and wait for it.
 
     From any machine that reaches the launcher's control socket (launcher.json's "control")
-    and holds the run's keys (RUN/keys: CURVE authenticates the request): StopRun, then wait
-    until the launcher no longer answers. `--pid`: signal the launcher's process instead
+    and holds the launcher's key (RUN/keys/clients/launcher: only it may stop the run):
+    StopRun, then wait until the launcher no longer answers. `--pid`: signal the launcher's process instead
     (this machine only); without either, the socket is tried first and the pid is the
     fallback where the launcher runs here."""
     p = argparse.ArgumentParser(prog="rollmesh stop")
@@ -280,7 +280,7 @@ def _local_launcher(info: dict[str, Any]) -> bool:
 async def _stop_over_socket(run: Path, info: dict[str, Any], timeout_s: float) -> bool | str:
     """StopRun to the launcher's control socket, then wait until it stops answering (its
     socket closes when it exits). True: stopped; else why not."""
-    keys = CurveKeys.load(run / "keys")
+    keys = CurveKeys.load(run / "keys", "launcher")  # StopRun is taken from no other key
     with Transport(keys) as t:
         client = RpcClient(t, info["control"], timeout_s=3, retries=1, name="launcher")
         try:

@@ -16,8 +16,8 @@
               generated: the run stops with the cause named (rollmesh.launcher.watchdog)
     finish    when the trainer finishes: drain every rollouter shard, write summary.json (the
               accounting identity over every shard, rollmesh.launcher.summary), stop all
-    stop      Ctrl-C / SIGTERM / `rollmesh stop RUN` (StopRun on the control socket, from any
-              machine holding the run's keys): every process on every host, one deadline
+    stop      Ctrl-C / SIGTERM / `rollmesh stop RUN` (StopRun on the control socket, signed
+              with the launcher's own key, RUN/keys/clients/launcher): every process on every host, one deadline
     death     a launcher killed outright takes its processes with it: local ones get SIGTERM
               from the kernel (PDEATHSIG, engines included), roles over SSH hear no heartbeat
 
@@ -50,6 +50,7 @@ from rollmesh.config import (
 from rollmesh.engine.client import API_KEY_FILE, EngineClient
 from rollmesh.launcher.console import Console, LogStream
 from rollmesh.launcher.hosts import Host, SshHost
+from rollmesh.launcher.keys import files_for_host, make_keys
 from rollmesh.launcher.plan import (
     Planned, PlannedRouter, _connect, _make_hosts, build_plan, launcher_affinity, plan_router,
 )
@@ -155,10 +156,9 @@ class Launcher:
     def prepare_run_dir(self) -> CurveKeys:
         if self.resume:  # the run's own keys, configs and state: the trainer's checkpoints,
             # the queue's log and the rollouter's journal are picked up by the roles themselves
-            keys = CurveKeys.load(self.run_dir / "keys")
-            checkpoints = (sorted(p.name for p in (self.run_dir / "checkpoints").glob("step_*"))
-                           if (self.run_dir / "checkpoints").is_dir() else [])
-            log.info("resuming", run_dir=str(self.run_dir), checkpoints=checkpoints)
+            keys = make_keys(self.run_dir / "keys", self.plan, resume=True)
+            log.info("resuming", run_dir=str(self.run_dir), checkpoints=sorted(
+                p.name for p in (self.run_dir / "checkpoints").glob("step_*")))
             pointer = self.run_dir / "checkpoints" / "latest"  # rollmesh.training.checkpoint.LATEST
             self.console.info("rollmesh: resuming " + (
                 f"from checkpoint {pointer.read_text().strip()}" if pointer.is_file()
@@ -172,7 +172,7 @@ class Launcher:
                                    "--run-dir, or go on with it: --resume "
                                    f"{self.run_dir} (a run never writes over another's files)")
             self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # hosts.*.env, logs
-            keys = CurveKeys.generate(self.run_dir / "keys")
+            keys = make_keys(self.run_dir / "keys", self.plan, resume=False)
         key_file = self.run_dir / "keys" / API_KEY_FILE
         if not key_file.exists():
             fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -186,11 +186,12 @@ class Launcher:
         write_atomic(self.run_dir / "cluster.toml", cluster, mode=0o600)  # hosts.*.env values
         (self.run_dir / "experiment.toml").write_text(to_toml(self.exp))
         for host in self.hosts.values():
-            if not host.local:
+            if not host.local:  # the public keys, its own roles' secret ones (launcher/keys.py)
                 assert isinstance(host, SshHost)
                 host.check()
-                for f in sorted((self.run_dir / "keys").iterdir()):
-                    host.put_file(f"{self.remote_run_dir}/keys/{f.name}", f.read_bytes())
+                for f in files_for_host(self.run_dir / "keys", self.plan, host.name):
+                    host.put_file(f"{self.remote_run_dir}/keys/"
+                                  f"{f.relative_to(self.run_dir / 'keys')}", f.read_bytes())
         return keys
 
     @property
@@ -247,8 +248,7 @@ class Launcher:
                                   log_dir=self.run_dir / "logs", status_hub=frontend,
                                   status_feed=backend)
             self.control = f"tcp://{addr}:{base}"
-            # `rollmesh stop RUN` from any machine holding the run's keys (CURVE authenticates)
-            self.sup.server.handlers[StopRun] = self.on_stop_run
+            self.sup.server.handlers[StopRun] = self.on_stop_run  # from the launcher's key only
             self.publisher = Publisher(t, frontend, secure=True)
             self.write_launcher_json(frontend, backend)
             status = asyncio.create_task(self.publish_status())

@@ -19,8 +19,9 @@ from rollmesh.runtime.cpus import pinned
 from rollmesh.runtime.log import get_logger
 from rollmesh.runtime.process import RoleSpec
 from rollmesh.wire.protocol import PROTOCOL_VERSION
-from rollmesh.wire.messages import Fatal, Heartbeat, Hello, Ok, Ready
-from rollmesh.wire.transport import RpcServer, Transport
+from rollmesh.wire.messages import Fatal, Heartbeat, Hello, Ok, Ready, StopRun
+from rollmesh.wire.keys import SENDER, CurveKeys, identity_for
+from rollmesh.wire.transport import Forbidden, RpcServer, Transport
 from rollmesh.wire.channels import Liveness
 
 log = get_logger("rollmesh.launcher.supervisor")
@@ -95,10 +96,13 @@ class Supervisor:
         self.status_hub = status_hub
         self.status_feed = status_feed
         self.children: dict[str, Child] = {}
+        # Every key of the run may report; each role process only as itself (`_as`), and
+        # StopRun only from the launcher's own key (its handler is the launcher's).
         self.server = RpcServer(transport, control, {
             Hello: self._on_hello, Ready: self._on_ready, Heartbeat: self._on_heartbeat,
             Fatal: self._on_fatal,
-        }, name="supervisor")
+        }, name="supervisor", allow={Hello: None, Ready: None, Heartbeat: None, Fatal: None,
+                                     StopRun: {"launcher"}})
         self._serve = asyncio.create_task(self.server.serve(), name="supervisor")
         self._watch = asyncio.create_task(self.liveness.watch(self._on_silent), name="liveness")
         self.on_silent: Callable[[Child], Awaitable[None] | None] | None = None
@@ -107,7 +111,16 @@ class Supervisor:
     def control(self) -> str:
         return self.server.address
 
+    @staticmethod
+    def _as(role: str, instance: int, what: str) -> None:
+        """Forbidden unless the request's key is this role process's own (or there are no
+        keys): a role may not say Hello, Ready or Fatal for another."""
+        sender = SENDER.get()
+        if sender is not None and sender != identity_for(role, instance):
+            raise Forbidden(f"{sender} may not send {what} for {role}/{instance}")
+
     async def _on_hello(self, msg: Hello, peer: bytes) -> Any:
+        self._as(msg.role, msg.instance, "Hello")
         child = self.children.get(f"{msg.role}/{msg.instance}")
         if msg.protocol_version != PROTOCOL_VERSION:
             raise ValueError(f"protocol version {msg.protocol_version}, parent speaks "
@@ -118,6 +131,7 @@ class Supervisor:
         return Ok()
 
     async def _on_ready(self, msg: Ready, peer: bytes) -> Any:
+        self._as(msg.role, msg.instance, "Ready")
         child = self.children.get(f"{msg.role}/{msg.instance}")
         if child is not None:
             child.state, child.endpoints = "ready", dict(msg.endpoints)
@@ -125,6 +139,10 @@ class Supervisor:
         return Ok()
 
     async def _on_heartbeat(self, msg: Heartbeat, peer: bytes) -> Any:
+        sender = SENDER.get()
+        if sender is not None and msg.sender in self.children and (
+                sender != msg.sender.replace("/", "-")):  # no keeping another role "alive"
+            raise Forbidden(f"{sender} may not send Heartbeat for {msg.sender}")
         self.liveness.beat(msg.sender)
         child = self.children.get(msg.sender)
         if child is not None and child.state == "silent":
@@ -147,6 +165,7 @@ class Supervisor:
                 await result
 
     async def _on_fatal(self, msg: Fatal, peer: bytes) -> Any:
+        self._as(msg.role, msg.instance, "Fatal")
         child = self.children.get(f"{msg.role}/{msg.instance}")
         log.error("role_fatal", child=child.name if child else msg.role, error=msg.error)
         self.liveness.forget(f"{msg.role}/{msg.instance}")
@@ -175,6 +194,10 @@ class Supervisor:
                         status_feed=self.status_feed,
                         heartbeat_s=self.heartbeat_s, liveness=self.liveness.liveness,
                         grace_s=grace_s, config=config or {})
+        if spec.keys_dir and local and getattr(host, "same_machine", True):
+            # its own key pair (the launcher makes every planned one up front, and copies
+            # them to other hosts); the run's sockets admit it once they read it
+            CurveKeys.add_identities(spec.keys_dir, [identity_for(role, instance)])
         return self._start(spec, host, env or {}, cwd, echo, spec_path=spec_path, cpus=cpus,
                            cpus_for=cpus_for or f"{role}[{instance}]"
                            + (f" on host {host.name}" if host is not None else ""))

@@ -57,6 +57,14 @@ class _Stream:
     committed: int = 0  # the consumer's latest checkpoint, committed with the next hand-out
 
 
+# Who may send the queue what (the run's keys name the sender): groups come from rollouters,
+# batches go to trainers, and only the synchronizer, after a broadcast the trainer asked
+# for, moves the version (a WeightVersion from anyone else stalled or emptied a run).
+ALLOW: dict[type, Any] = {PutGroups: {"rollouter"}, OpenBatchStream: {"trainer"},
+                          BatchCredit: {"trainer"}, WeightVersion: {"synchronizer"},
+                          StatsRequest: None}
+
+
 class QueueRole:
     """The role's request handlers, one method each, around one `MessageQueue`.
 
@@ -263,7 +271,7 @@ async def main(ctx: RoleContext) -> None:
                      seconds=round(time.monotonic() - started, 3))
         queue.journal.background_sync = True  # QueueRole.fsync_loop
     role = QueueRole(queue, log=ctx.log, host=ctx.spec.host, shard=settings.shard)
-    server = role.server = RpcServer(ctx.transport, settings.bind, role.handlers(),
+    server = role.server = RpcServer(ctx.transport, settings.bind, role.handlers(), allow=ALLOW,
                                      name="message_queue")
     ctx.log.info("config", capacity_groups=queue.capacity, max_staleness=queue.max_staleness,
                  staleness_measure=queue.measure, state_dir=settings.state_dir,

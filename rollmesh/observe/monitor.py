@@ -638,7 +638,7 @@ def main(argv: list[str]) -> int:
     try:
         run = load_run(find_run_dir(args.target), keys=args.keys, hub=args.hub)
         try:
-            keys = CurveKeys.load(run.keys_dir)
+            keys = CurveKeys.load(run.keys_dir, "monitor")
         except TransportError as e:
             raise MonitorError(f"{e}: the hub only admits the run's keys "
                                f"({run.run_dir / 'keys'}, or --keys DIR)") from None

@@ -349,7 +349,8 @@ async def main(ctx: RoleContext) -> None:
         exp = dataclasses.replace(exp, rollout=dataclasses.replace(exp.rollout, eval_every=0))
     source = PromptSource.from_config(exp.data, shard=settings.shard, shards=settings.shards)
     tokenizer = load_tokenizer(exp.model)
-    channel = Channel(ctx.transport, settings.bind, name="rollouter")
+    channel = Channel(ctx.transport, settings.bind, name="rollouter",
+                      allow={"agent_worker", "reward_worker"})
     queues = [RpcClient(ctx.transport, address, timeout_s=30,
                         name=f"message queue {j}" if j else "message queue")
               for j, address in enumerate(queue_addresses(settings))]
@@ -372,8 +373,11 @@ async def main(ctx: RoleContext) -> None:
         return Metrics(role="rollouter", host=ctx.spec.host,
                        values={**r.stats(), "protocol_errors": control.stats.protocol_errors})
 
+    # the synchronizer pauses and resumes; the launcher pauses (abort) for the run's summary
     control = RpcServer(ctx.transport, settings.control,
-                        {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter")
+                        {Pause: pause, Resume: resume, StatsRequest: stats}, name="rollouter",
+                        allow={Pause: {"synchronizer", "launcher"}, Resume: {"synchronizer"},
+                               StatsRequest: None})
     coros = [r.receive(), r.schedule(), r.heartbeats(), r.put_ready(), control.serve()]
     if r.core.eval.rows and ctx.publisher is not None:
         coros.append(announce_evals(ctx, r.core.eval))

@@ -33,6 +33,7 @@ from rollmesh.runtime.cpus import ENV as CPUS_ENV, format_cpulist
 from rollmesh.runtime.log import configure_logging, get_logger
 from rollmesh.wire.messages import Fatal, Hello, Metrics, Ready
 from rollmesh.wire.transport import (
+    FORBIDDEN,
     PROTOCOL_ERRORS,
     CurveKeys,
     PeerTimeout,
@@ -40,6 +41,7 @@ from rollmesh.wire.transport import (
     RpcClient,
     Transport,
 )
+from rollmesh.wire.keys import identity_for
 from rollmesh.wire.channels import Heartbeater, Liveness, Publisher, Subscriber
 
 EXIT_FATAL = 1
@@ -210,7 +212,8 @@ def _load_entry(entry: str) -> Callable[[RoleContext], Awaitable[None]]:
 async def run_role(spec: RoleSpec) -> int:
     """Run one role to completion; returns the process exit code."""
     logger = get_logger("rollmesh.role", instance=spec.instance)
-    keys = CurveKeys.load(spec.keys_dir) if spec.keys_dir else None
+    keys = (CurveKeys.load(spec.keys_dir, identity_for(spec.role, spec.instance))
+            if spec.keys_dir else None)
     transport = Transport(keys)
     control = RpcClient(transport, spec.control, timeout_s=spec.heartbeat_s * spec.liveness,
                         retries=1, name="parent")
@@ -311,7 +314,8 @@ async def _publish_status(ctx: RoleContext) -> None:
     topic = f"metrics.{spec.role}.{spec.instance}"
     while True:
         values: dict[str, Any] = {"pid": os.getpid(), "ready": ctx.is_ready,
-                                  "protocol_errors": sum(PROTOCOL_ERRORS.values())}
+                                  "protocol_errors": sum(PROTOCOL_ERRORS.values()),
+                                  "forbidden": sum(FORBIDDEN.values())}
         if ctx.status is not None:
             try:
                 values.update(ctx.status())

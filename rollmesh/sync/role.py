@@ -379,9 +379,12 @@ async def main(ctx: RoleContext) -> None:
         ctx.log.info("engines_changed", reason=msg.reason)
         return Ok()
 
+    # only the trainer's sync path moves the version; the launcher says an engine restarted
     server = RpcServer(ctx.transport, settings.bind,
                        {SyncRequest: on_request, SyncDone: on_done, StatsRequest: on_stats,
-                        EnginesChanged: on_engines_changed}, name="synchronizer")
+                        EnginesChanged: on_engines_changed}, name="synchronizer",
+                       allow={SyncRequest: {"trainer"}, SyncDone: {"trainer"},
+                              EnginesChanged: {"launcher"}, StatsRequest: None})
     serving = asyncio.create_task(server.serve())
     ctx.set_status(sync.stats)
     await ctx.ready(rpc=server.address)

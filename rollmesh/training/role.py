@@ -105,8 +105,8 @@ class Link:
         self.sender = (WeightSender(t, to_dict(settings), state.exp.sync, state.device,
                                     api_key=run_api_key(ctx.spec.keys_dir))
                        if settings.synchronizer else None)
-        self.server = RpcServer(t, settings.bind,
-                                {StatsRequest: self._stats}, name="trainer")
+        self.server = RpcServer(t, settings.bind, {StatsRequest: self._stats}, name="trainer",
+                                allow={StatsRequest: None})  # any key of the run
         self._serving: asyncio.Task | None = None
         self.last_metrics: dict[str, Any] = {}
         # colocated mode's turn on the device (training/colocate.py); None: not colocated

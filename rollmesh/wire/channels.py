@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Collection, Iterable
 
 import structlog
 import zmq
@@ -21,17 +21,22 @@ import zmq.asyncio
 from rollmesh.wire import protocol
 from rollmesh.wire.messages import Heartbeat
 from rollmesh.wire.protocol import ProtocolError
+from rollmesh.wire.keys import identity_for
 from rollmesh.wire.transport import (
+    FORBIDDEN,
     PROTOCOL_ERRORS,
     PeerTimeout,
     RemoteError,
     RpcClient,
     Transport,
     recv_frames,
+    role_of,
     send_frames,
+    sender_of,
 )
 
 log = structlog.get_logger("rollmesh.wire.channels")  # rollmesh.runtime.log configures it
+_DRAIN_HUB = 256  # messages the hub forwards from one socket before it looks at the others
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,22 +73,42 @@ class Channel(_Receiver):
 
     Used where the binder pushes work as well as receiving it (the rollouter dispatching
     trajectories to the workers that hold credit). Malformed messages are counted and skipped.
+    On a CURVE socket, `allow` names the roles that may send on it (`role_of` their key's
+    identity); a message from any other is counted, logged and skipped.
     """
 
     def __init__(self, transport: Transport, bind: str, *, secure: bool | None = None,
-                 name: str = "channel", hwm: int | None = None):
+                 name: str = "channel", hwm: int | None = None,
+                 allow: Collection[str] | None = None):
         self.sock = transport.socket(zmq.ROUTER, bind=bind, secure=secure, hwm=hwm)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its id back
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.name = self.where = name
+        self.secure = bool(self.sock.getsockopt(zmq.CURVE_SERVER))
+        self.allow = None if allow is None else frozenset(allow)
+        self.forbidden = 0
 
     async def recv(self) -> tuple[bytes, Any]:  # type: ignore[override]
         while True:
             frames = await recv_frames(self.sock)
+            if self.secure and not self._allowed(frames[0]):
+                continue
             try:
                 return frames[0].bytes, protocol.decode(frames[1:])
             except ProtocolError as e:
                 self._protocol_error(str(e))
+
+    def _allowed(self, frame: Any) -> bool:
+        sender = sender_of(frame)
+        if sender is not None and (self.allow is None or role_of(sender) in self.allow):
+            return True
+        self.forbidden += 1
+        FORBIDDEN[self.name] += 1
+        n = self.forbidden
+        if n & (n - 1) == 0 or n % 1000 == 0:
+            log.warning("forbidden", channel=self.name, sender=sender,
+                        allowed=sorted(self.allow or ()), count=n)
+        return False
 
     async def send(self, peer: bytes, rec: Any) -> bool:
         """False if the peer is gone (its work must be re-queued by the caller)."""
@@ -123,9 +148,14 @@ class ChannelClient(_Receiver):
 class StatusProxy:
     """The status hub: publishers connect to `frontend` (XSUB), subscribers to `backend` (XPUB).
 
-    Runs zmq's proxy in a thread; `close()` stops it through the steerable proxy's control
-    socket, so no thread or socket is left behind.
+    Forwards in a thread; `close()` stops it through its control socket, so no thread or socket
+    is left behind. On CURVE sockets a publication goes on only if its sender may publish its
+    topic: `<kind>.<role>.<instance>` from that role process's own key, anything from the
+    launcher's; others are counted (`FORBIDDEN["status hub"]`) and dropped (a reward worker's
+    key would otherwise forge the trainer's metrics or the rollouter's evaluations).
     """
+
+    name = "status hub"
 
     def __init__(self, transport: Transport, frontend: str, backend: str,
                  secure: bool | None = None):
@@ -133,6 +163,8 @@ class StatusProxy:
         self._xpub = transport.socket(zmq.XPUB, bind=backend, secure=secure, sync=True)
         self.frontend = self._xsub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.backend = self._xpub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.secure = bool(self._xsub.getsockopt(zmq.CURVE_SERVER))
+        self.forbidden = 0
         control = f"inproc://status-proxy-{id(self)}"
         self._control_server = transport.sync_ctx.socket(zmq.PAIR)
         self._control_server.bind(control)
@@ -141,9 +173,42 @@ class StatusProxy:
         self._thread = threading.Thread(target=self._run, name="status-proxy", daemon=True)
         self._thread.start()
 
+    def may_publish(self, frames: list[Any]) -> bool:
+        if not self.secure:
+            return True
+        sender = sender_of(frames[0])
+        parts = frames[0].bytes.decode("utf-8", "replace").split(".")
+        if sender == "launcher" or (sender is not None and len(parts) == 3
+                                    and identity_for(parts[1], parts[2]) == sender):
+            return True
+        self.forbidden += 1
+        FORBIDDEN[self.name] += 1
+        n = self.forbidden
+        if n & (n - 1) == 0 or n % 1000 == 0:
+            log.warning("forbidden", server=self.name, sender=sender, topic=".".join(parts)[:80],
+                        count=n)
+        return False
+
     def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self._xsub, self._xpub, self._control_server):
+            poller.register(sock, zmq.POLLIN)
         try:
-            zmq.proxy_steerable(self._xsub, self._xpub, None, self._control_server)
+            while True:
+                for sock, _ in poller.poll():
+                    if sock is self._control_server:
+                        if sock.recv() == b"TERMINATE":
+                            return
+                        continue
+                    for _ in range(_DRAIN_HUB):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        if sock is self._xpub:  # (un)subscriptions go up to the publishers
+                            self._xsub.send_multipart(frames, copy=False)
+                        elif self.may_publish(frames):
+                            self._xpub.send_multipart(frames, copy=False)
         except zmq.ZMQError:
             pass
         finally:

@@ -19,10 +19,8 @@ import asyncio
 import collections
 import ipaddress
 import itertools
-import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -32,6 +30,15 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from rollmesh.wire import protocol
+from rollmesh.wire.keys import (
+    CLIENTS,
+    SENDER,
+    CurveKeys,
+    TransportError,
+    _RunAuthenticator,
+    role_of,
+    sender_of,
+)
 from rollmesh.wire.protocol import ProtocolError
 from rollmesh.wire.messages import ErrorReply
 
@@ -40,6 +47,8 @@ log = structlog.get_logger("rollmesh.wire.transport")  # rollmesh.runtime.log co
 # Malformed messages this process received, by socket (server name or receiver kind): every
 # role publishes them with its status, so the monitor shows who is sent garbage.
 PROTOCOL_ERRORS: collections.Counter[str] = collections.Counter()
+# Requests refused because their sender may not send them there, by socket: published too.
+FORBIDDEN: collections.Counter[str] = collections.Counter()
 
 DEFAULT_HWM = 1000
 ZAP_STOP_TIMEOUT_S = 5.0  # the longest close() waits for the CURVE authenticator's thread
@@ -55,8 +64,9 @@ DEFAULT_ZMTP_HEARTBEAT_MS = 2000
 DEFAULT_ZMTP_TIMEOUT_MS = 10000
 
 
-class TransportError(RuntimeError):
-    """A socket could not be set up as asked (e.g. a non-loopback address without keys)."""
+class Forbidden(PermissionError):
+    """A handler's refusal of its request's sender (a role speaking for another): answered
+    ErrorReply(code="forbidden"), counted and logged like a refusal by `allow`."""
 
 
 class PeerTimeout(TimeoutError):
@@ -100,44 +110,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@dataclass(frozen=True)
-class CurveKeys:
-    """A run's keys: one server key pair (every bound socket) and one client key pair.
-
-    Every process of a run gets both, so any role can bind and connect; a process without
-    them cannot connect to a CURVE socket of the run. Files are written mode 0600.
-    """
-
-    server_public: bytes
-    server_secret: bytes
-    client_public: bytes
-    client_secret: bytes
-    directory: Path
-
-    @classmethod
-    def generate(cls, directory: str | Path) -> CurveKeys:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
-        for name in ("server", "client"):
-            zmq.auth.create_certificates(str(directory), name)
-        for path in directory.iterdir():
-            os.chmod(path, 0o600)
-        return cls.load(directory)
-
-    @classmethod
-    def load(cls, directory: str | Path) -> CurveKeys:
-        directory = Path(directory)
-        try:
-            spub, ssec = zmq.auth.load_certificate(str(directory / "server.key_secret"))
-            cpub, csec = zmq.auth.load_certificate(str(directory / "client.key_secret"))
-        except (OSError, ValueError) as e:
-            raise TransportError(f"cannot load CURVE keys from {directory}: {e}") from None
-        if ssec is None or csec is None:
-            raise TransportError(f"{directory}: secret keys missing")
-        return cls(spub, ssec, cpub, csec, directory)
-
-
 # --------------------------------------------------------------------------------------------
 # The socket factory
 # --------------------------------------------------------------------------------------------
@@ -169,9 +141,10 @@ class Transport:
         self._sockets: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()
         self._auth: ThreadAuthenticator | None = None
         if keys is not None:
-            self._auth = ThreadAuthenticator(self.sync_ctx)
+            self._auth = _RunAuthenticator(self.sync_ctx, keys.directory / CLIENTS)
+            self._auth.load()
             self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(keys.directory))
+            self._auth.configure_curve_callback(domain="*", credentials_provider=self._auth)
             self._auth.allow_any = False
 
     def __enter__(self) -> Transport:
@@ -398,6 +371,7 @@ class ServerStats:
     replies: int = 0
     protocol_errors: int = 0
     handler_errors: int = 0
+    forbidden: int = 0
     last_error: str = ""
 
 
@@ -411,6 +385,12 @@ class RpcServer:
     A handler may return an async iterator instead of a record: a stream, each record it yields
     sent under the request's correlation id (`RpcClient.stream` receives them) until it ends,
     or until a send fails (the peer is gone), which closes it.
+
+    On a CURVE socket every request carries its sender's identity (`sender_of`); a handler
+    reads it as `SENDER.get()`. `allow` says which roles (`role_of` the identity) may send
+    each record type (None: any identity of the run); a request from any other is answered
+    ErrorReply(code="forbidden"), counted and logged, and never reaches its handler. A
+    record type missing from `allow` is refused to everybody.
     """
 
     def __init__(
@@ -422,10 +402,14 @@ class RpcServer:
         secure: bool | None = None,
         name: str = "rpc",
         max_concurrent: int = 1024,
+        allow: dict[type, Any] | None = None,
     ):
         self.sock = transport.socket(zmq.ROUTER, bind=address, secure=secure)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.secure = bool(self.sock.getsockopt(zmq.CURVE_SERVER))
         self.handlers = dict(handlers)
+        self.allow = None if allow is None else {
+            t: None if who is None else frozenset(who) for t, who in allow.items()}
         self.name = name
         self.stats = ServerStats()
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -469,6 +453,13 @@ class RpcServer:
             self._protocol_error(str(e))
             await self._reply(peer, corr, ErrorReply(code="protocol", message=str(e)))
             return
+        if self.secure:
+            sender = sender_of(frames[2])
+            refused = self._refuse(sender, type(request))
+            if refused:
+                await self._reply(peer, corr, ErrorReply(code="forbidden", message=refused))
+                return
+            SENDER.set(sender)  # this request's task's own context
         try:
             reply = await handler(request, peer)
             if hasattr(reply, "__anext__"):
@@ -476,6 +467,9 @@ class RpcServer:
                 return
         except asyncio.CancelledError:
             raise
+        except Forbidden as e:
+            self._forbid(SENDER.get(), type(request), str(e))
+            reply = ErrorReply(code="forbidden", message=str(e))
         except Exception as e:
             self.stats.handler_errors += 1
             log.exception("handler_failed", server=self.name, request=type(request).__name__)
@@ -492,6 +486,29 @@ class RpcServer:
             close = getattr(items, "aclose", None)
             if close is not None:
                 await close()
+
+    def _refuse(self, sender: str | None, kind: type) -> str:
+        """Why `sender` may not send `kind` here; "" if it may."""
+        if sender is None:
+            why = f"{self.name} refuses {kind.__name__} from a connection without an identity"
+        elif self.allow is None:
+            return ""
+        else:
+            who = self.allow.get(kind, frozenset())
+            if who is None or role_of(sender) in who:
+                return ""
+            why = (f"{sender} may not send {kind.__name__} to the {self.name} (only "
+                   f"{', '.join(sorted(who)) or 'nobody'})")
+        return self._forbid(sender, kind, why)
+
+    def _forbid(self, sender: str | None, kind: type, why: str) -> str:
+        self.stats.forbidden += 1
+        FORBIDDEN[self.name] += 1
+        n = self.stats.forbidden
+        if n & (n - 1) == 0 or n % 1000 == 0:  # a hostile peer must not flood the log
+            log.warning("forbidden", server=self.name, sender=sender, request=kind.__name__,
+                        reason=why, count=n)
+        return why
 
     def _protocol_error(self, reason: str) -> None:
         self.stats.protocol_errors += 1

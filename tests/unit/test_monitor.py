@@ -117,7 +117,7 @@ def launcher_metrics(elapsed_s: float = 42.0) -> Metrics:
 
 def make_run(tmp_path: Path, hub_backend: str = "tcp://127.0.0.1:1") -> Path:
     run = tmp_path / "local-1"
-    CurveKeys.generate(run / "keys")
+    CurveKeys.generate(run / "keys", ["launcher", "monitor"])
     (run / "launcher.json").write_text(json.dumps({
         "name": "local-1", "run_dir": str(run), "pid": os.getpid(), "hub_frontend": "",
         "hub_backend": hub_backend, "control": "", "started_at": 0.0,
@@ -130,7 +130,7 @@ async def monitor_against_hub(tmp_path: Path, *extra: str, timeout_s: float = 20
     """Run `rollmesh monitor RUN --json --once` while secure publishers feed a real CURVE hub
     (launcher + every role, every 0.1 s; the trainer advances a step every 2nd publication)."""
     run = make_run(tmp_path)
-    with Transport(CurveKeys.load(run / "keys")) as t:
+    with Transport(CurveKeys.load(run / "keys", "launcher")) as t:
         hub = StatusProxy(t, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", secure=True)
         info = json.loads((run / "launcher.json").read_text())
         (run / "launcher.json").write_text(json.dumps({**info, "hub_frontend": hub.frontend,
@@ -225,7 +225,7 @@ def test_monitor_json_once_shows_every_field(tmp_path):
 
 
 def test_monitor_with_a_strangers_keys_is_refused_and_says_why(tmp_path):
-    stranger = CurveKeys.generate(tmp_path / "stranger")
+    stranger = CurveKeys.generate(tmp_path / "stranger", ["monitor"])
     run, code, out, err = asyncio.run(
         monitor_against_hub(tmp_path, "--keys", str(stranger.directory)))
     assert code == 2 and out == ""

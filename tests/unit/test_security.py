@@ -6,8 +6,11 @@
 (b) The launcher writes the run's keys private: key directory 0700, key files 0600.
 (c) No pickle-family deserialisation anywhere in the package (an AST scan, file:line).
 (d) The monitor only subscribes: its one socket is a SUB, and nothing a subscriber of the hub
-    sends reaches the other subscribers or the roles.
+    sends reaches the other subscribers or the roles; a role publishes only its own topics.
 (e) SSH keeps host-key checking on and never prompts (BatchMode), whatever ssh_options say.
+(f) Every role process holds a key pair of its own, and each socket takes from each role only
+    the messages that role may send (issue 35, item 3): the attacks a local process made on a
+    run, now made with the keys of a role that may not.
 """
 
 from __future__ import annotations
@@ -129,11 +132,14 @@ def test_launcher_writes_private_keys(tmp_path, monkeypatch):
     key_dir = run_dir / "keys"
     assert keys.directory == key_dir
     assert stat.S_IMODE(key_dir.stat().st_mode) == 0o700
-    files = sorted(p.name for p in key_dir.iterdir())
-    assert files == ["client.key", "client.key_secret", "engine.token", "server.key",
-                     "server.key_secret"]
-    for p in key_dir.iterdir():
-        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    files = sorted(str(p.relative_to(key_dir)) for p in key_dir.rglob("*") if p.is_file())
+    # one key pair per role process of launch/local.toml, the launcher's and the monitor's
+    names = ["agent_worker-0", "agent_worker-1", "launcher", "message_queue-0", "monitor",
+             "reward_worker-0", "rollouter-0", "synchronizer-0", "trainer-0"]
+    assert files == ["clients/" + n + suffix for n in names for suffix in (".key", ".key_secret")
+                     ] + ["engine.token", "server.key", "server.key_secret"]
+    for p in key_dir.rglob("*"):
+        assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
     # the run directory is the user's alone, and so is the resolved cluster file, which holds
     # `hosts.*.env` values (tokens a user puts there); it was world-readable (issue 35)
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
@@ -304,18 +310,22 @@ def test_the_hub_passes_nothing_from_a_subscriber_to_the_run(tmp_path):
     keeps forwarding the roles' status."""
     from rollmesh.observe.monitor import HubLink, Run, StatusBoard
 
-    keys = CurveKeys.generate(tmp_path / "keys")
+    keys = CurveKeys.generate(tmp_path / "keys", ["monitor", "launcher", "rollouter-0",
+                                                  "reward_worker-0"])
 
     async def main():
-        with Transport(keys) as t:
+        with as_(keys.directory, "launcher") as t:
             hub = StatusProxy(t, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secure=True)
             run = Run(name="t", run_dir=tmp_path, hub=hub.backend, keys_dir=keys.directory,
                       launcher_pid=None)
             board = StatusBoard(run)
             link = HubLink(run, keys, board)
             assert link.sub.sock.type == zmq.SUB
-            role = Transport(keys)
+            role = as_(keys.directory, "rollouter-0")
             pub = Publisher(role, hub.frontend, secure=True)
+            # a role's key publishes its own topics only (per-role keys, issue 35)
+            other_role = as_(keys.directory, "reward_worker-0")
+            forger = Publisher(other_role, hub.frontend, secure=True)
             # What the role's PUB socket receives from upstream: only subscriptions may arrive.
             hostile = Transport(keys)
             xsub = hostile.socket(zmq.XSUB, connect=hub.backend, secure=True, sync=True)
@@ -330,6 +340,8 @@ def test_the_hub_passes_nothing_from_a_subscriber_to_the_run(tmp_path):
                 forged = [b"metrics.trainer.0",
                           *encode(Metrics(role="trainer", host="evil", values={"step": 666}))]
                 for _ in range(20):
+                    await forger.publish("metrics.trainer.0", Metrics(
+                        role="trainer", host="evil", values={"step": 666}))
                     xsub.send_multipart(forged)  # not a subscription: must go nowhere useful
                     xsub.send(b"\x02garbage")
                     dealer.send_multipart(forged, flags=zmq.NOBLOCK) if dealer.poll(
@@ -344,11 +356,14 @@ def test_the_hub_passes_nothing_from_a_subscriber_to_the_run(tmp_path):
                 assert "evil" not in text and "666" not in text
                 assert link.sub.protocol_errors == 0
                 assert board._values("rollouter")["seq"] >= 2  # the hub still forwards status
+                assert hub.forbidden > 0  # the forger's publications reached it and were dropped
             finally:
                 xsub.close(0)
                 dealer.close(0)
                 pub.close()
                 role.close()
+                forger.close()
+                other_role.close()
                 hostile.close()
                 await link.close()
                 hub.close()
@@ -395,3 +410,177 @@ def test_engine_http_binds_loopback_by_default():
 # -- the engines' HTTP: the run's API key ----------------------------------------------------
 
 
+
+
+# -- (f) per-role authorisation ----------------------------------------------------------------
+
+ROLE_KEYS = ["message_queue-0", "rollouter-0", "trainer-0", "synchronizer-0", "reward_worker-0",
+             "agent_worker-0", "launcher", "monitor"]
+
+
+def as_(directory: Path, identity: str) -> Transport:
+    return Transport(CurveKeys.load(directory, identity))
+
+
+def test_each_role_may_send_the_queue_only_its_own_messages(tmp_path):
+    """The real queue's handlers behind a CURVE socket with `rollmesh.mq.role.ALLOW`. Item 3's
+    attacks, now made with the key of a role that holds the run's keys but may not send them:
+    groups scored by a fake reward worker, a batch taken by someone other than the trainer,
+    `WeightVersion(10**9)` and `version=10**6` from anyone but the synchronizer. Each is
+    answered `forbidden`, never reaches the queue, and is counted; the legitimate senders are
+    served, and a key of another run does not even connect."""
+    from rollmesh.mq.role import ALLOW, QueueRole
+    from rollmesh.mq.store import MessageQueue
+    from rollmesh.runtime.log import get_logger
+    from rollmesh.wire.messages import (BatchCredit, OpenBatchStream, PutGroups, PutGroupsReply,
+                                        WeightVersion)
+    from rollmesh.wire.transport import (FORBIDDEN, PeerTimeout, RemoteError, RpcClient,
+                                         RpcServer)
+    from tests.unit.test_message_queue import group
+
+    keys = tmp_path / "keys"
+    CurveKeys.generate(keys, ROLE_KEYS)
+    CurveKeys.generate(tmp_path / "other", ["synchronizer-0"])
+    forbidden_before = FORBIDDEN["message queue"]
+
+    async def main():
+        role = QueueRole(MessageQueue(16, 2), log=get_logger("test"), host="h")
+        transports = {n: as_(keys, n) for n in ROLE_KEYS}
+        transports["other run"] = as_(tmp_path / "other", "synchronizer-0")
+        server = RpcServer(transports["message_queue-0"], "tcp://127.0.0.1:0", role.handlers(),
+                           allow=ALLOW, name="message queue")
+        serving = asyncio.create_task(server.serve())
+        clients = {n: RpcClient(t, server.address, timeout_s=5, retries=0)
+                   for n, t in transports.items()}
+        try:
+            refused = {}
+            for who, msg in (("reward_worker-0", PutGroups(groups=[group(1)])),
+                             ("agent_worker-0", PutGroups(groups=[group(2)])),
+                             ("reward_worker-0", WeightVersion(version=10**9)),
+                             ("rollouter-0", WeightVersion(version=10**6)),
+                             ("trainer-0", WeightVersion(version=10**6)),
+                             ("agent_worker-0", OpenBatchStream(stream=1, groups=1, version=0,
+                                                                next_step=1, through_step=9)),
+                             ("monitor", BatchCredit(stream=1, version=0, through_step=9)),
+                             ("launcher", PutGroups(groups=[group(3)]))):
+                with pytest.raises(RemoteError) as e:
+                    await clients[who].request(msg)
+                refused[who, type(msg).__name__] = e.value
+            assert all(e.code == "forbidden" for e in refused.values()), refused
+            assert "reward_worker-0 may not send WeightVersion to the message queue (only " \
+                   "synchronizer)" in str(refused["reward_worker-0", "WeightVersion"])
+            assert role.queue.version == 0 and role.queue.depth_groups == 0
+            assert server.stats.forbidden == 8
+            assert FORBIDDEN["message queue"] - forbidden_before == 8
+            # another run's key (with a role's name) fails the handshake: no reply at all
+            with pytest.raises(PeerTimeout):
+                await clients["other run"].request(WeightVersion(version=10**9), timeout_s=1)
+            # the roles that may: the rollouter puts, the synchronizer moves the version, and
+            # anybody of the run may ask for the stats
+            reply = await clients["rollouter-0"].request(PutGroups(groups=[group(4)]))
+            assert isinstance(reply, PutGroupsReply) and reply.accepted == 1
+            await clients["synchronizer-0"].request(WeightVersion(version=1))
+            assert role.queue.version == 1
+            stats = await clients["monitor"].request(StatsRequest())
+            assert stats.values["depth_groups"] == 1
+            assert server.stats.forbidden == 8 and server.stats.requests == 11
+        finally:
+            for c in clients.values():
+                c.close()
+            serving.cancel()
+            server.close()
+            for t in transports.values():
+                t.close()
+            role.close()
+
+    asyncio.run(main())
+
+
+def test_only_the_launchers_key_stops_a_run_and_no_role_speaks_for_another(tmp_path):
+    """The launcher's control socket: StopRun (item 3: `rollmesh stop` worked with fresh wrong
+    keys, and model code sent one) is taken from the launcher's own key only; a role may say
+    Hello, Ready, Fatal and heartbeats for itself only (a forged Fatal showed a healthy queue
+    as fatal)."""
+    from rollmesh.launcher.supervisor import Supervisor
+    from rollmesh.wire.messages import Fatal, Heartbeat, Hello, Ok, StopRun
+    from rollmesh.wire.transport import RemoteError, RpcClient
+
+    keys = tmp_path / "keys"
+    CurveKeys.generate(keys, ROLE_KEYS)
+    stops: list[str] = []
+
+    async def on_stop(msg: StopRun, peer: bytes) -> Ok:
+        stops.append(msg.reason)
+        return Ok(message="stopping")
+
+    async def main():
+        transports = {n: as_(keys, n) for n in ROLE_KEYS}
+        sup = Supervisor(transports["launcher"], keys_dir=str(keys))
+        sup.server.handlers[StopRun] = on_stop
+        clients = {n: RpcClient(t, sup.control, timeout_s=5, retries=0)
+                   for n, t in transports.items()}
+        from types import SimpleNamespace  # the parts of a Child the handlers touch
+        queue = sup.children["message_queue/0"] = SimpleNamespace(
+            name="message_queue/0", state="ready", fatal=None, ready_event=asyncio.Event())
+        try:
+            for who, msg in (("reward_worker-0", StopRun(reason="sent by model code")),
+                             ("monitor", StopRun(reason="the monitor is read-only")),
+                             ("trainer-0", StopRun(reason="not the launcher")),
+                             ("reward_worker-0", Fatal(role="message_queue", host="h", pid=1,
+                                                       error="forged")),
+                             ("reward_worker-0", Hello(role="trainer", host="h", pid=1)),
+                             ("agent_worker-0", Heartbeat(sender="message_queue/0", seq=1))):
+                with pytest.raises(RemoteError, match="forbidden") as e:
+                    await clients[who].request(msg)
+                assert who in str(e.value)
+            assert stops == [] and sup.server.stats.forbidden == 6 and queue.state == "ready"
+            assert "message_queue/0" not in sup.liveness.last_seen  # not kept "alive" by another
+            reply = await clients["launcher"].request(StopRun(reason="rollmesh stop"))
+            assert reply.message == "stopping" and stops == ["rollmesh stop"]
+            await clients["message_queue-0"].request(
+                Fatal(role="message_queue", host="h", pid=1, error="its own"))
+            assert queue.state == "fatal" and queue.fatal.error == "its own"
+        finally:
+            del sup.children["message_queue/0"]
+            for c in clients.values():
+                c.close()
+            await sup.close(grace_s=1)
+            for t in transports.values():
+                t.close()
+
+    asyncio.run(main())
+
+
+def test_the_rollouters_channel_takes_workers_only_and_keys_made_later(tmp_path):
+    """The rollouter's work channel admits agent and reward workers only (a fake reward worker
+    scored 1,553 trajectories, item 3): a message from the trainer's key is counted and
+    dropped. A role process started after the socket (a restart, a test's role) gets a key
+    that the run's sockets read when it first connects."""
+    from rollmesh.wire.channels import Channel, ChannelClient
+    from rollmesh.wire.messages import WorkerHello
+
+    keys = tmp_path / "keys"
+    CurveKeys.generate(keys, ROLE_KEYS)
+
+    async def main():
+        server_t = as_(keys, "rollouter-0")
+        channel = Channel(server_t, "tcp://127.0.0.1:0", allow={"agent_worker", "reward_worker"})
+        CurveKeys.add_identities(keys, ["reward_worker-7"])  # after the channel was bound
+        senders = {n: as_(keys, n) for n in ("trainer-0", "reward_worker-7")}
+        clients = {n: ChannelClient(t, channel.address) for n, t in senders.items()}
+        try:
+            await clients["trainer-0"].send(WorkerHello(worker="fake", kind="reward",
+                                                        credits=10**6))
+            await asyncio.sleep(0.5)  # the trainer's message first
+            await clients["reward_worker-7"].send(WorkerHello(worker="w7", kind="reward",
+                                                              credits=2))
+            peer, msg = await asyncio.wait_for(channel.recv(), 10)
+            assert msg.worker == "w7" and channel.forbidden == 1
+        finally:
+            for c in clients.values():
+                c.close()
+            channel.close()
+            for t in (server_t, *senders.values()):
+                t.close()
+
+    asyncio.run(main())

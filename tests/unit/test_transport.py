@@ -131,8 +131,8 @@ def test_curve_accepts_the_run_key_and_refuses_an_unknown_key(tmp_path):
     # A stranger who even knows the server's public key, with a client key of its own.
     stranger = CurveKeys(run.server_public, other.server_secret, other.client_public,
                          other.client_secret, other.directory)
-    for path in (tmp_path / "run").iterdir():
-        assert path.stat().st_mode & 0o777 == 0o600
+    for path in (tmp_path / "run").rglob("*"):
+        assert path.stat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600)
     address = f"tcp://127.0.0.1:{free_port()}"
 
     async def main():
