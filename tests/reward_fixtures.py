@@ -134,3 +134,15 @@ def hostile(response: str, label: Any, metadata: dict) -> dict:
     found["shm_mb"] = n
     found["uid"] = os.getuid()
     return {"reward": 0.0, **{f"found_{k}": v for k, v in found.items()}}
+
+
+def shared_ballast(response: str, label: Any, metadata: dict) -> dict:
+    """Touches an anonymous shared mapping of `metadata["mb"]` MiB: not "data" (RLIMIT_DATA
+    does not count it), so only a memory cgroup stops it (issue 35, item 7)."""
+    import mmap
+
+    size = int(metadata["mb"]) << 20
+    m = mmap.mmap(-1, size)  # MAP_SHARED | MAP_ANONYMOUS
+    for i in range(0, size, 4096):
+        m[i] = 1
+    return {"reward": 1.0, "touched_mb": int(metadata["mb"])}

@@ -21,8 +21,10 @@ What is not a boundary: the audit hook that refuses writes outside the directory
 calls is a tripwire that code using ctypes or another program passes; writes outside the
 directory are refused by the read-only private root (and, as root, by file permissions); the
 limits are per process (memory at most max_processes times memory_mb in all, /tmp and /dev/shm
-one memory_mb each); an anonymous shared mapping counts against the address-space limit (4x
-memory_mb) only, not against memory_mb.
+one memory_mb each), and where a memory cgroup can be made (`rollmesh/runtime/memcg.py`: as
+root, or in a delegated group) every page of the call together, shared mappings and its tmpfs
+files included, is held to memory_mb + 64 MiB; elsewhere an anonymous shared mapping counts
+against the address-space limit (4x memory_mb) only.
 """
 
 from __future__ import annotations

@@ -391,15 +391,23 @@ def _handle(msg: Any, fns: dict[str, Any], memory_limit_mb: int | None = None) -
         }
 
 
-def _contain(memory_mb: int, hide: list[str] | tuple[str, ...]) -> str:
+# A reward process's memory cgroup holds reward_memory_mb and this much more (the interpreter,
+# rollmesh's modules and the page cache they were read through).
+CGROUP_HEADROOM_MB = 128
+
+
+def _contain(memory_mb: int, hide: list[str] | tuple[str, ...], limit: bool = True) -> str:
     """This process as a boundary for reward code from data (`private_root.confine`): new
     network, IPC, PID and mount namespaces, a root of its own that shows the system, the
     interpreter and the import path (sys.path, rollmesh) read-only and covers `hide` (the run's
-    directory), a fresh working directory, as root a uid of its own; no capability."""
+    directory), a fresh working directory, as root a uid of its own; no capability. With
+    `limit`, a memory cgroup counts all its pages, shared ones too (`memcg.py`), where one
+    can be made."""
     import tempfile
 
     import rollmesh
     from rollmesh.runtime import private_root
+    from rollmesh.runtime.memcg import MemoryGroup
     from rollmesh.runtime.isolation import SANDBOX_UIDS
 
     sys.path[:] = [os.path.abspath(p or os.curdir) for p in sys.path]  # '' was the cwd
@@ -410,10 +418,18 @@ def _contain(memory_mb: int, hide: list[str] | tuple[str, ...]) -> str:
     if os.geteuid() == 0:
         uid = SANDBOX_UIDS[(os.getpid() * 7919 + 1) % len(SANDBOX_UIDS)]
         os.chown(work, uid, uid)
+    group, memory = None, "no memory limit asked"
+    if limit:
+        group, memory = MemoryGroup.make(f"rollmesh-reward-{os.getpid()}",
+                                         (memory_mb + CGROUP_HEADROOM_MB) << 20)
+        if group is None:
+            memory = f"data limit only ({memory})"
     try:
-        how = private_root.confine(work, memory_mb, extra, uid, hide)
+        how = private_root.confine(work, memory_mb, extra, uid, hide, group) + f", {memory}"
     except OSError:
         os.rmdir(work)
+        if group is not None:
+            group.remove()
         raise
     os.chdir(work)
     os.environ["HOME"] = os.environ["TMPDIR"] = work
@@ -451,7 +467,7 @@ def serve(parent_pid: int = 0, memory_limit_mb: int | None = None, contain: bool
     isolation = "not contained"
     if contain:
         try:
-            isolation = _contain(memory_limit_mb or 512, hide)
+            isolation = _contain(memory_limit_mb or 512, hide, limit=bool(memory_limit_mb))
         except OSError as e:
             reply({"op": "refused", "error": f"reward sandbox: {e}; reward functions are not "
                    "run without it (rollout.reward_allow_unsafe = true runs them so)"})

@@ -57,15 +57,23 @@ import time
 __all__ = ["SANDBOX_UIDS", "count_tasks", "die_with_parent", "limit_data"]
 
 if __package__:
-    from rollmesh.runtime import private_root as _pr
-else:  # run as a script (-I -S: rollmesh is not importable there): the file beside this one
+    from rollmesh.runtime import memcg as _memcg, private_root as _pr
+else:  # run as a script (-I -S: rollmesh is not importable there): the files beside this one
     import importlib.util
 
-    _spec = importlib.util.spec_from_file_location(
-        "_rollmesh_private_root", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                               "private_root.py"))
-    _pr = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-    _spec.loader.exec_module(_pr)  # type: ignore[union-attr]
+    def _beside(name: str):  # type: ignore[no-untyped-def]
+        spec = importlib.util.spec_from_file_location(
+            f"_rollmesh_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                              f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+
+    _pr, _memcg = _beside("private_root"), _beside("memcg")
+
+# A call's memory cgroup holds its memory_mb and this much more: the interpreter's own pages
+# (RLIMIT_DATA counts its heap against memory_mb already) and slack.
+CGROUP_HEADROOM_MB = 64
 
 
 # What the code runs as when the worker is root: a uid of its own per call (so that the process
@@ -397,12 +405,14 @@ def _run_code(code: str, shared: object) -> int:
 
 
 def _child(spec: dict, status_fd: int, shared: object, root: bool, net: bool, pidns: bool,
-           mnt: bool) -> None:
+           mnt: bool, group: object) -> None:
     """The forked child: limits, identity, directory, hook; then the code. Never returns."""
     import resource
 
     try:
         os.close(status_fd)
+        if group is not None:  # first: what it allocates from here on is charged there
+            group.enter()  # type: ignore[attr-defined]
         libc = _libc()
         _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)
         os.setsid()  # its own session and group: kill(0) and killpg reach only the code
@@ -580,10 +590,16 @@ def supervise(spec: dict, status_fd: int) -> dict:
     shared = mmap.mmap(-1, 4096)  # MAP_SHARED: the child and what it forks write here
     for module in ("traceback", "linecache", "builtins", "threading", "resource", "socket"):
         __import__(module)  # imported here (as root, perhaps), used in the child
+    # every page of the call (shared mappings and its tmpfs files too) against one limit,
+    # where a memory cgroup can be made here (memcg.py); else the rlimits alone
+    group, how = _memcg.MemoryGroup.make(
+        f"rollmesh-call-{os.getpid()}", (int(spec["memory_mb"]) + CGROUP_HEADROOM_MB) << 20)
+    status["isolation"]["memory"] = (how if group is not None else
+                                     f"rlimits only: data, and 4x in address space ({how})")
     start = time.monotonic()
     child = os.fork()
     if child == 0:
-        _child(spec, status_fd, shared, root, net, pidns, mnt)  # never returns
+        _child(spec, status_fd, shared, root, net, pidns, mnt, group)  # never returns
     try:
         # The output pipe belongs to the code: the worker's read ends when its processes end.
         devnull = os.open(os.devnull, os.O_RDWR)
@@ -603,6 +619,11 @@ def supervise(spec: dict, status_fd: int) -> dict:
         _, st, ru = os.wait4(child, 0)
     status["wall_s"] = round(time.monotonic() - start, 3)
     status["leftovers_killed"] = _kill_leftovers(child)
+    oom_kills = 0
+    if group is not None:
+        oom_kills = group.oom_kills()
+        if not group.remove():
+            status["isolation"]["memory"] += f" (not removed: {group.path})"
     status["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 3)
     if os.WIFEXITED(st):
         status["exit_code"] = os.WEXITSTATUS(st)
@@ -617,6 +638,8 @@ def supervise(spec: dict, status_fd: int) -> dict:
         status["setup_error"] = bytes(shared[_ERROR_AT:_ERROR_AT + _ERROR_LEN]).rstrip(
             b"\0").decode(errors="replace")
     limits = [name for i, name in _FLAG_NAMES.items() if shared[i]]
+    if oom_kills and "memory" not in limits:  # the kernel killed it at the cgroup's limit
+        limits.insert(0, "memory")
     killed_by_cpu = status["signal"] in ("SIGXCPU", "SIGKILL") and not timed_out \
         and not status["stopped"] and status["cpu_s"] >= int(spec["cpu_s"]) - 0.05
     if killed_by_cpu and "cpu" not in limits:

@@ -155,6 +155,20 @@ def private_root(libc: ctypes.CDLL, workdir: str, memory_mb: int, extra: list[st
     workdir = os.path.realpath(workdir)
     mb = int(memory_mb)
     visible = visible_paths(extra)
+    # Links are read here, in the host's view: after the pivot an absolute link's target would
+    # resolve against the new root. Every link on the way to a visible path is made again in
+    # the new root, and the paths are bound where they really are (a venv under a linked
+    # directory, /lib -> usr/lib, a venv's python -> /usr/bin/python3).
+    links: dict[str, str] = {}
+    for path in visible:
+        walked = ""
+        for part in path.strip("/").split("/"):
+            walked += "/" + part
+            if os.path.islink(walked):  # (what lies beyond it: bound with its target)
+                links[walked] = os.readlink(walked)
+                break
+    hide = [os.path.realpath(path) for path in hide]
+    real = sorted({os.path.realpath(path) for path in visible if os.path.exists(path)})
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing leaks back to the host
     # Build on a tmpfs over /tmp (private now), the host's root moved to /tmp/old; the new root
     # at /tmp/new, which becomes / in the end
@@ -174,13 +188,8 @@ def private_root(libc: ctypes.CDLL, workdir: str, memory_mb: int, extra: list[st
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
         return target
 
-    def bind(path: str, writable: bool) -> None:
+    def bind(path: str, writable: bool) -> None:  # (a real path: no link on its way)
         old = "/old" + path
-        if os.path.islink(old):  # /lib -> usr/lib: the same link, its target bound on its own
-            os.makedirs(os.path.dirname("/new" + path), 0o755, exist_ok=True)
-            if not os.path.lexists("/new" + path):
-                os.symlink(os.readlink(old), "/new" + path)
-            return
         target = place(path, os.path.isdir(old))
         _mount(libc, old, target, None, MS_BIND | MS_REC)
         if not writable:  # read-only, keeping the flags a user namespace may not clear
@@ -193,16 +202,17 @@ def private_root(libc: ctypes.CDLL, workdir: str, memory_mb: int, extra: list[st
     for path in ("/dev/shm", "/tmp"):  # first: the code's directory may be under /tmp
         _mount(libc, "tmpfs", place(path, True), "tmpfs", MS_NOSUID | MS_NODEV,
                f"mode=1777,size={mb}m")
-    for path in visible:
-        bind(path, writable=False)
-    for path in visible:  # a path reached through a link (a venv's python) as well
-        real = os.path.realpath("/old" + path)[len("/old"):] or "/"
-        if real != path and not any((real + "/").startswith(v.rstrip("/") + "/")
-                                    for v in visible) and os.path.exists("/old" + real):
-            bind(real, writable=False)
+    bound: list[str] = []
+    for path in real:  # (sorted: a directory before what lies in it, bound with it)
+        if not any((path + "/").startswith(b.rstrip("/") + "/") for b in bound):
+            bind(path, writable=False)
+            bound.append(path)
+    for link, target in sorted(links.items()):
+        if not os.path.lexists("/new" + link):  # (not inside a directory bound above)
+            os.makedirs(os.path.dirname("/new" + link), 0o755, exist_ok=True)
+            os.symlink(target, "/new" + link)
     bind(workdir, writable=True)
     for path in hide:
-        path = os.path.realpath(path)
         if os.path.isdir("/new" + path):
             _mount(libc, "tmpfs", "/new" + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY,
                    "mode=0,size=4k")
@@ -250,7 +260,7 @@ def _die_with(lc: ctypes.CDLL, alive_r: int) -> None:
 
 
 def confine(workdir: str, memory_mb: int, extra: list[str], uid: int | None,
-            hide: list[str] | tuple[str, ...] = ()) -> str:
+            hide: list[str] | tuple[str, ...] = (), group: object = None) -> str:
     """Make this process a contained one (the reward sandbox's children): new user (unless
     root), network, IPC and PID namespaces, then a fork. The parent stays outside, waits, removes
     `workdir` and ends as the child ended (it never returns); the child (first process of the PID
@@ -258,7 +268,8 @@ def confine(workdir: str, memory_mb: int, extra: list[str], uid: int | None,
     namespace and `private_root` (`extra` readable, `hide` covered), becomes `uid` when root
     (SANDBOX uid) with no capability, and sets no_new_privs. Returns, in the child, a
     description; raises OSError naming what the kernel refused (in the child, from the mount
-    namespace on: its caller reports it and exits, and the parent with it)."""
+    namespace on: its caller reports it and exits, and the parent with it). `group`: a
+    `memcg.MemoryGroup` the child enters first, removed by the parent once the child is gone."""
     lc = libc()
     ids = os.getuid(), os.getgid()
     root = os.geteuid() == 0
@@ -283,11 +294,15 @@ def confine(workdir: str, memory_mb: int, extra: list[str], uid: int | None,
         os.closerange(alive_w + 1, 65536)
         _, st = os.waitpid(child, 0)
         shutil.rmtree(workdir, ignore_errors=True)
+        if group is not None:
+            group.remove()  # type: ignore[attr-defined]
         if os.WIFSIGNALED(st):  # end as it ended: the sandbox reports the signal
             signal.signal(os.WTERMSIG(st), signal.SIG_DFL)
             os.kill(os.getpid(), os.WTERMSIG(st))
         os._exit(os.WEXITSTATUS(st) if os.WIFEXITED(st) else 1)
     os.close(alive_w)
+    if group is not None:  # before it allocates: every page it touches is charged there
+        group.enter()  # type: ignore[attr-defined]
     unshare(CLONE_NEWNS, "a mount namespace")
     files = private_root(lc, workdir, memory_mb, extra, proc=True, hide=hide)
     if root and uid is not None:

@@ -659,3 +659,21 @@ def test_a_hostile_reward_function_meets_a_boundary(tmp_path, monkeypatch):
     if os.geteuid() == 0:
         assert found["uid"] != 0, found
     assert "no network" in isolation and "private root" in isolation, isolation
+
+
+def test_a_reward_functions_shared_memory_counts_against_its_limit():
+    """Issue 35, items 7 and 10: a reward function used 1 GiB under a 512 MiB limit; an
+    anonymous shared mapping is not "data", so RLIMIT_DATA let it through. Contained, the
+    process is in a memory cgroup of reward_memory_mb + 128 MiB: 600 MiB touched under 128 MiB
+    is stopped and scored an error naming the limit. Where no memory cgroup can be made here,
+    the sandbox says so, and the test stops there."""
+    async def main():
+        async with RewardSandbox(1, memory_limit_mb=128, stderr=subprocess.DEVNULL) as sb:
+            res = await sb.score(FIX + "shared_ballast", "", None, {"mb": 600}, timeout_s=60)
+            return res, sb.isolation
+
+    res, isolation = asyncio.run(main())
+    if "data limit only" in isolation:
+        pytest.skip(f"no memory cgroup can be made here: {isolation}")
+    assert "memory cgroup" in isolation, isolation
+    assert res.status == "error" and "memory limit is 128 MiB" in res.error, res

@@ -430,6 +430,34 @@ else:
     assert set(os.listdir("/dev/shm")) <= before
 
 
+def test_an_anonymous_shared_mapping_counts_against_the_memory_limit(tmp_root):
+    """Issue 35, item 7: an anonymous MAP_SHARED mapping is not "data", so RLIMIT_DATA let
+    1,500 MiB through under 512 MiB. In the call's memory cgroup every page counts: 400 MiB
+    touched under a 128 MiB limit is stopped (the kernel kills it at memory_mb + 64 MiB),
+    reported as the memory limit, and the group is gone afterwards. Where no memory cgroup can
+    be made here, the status says so, and the test stops there."""
+    code = """
+import mmap
+m = mmap.mmap(-1, 400 << 20)  # MAP_SHARED | MAP_ANONYMOUS
+for i in range(0, 400 << 20, 4096):
+    m[i] = 1
+print("touched all 400 MiB")
+"""
+    r, out = run(tool(tmp_root, memory_mb=128, cpu_s=10, wall_s=30), code)
+    how = r.isolation["memory"]
+    if not how.startswith("memory cgroup"):
+        assert how.startswith("rlimits only"), how
+        pytest.skip(f"no memory cgroup can be made here: {how}")
+    assert "touched all" not in out and r.signal == "SIGKILL", (out, r)
+    assert "memory" in r.limits and "error: memory limit (128 MiB) exceeded" in out, out
+    assert "not removed" not in how
+    own = [line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+           if "memory" in line.split(":")[1].split(",")]
+    if own:
+        base = Path("/sys/fs/cgroup/memory") / own[0].lstrip("/")
+        assert not list(base.glob("rollmesh-call-*")), "a call's memory cgroup was left"
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv")
                     or not Path("/usr/bin/python3").exists(),
                     reason="needs root (to become an unprivileged user), setpriv and /usr/bin/python3")
@@ -473,4 +501,36 @@ def test_as_an_unprivileged_user_the_code_gets_the_same_private_root(tmp_root):
     out = done.stdout.decode()
     assert status.get("exit_code") == 0, (status.get("setup_error"), out, done.stderr)
     assert out.splitlines() == [f"False {nobody} ['1']", "0000000000000000"], (out, status)
+    assert status["isolation"]["files"].startswith("private root"), status
+
+
+def test_an_interpreter_reached_through_a_linked_directory_runs(tmp_root):
+    """A venv reached through a symbolic link (a home directory linked to a data disk, a venv
+    linked into a checkout): the interpreter's directory as invoked lies beyond a link, and
+    the private root bound that path as a directory and failed ("mount ... No such file or
+    directory", found with a venv linked into a worktree). The links on the way are made again in the private
+    root, their targets bound where they really are, and the code runs."""
+    import json
+    import subprocess
+
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("needs a venv (its prefix is what the link leads to)")
+    alias = Path(tmp_root) / "linked-venv"
+    alias.symlink_to(sys.prefix)
+    work = Path(tmp_root) / "work"
+    work.mkdir()
+    spec = {"code": "import sys\nprint(sys.executable, sys.version_info[0])", "uid": 0,
+            "dir": str(work), "cpu_s": 5, "wall_s": 20, "memory_mb": 128, "file_mb": 1,
+            "max_processes": 8, "namespaces": True, "require_isolation": True,
+            "site_dirs": []}
+    r, w = os.pipe()
+    done = subprocess.run(
+        [str(alias / "bin" / "python"), "-I", "-S", "-B", "-u",
+         str(ROOT / "rollmesh/runtime/isolation.py"), str(w)],
+        input=json.dumps(spec).encode(), capture_output=True, pass_fds=(w,), cwd=work, timeout=60)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        status = json.loads(f.read() or b"{}")
+    assert status.get("exit_code") == 0, (status, done.stderr)
+    assert done.stdout.decode().split() == [str(alias / "bin" / "python"), "3"], done.stdout
     assert status["isolation"]["files"].startswith("private root"), status
