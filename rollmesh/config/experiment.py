@@ -112,7 +112,8 @@ class PythonToolConfig:
         "than rollout.tool_timeout_s less a second)", 20.0, gt=0)
     memory_mb: int = _field(
         "memory per process, MiB of data (RLIMIT_DATA; the address space is capped at 4 times "
-        "this)", 512, ge=32)
+        "this); where a memory cgroup can be made, the whole call's pages (shared mappings and "
+        "its /tmp and /dev/shm files too) are held to this + 64 MiB", 512, ge=32)
     file_mb: int = _field("largest file the code may write, MiB (RLIMIT_FSIZE)", 16, ge=1)
     max_processes: int = _field(
         "processes and threads the code may run at once, itself included (RLIMIT_NPROC)", 8,
@@ -167,7 +168,8 @@ class RolloutConfig:
     reward_timeout_s: float = _field("time limit for scoring one trajectory (seconds)", 30.0, gt=0)
     reward_memory_mb: int = _field(
         "memory limit of each reward function's sandbox process (MiB of data: heap and "
-        "anonymous mappings); a function that allocates more fails with reward_status error",
+        "private mappings; contained, where a memory cgroup can be made, all its pages are held "
+        "to this + 128 MiB); a function that allocates more fails with reward_status error",
         2048, ge=64)
     reward_allow_unsafe: bool = _field(
         "run reward functions uncontained, as the worker (its user, environment, network and "
