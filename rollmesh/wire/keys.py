@@ -120,7 +120,7 @@ class CurveKeys:
         return cls(spub, ssec, cpub, csec, directory, identity)
 
 
-class _RunAuthenticator(ThreadAuthenticator):
+class RunAuthenticator(ThreadAuthenticator):
     """ZAP for the run's sockets: admits the client keys in `clients/`, and gives each
     connection its key's name as User-Id. A key it does not know makes it read the directory
     again if it changed since (a role process started later: its pair is made at spawn).

@@ -34,8 +34,8 @@ from rollmesh.wire.keys import (
     CLIENTS,
     SENDER,
     CurveKeys,
+    RunAuthenticator,
     TransportError,
-    _RunAuthenticator,
     role_of,
     sender_of,
 )
@@ -141,7 +141,7 @@ class Transport:
         self._sockets: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()
         self._auth: ThreadAuthenticator | None = None
         if keys is not None:
-            self._auth = _RunAuthenticator(self.sync_ctx, keys.directory / CLIENTS)
+            self._auth = RunAuthenticator(self.sync_ctx, keys.directory / CLIENTS)
             self._auth.load()
             self._auth.start()
             self._auth.configure_curve_callback(domain="*", credentials_provider=self._auth)
