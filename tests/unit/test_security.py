@@ -350,6 +350,11 @@ def test_the_hub_passes_nothing_from_a_subscriber_to_the_run(tmp_path):
                     await pub.publish("metrics.rollouter.0",
                                       Metrics(role="rollouter", host="h", values={"seq": 2 + i}))
                     await asyncio.sleep(0.05)
+                deadline = time.monotonic() + 10  # (its connection may come up late)
+                while hub.forbidden == 0 and time.monotonic() < deadline:
+                    await forger.publish("metrics.trainer.0", Metrics(
+                        role="trainer", host="evil", values={"step": 666}))
+                    await asyncio.sleep(0.1)
                 await asyncio.sleep(0.5)
                 snap = board.snapshot()
                 text = repr(snap)
