@@ -48,6 +48,7 @@ from typing import Any, Callable
 from rollmesh.config import PythonToolConfig, RolloutConfig
 from rollmesh.runtime import isolation
 from rollmesh.runtime.isolation import SANDBOX_UIDS
+from rollmesh.runtime.memcg import remove_named
 from rollmesh.runtime.log import get_logger
 
 __all__ = ["PythonRun", "PythonTool", "calculator", "python"]
@@ -279,6 +280,9 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # the code's child has PR_SET_PDEATHSIG too
     with contextlib.suppress(asyncio.CancelledError):
         await asyncio.shield(proc.wait())
+    # a supervisor killed before its clean-up leaves the call's memory cgroup (isolation.py)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.shield(asyncio.to_thread(remove_named, f"rollmesh-call-{proc.pid}"))
 
 
 def _next_uid() -> int:

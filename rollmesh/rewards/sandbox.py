@@ -35,6 +35,7 @@ from typing import Any, BinaryIO, Literal
 import msgpack
 
 from rollmesh.runtime.isolation import die_with_parent, limit_data
+from rollmesh.runtime.memcg import remove_named
 from rollmesh.runtime.log import get_logger
 from rollmesh.rewards.registry import check_reward_output, get_reward_fn, wants_trajectory
 
@@ -134,6 +135,8 @@ class _Child:
             except ProcessLookupError:
                 pass
         await self.proc.wait()
+        # killed, it could not remove its memory cgroup (its contained child ends with it)
+        await asyncio.to_thread(remove_named, f"rollmesh-reward-{self.proc.pid}")
 
 
 def _result(reply: dict[str, Any], elapsed: float) -> RewardResult:

@@ -57,6 +57,20 @@ def _own_group() -> tuple[str, int] | None:
     return None
 
 
+def remove_named(name: str, timeout_s: float = 2.0) -> bool:
+    """Remove the group `name` under this process's own memory cgroup, if it is there: one a
+    child made and could not remove because it was killed (a reward process killed by its
+    worker, a supervisor's session killed). False if it still held a process after
+    `timeout_s`."""
+    own = _own_group()
+    if own is None or os.sep in name or not name:
+        return True
+    path = os.path.join(own[0], name)
+    if not os.path.isdir(path):
+        return True
+    return MemoryGroup(path, own[1]).remove(timeout_s)
+
+
 class MemoryGroup:
     """One call's memory cgroup: `make`, `enter` (from the process to limit, before it
     allocates), `oom_kills` after, `remove` once its processes are gone."""

@@ -677,3 +677,30 @@ def test_a_reward_functions_shared_memory_counts_against_its_limit():
         pytest.skip(f"no memory cgroup can be made here: {isolation}")
     assert "memory cgroup" in isolation, isolation
     assert res.status == "error" and "memory limit is 128 MiB" in res.error, res
+
+
+def test_a_killed_reward_process_leaves_no_memory_cgroup():
+    """A reward process the worker kills (a timeout, the sandbox's close) cannot remove its
+    memory cgroup itself: 144 empty groups were left on this machine by the tests before the
+    worker removed them after the kill. Now none is left."""
+    from rollmesh.runtime.memcg import _own_group
+
+    own = _own_group()
+    if own is None:
+        pytest.skip("no memory cgroup here")
+    groups = lambda: set(Path(own[0]).glob("rollmesh-reward-*"))  # noqa: E731
+    before = groups()
+
+    async def main():
+        async with RewardSandbox(1, memory_limit_mb=128, stderr=subprocess.DEVNULL) as sb:
+            call = asyncio.create_task(sb.score(FIX + "busy_loop", "", None, {}, timeout_s=4))
+            await asyncio.sleep(2)
+            made = groups() - before  # the running process's group
+            return await call, sb.isolation, made
+
+    res, isolation, made = asyncio.run(main())
+    if "memory cgroup" not in isolation:
+        pytest.skip(f"no memory cgroup can be made here: {isolation}")
+    assert res.status == "timeout", res
+    assert made, "the sandbox's processes made no group to look for"
+    assert not (groups() - before), groups() - before
