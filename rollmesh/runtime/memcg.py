@@ -23,8 +23,6 @@ from __future__ import annotations
 import os
 import time
 
-_ROOT = "/sys/fs/cgroup"
-
 
 def _own_group() -> tuple[str, int] | None:
     """(the directory of this process's memory cgroup, version), or None."""
@@ -45,15 +43,17 @@ def _own_group() -> tuple[str, int] | None:
             v1 = (fields[4], fields[3])  # (mount point, root of the mount)
         elif super_fields[0] == "cgroup2":
             v2 = (fields[4], fields[3])
+    def under(mount: tuple[str, str], path: str) -> str:  # (mount point, the mount's root)
+        rel = os.path.relpath(path, mount[1])
+        return mount[0] if rel == "." else os.path.join(mount[0], rel)
+
     for line in lines:
         hid, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if v1 and "memory" in controllers.split(","):
-            mount, root = v1
-            return os.path.join(mount, os.path.relpath(path, root).lstrip("./")), 1
+            return under(v1, path), 1
         if v2 and hid == "0" and not controllers:
-            mount, root = v2
-            return os.path.join(mount, os.path.relpath(path, root).lstrip("./")), 2
+            return under(v2, path), 2
     return None
 
 

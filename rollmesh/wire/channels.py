@@ -23,12 +23,12 @@ from rollmesh.wire.messages import Heartbeat
 from rollmesh.wire.protocol import ProtocolError
 from rollmesh.wire.keys import identity_for
 from rollmesh.wire.transport import (
-    FORBIDDEN,
     PROTOCOL_ERRORS,
     PeerTimeout,
     RemoteError,
     RpcClient,
     Transport,
+    note_forbidden,
     recv_frames,
     role_of,
     send_frames,
@@ -103,11 +103,8 @@ class Channel(_Receiver):
         if sender is not None and (self.allow is None or role_of(sender) in self.allow):
             return True
         self.forbidden += 1
-        FORBIDDEN[self.name] += 1
-        n = self.forbidden
-        if n & (n - 1) == 0 or n % 1000 == 0:
-            log.warning("forbidden", channel=self.name, sender=sender,
-                        allowed=sorted(self.allow or ()), count=n)
+        note_forbidden(self.name, self.forbidden, sender=sender,
+                       allowed=sorted(self.allow or ()))
         return False
 
     async def send(self, peer: bytes, rec: Any) -> bool:
@@ -182,11 +179,7 @@ class StatusProxy:
                                     and identity_for(parts[1], parts[2]) == sender):
             return True
         self.forbidden += 1
-        FORBIDDEN[self.name] += 1
-        n = self.forbidden
-        if n & (n - 1) == 0 or n % 1000 == 0:
-            log.warning("forbidden", server=self.name, sender=sender, topic=".".join(parts)[:80],
-                        count=n)
+        note_forbidden(self.name, self.forbidden, sender=sender, topic=".".join(parts)[:80])
         return False
 
     def _run(self) -> None:

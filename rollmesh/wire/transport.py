@@ -64,6 +64,15 @@ DEFAULT_ZMTP_HEARTBEAT_MS = 2000
 DEFAULT_ZMTP_TIMEOUT_MS = 10000
 
 
+def note_forbidden(where: str, count: int, **fields: Any) -> None:
+    """One more refused message at `where` (its own `count`, this one included): counted in
+    FORBIDDEN, logged at the 1st, 2nd, 4th ... and every 1000th (a hostile peer must not
+    flood the log)."""
+    FORBIDDEN[where] += 1
+    if count & (count - 1) == 0 or count % 1000 == 0:
+        log.warning("forbidden", where=where, count=count, **fields)
+
+
 class Forbidden(PermissionError):
     """A handler's refusal of its request's sender (a role speaking for another): answered
     ErrorReply(code="forbidden"), counted and logged like a refusal by `allow`."""
@@ -503,11 +512,8 @@ class RpcServer:
 
     def _forbid(self, sender: str | None, kind: type, why: str) -> str:
         self.stats.forbidden += 1
-        FORBIDDEN[self.name] += 1
-        n = self.stats.forbidden
-        if n & (n - 1) == 0 or n % 1000 == 0:  # a hostile peer must not flood the log
-            log.warning("forbidden", server=self.name, sender=sender, request=kind.__name__,
-                        reason=why, count=n)
+        note_forbidden(self.name, self.stats.forbidden, sender=sender, request=kind.__name__,
+                       reason=why)
         return why
 
     def _protocol_error(self, reason: str) -> None:
