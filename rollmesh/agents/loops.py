@@ -95,7 +95,7 @@ class LoopContext:
         self.max_context = max_context
         self.cancelling = cancelling
         self.tools = configure_tools(tools if tools is not None else builtin_tools(), rollout)
-        self.active: set[str] = set()  # rids in flight, so a cancel can abort them
+        self.active: dict[str, asyncio.Future] = {}  # generations in flight, by rid
         # Loops whose trajectories stay on this worker through a weight sync (`openai_agent`:
         # the user's coroutine cannot move) wait for `resumed` before they generate again; the
         # worker clears it at a Cancel and sets it at the Resume. `stopping`: the worker is
@@ -143,22 +143,27 @@ class LoopContext:
             raise ContextFull()
         start = await self.start_version()
         rid = self.client.new_rid()
-        self.active.add(rid)
+        call = asyncio.ensure_future(self.client.generate(
+            traj.token_ids.tolist(), self.sampling_params(max_new_tokens, traj, sampling),
+            rid=rid, wait_s=self.rollout.engine_wait_s, cancel=self.cancelling,
+            affinity=traj.group_id))
+        self.active[rid] = call
         try:
             # Through an engine outage the client waits for a server (rollout.engine_wait_s)
             # and moves a request whose engine died to another; a cancel (weight sync) ends
             # that wait: the trajectory goes back as it stands, its partial tokens kept.
             # The group id as the affinity key: the group's siblings, each turn and each resume
             # after a sync (on whichever worker) go to the engine holding the shared prefix.
-            out = await self.client.generate(traj.token_ids.tolist(),
-                                             self.sampling_params(max_new_tokens, traj,
-                                                                  sampling), rid=rid,
-                                             wait_s=self.rollout.engine_wait_s,
-                                             cancel=self.cancelling, affinity=traj.group_id)
+            out = await call
         except GenerationCancelled:
             raise Interrupted() from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.cancelled() and task is not None and not task.cancelling():
+                raise Interrupted() from None  # dropped: the worker is stopping (drop_all)
+            raise
         finally:
-            self.active.discard(rid)
+            self.active.pop(rid, None)
         append_tokens(traj, out.output_ids, out.logprobs, self.stamp(out, start))
         self.generated_tokens += len(out.output_ids)
         traj.finish_reason = out.finish_reason
@@ -202,9 +207,13 @@ class LoopContext:
         self.server_versions[out.server] = parse_version(out.weight_version)
         return stamps
 
-    async def abort_all(self) -> None:
-        await asyncio.gather(*(self.client.abort(rid) for rid in list(self.active)),
-                             return_exceptions=True)
+    def drop_all(self) -> None:
+        """The worker is stopping: stop waiting for the generations in flight (the engines
+        abort a request whose client went away). Their trajectories go back as they stood
+        before these generations, which are lost; at a sync's Cancel they are not dropped:
+        the engines abort them (EngineClient.abort_while), answering their partial tokens."""
+        for call in list(self.active.values()):
+            call.cancel()
 
     async def close(self) -> None:
         """Stop what the loops started on this worker (openai_agent's endpoint)."""

@@ -35,9 +35,10 @@ start, end]); "calls", the tool messages the agent appended, for the reward
 (`recorded_tool_calls`: the trajectory view's tool_calls); "resumed_calls".
 
 Weight syncs. The user's coroutine cannot move to another worker, so its trajectory stays here
-across a sync. At a Cancel (abort mode) the worker clears `LoopContext.resumed` and aborts every
-generation; a call that was generating keeps its partial tokens (old version) and holds its HTTP
-request open; a call that arrives meanwhile waits too. Once no generation of this endpoint is in
+across a sync. At a Cancel (abort mode) the worker clears `LoopContext.resumed` and the engines
+abort every generation (the pauser's aborts: `EngineClient.abort_while`); a call that was
+generating keeps its partial tokens (old version) and holds its HTTP request open; a call that
+arrives meanwhile waits too. Once no generation of this endpoint is in
 flight the worker tells the rollouter which trajectories it holds (`Held`: the rollouter counts
 them as still out with the worker but does not wait for them to drain). At the Resume the calls
 go on from prompt + partial tokens (new version) and each returns ONE completion whose text is

@@ -4,7 +4,10 @@ It joins the rollouter's channel with a number of credits (trajectories it runs 
 each assigned trajectory with the loop the trajectory names, and returns it finished, or
 interrupted on a Cancel: in-flight generations are aborted on the engines (their partial tokens
 are kept in the trajectory), tool calls already running finish first, and every trajectory is
-shipped back as it stands so any worker can resume it.
+shipped back as it stands so any worker can resume it. The aborts come from whoever paused
+rollout (the synchronizer, the launcher: `EngineClient.abort_while`): a worker holds the
+engines' API key only, which cannot abort, pause or change what an engine serves
+(rollmesh.engine.auth). A worker that stops drops its generations in flight instead.
 
 Engine outages: a generation whose engine dies is sent again to another healthy engine (or the
 restarted one) from the trajectory's tokens so far; with no engine healthy it waits, up to
@@ -81,8 +84,9 @@ class AgentWorker:
         self.running[traj.sample_id] = asyncio.create_task(self.run_one(traj))
 
     async def cancel(self, reason: str, *, final: bool = False) -> None:
-        """Abort everything in flight; each loop returns its trajectory as it stands, but for
-        loops that stay on this worker: once their generations are stopped, the rollouter is
+        """Stop everything in flight (a sync's generations are aborted by the engines' admin
+        key holder who paused rollout, `final` ones dropped here); each loop returns its
+        trajectory as it stands, but for loops that stay on this worker: once their generations are stopped, the rollouter is
         told they are held (module docstring). `final`: the worker is stopping, every
         trajectory goes back."""
         self.loop_ctx.resumed.clear()  # before `cancelling`: no held call starts again
@@ -90,7 +94,8 @@ class AgentWorker:
             self.loop_ctx.stopping.set()
         self.cancelling.set()
         n = len(self.running)
-        await self.loop_ctx.abort_all()
+        if final:  # no sync aborts them: stop waiting (the engines abort them once we hang up)
+            self.loop_ctx.drop_all()
         moving = [t for sid, t in self.running.items() if final or sid not in self.pinned]
         await asyncio.gather(*moving, return_exceptions=True)
         if self.loop_ctx.endpoint is not None:

@@ -66,6 +66,10 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default=None,
                    help="require `Authorization: Bearer <key>` on every route but /health, the "
                         "key read from this file (mode 0600); `rollmesh launch` makes one per run")
+    p.add_argument("--admin-api-key-file", default=None,
+                   help="as SGLang's --admin-api-key: the admin routes (weights, version, pause, "
+                        "abort, flush, memory, LoRA) take this key only, the others "
+                        "--api-key-file's (rollmesh.engine.auth)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id of the OpenAI routes (/v1/models); default: --model")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,

@@ -56,6 +56,8 @@ from rollmesh.engine.answers import (  # the errors are the client's API too
     NoHealthyServer, count_of, engine_version, error_message, router_upstream_gone,
     version_number,
 )
+from rollmesh.engine.auth import (  # noqa: F401 - the keys are the client's API too
+    API_KEY_FILE, EngineKeys, key_for, run_api_key)
 from rollmesh.runtime.log import get_logger
 
 log = get_logger("rollmesh.engine.client")
@@ -106,6 +108,7 @@ class EngineClient:
         health_interval_s: float = 2.0,
         max_connections: int = 512,
         api_key: str | None = None,
+        admin_key: str | None = None,
         wait_s: float = 0.0,
         router_url: str | None = None,
         routing: str = "affinity",
@@ -133,7 +136,9 @@ class EngineClient:
         self.control_timeout_s = control_timeout_s
         self.health_interval_s = health_interval_s
         self.max_connections = max_connections
-        self.api_key = api_key  # the run's engine key: `Authorization: Bearer` on every call
+        # The run's engine keys (rollmesh.engine.auth): `Authorization: Bearer` on every call,
+        # the admin key on the admin routes where this client holds it
+        self.api_key, self.admin_key = api_key, admin_key
         # How long a generation waits for a server through an outage (module docstring);
         # 0: no waiting, a generation fails after `retries` as any other call.
         self.wait_s = wait_s
@@ -163,7 +168,6 @@ class EngineClient:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.max_connections),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
-            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
         )
         self._prober = asyncio.create_task(self._probe_down_servers())
         return self
@@ -397,8 +401,11 @@ class EngineClient:
         assert self._session is not None, "use EngineClient inside 'async with'"
         url = f"{server.url}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
+        key = key_for(path, self.api_key, self.admin_key)
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            async with self._session.request(method, url, json=body, timeout=timeout) as resp:
+            async with self._session.request(method, url, json=body, timeout=timeout,
+                                             headers=headers) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     cls = EngineRequestError if resp.status < 500 else EngineError
@@ -549,6 +556,36 @@ class EngineClient:
 
     async def abort_all(self) -> None:
         await self._all("POST", "/abort_request", {"rid": "", "abort_all": True})
+
+    async def abort_while(self, pending: Any, first_s: float = 0.02,
+                          every_s: float = 0.2) -> Any:
+        """Await `pending` (a Pause sent to the rollouter in abort mode) while every engine's
+        requests are aborted, after `first_s` (the Cancels are out by then: most workers hear
+        of the sync before their generations end) and again every `every_s` until it is
+        answered. The rollouter cancels its workers' trajectories; a generation a worker sent
+        before its Cancel arrived is cut by the next round. The workers do not abort on the
+        engines themselves (they hold the API key only: rollmesh.engine.auth); an aborted
+        request answers its partial output, which its trajectory keeps. An engine that does
+        not answer is left out (down, or being restarted: its requests end with it)."""
+        task = asyncio.ensure_future(pending)
+        try:
+            wait_s = first_s
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=wait_s)
+                wait_s = every_s
+                if done:
+                    return task.result()
+                servers = [s for s in self.servers if s.healthy]
+                answers = await asyncio.gather(
+                    *(self._call(s, "POST", "/abort_request", {"rid": "", "abort_all": True},
+                                 min(self.control_timeout_s, 10.0)) for s in servers),
+                    return_exceptions=True)
+                for s, a in zip(servers, answers):
+                    if isinstance(a, BaseException):
+                        log.info("abort_all_failed", server=s.url, error=str(a)[:200])
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def pause(self, mode: str = "abort") -> None:
         """Pause every server; in `abort` mode each in-flight request returns its partial."""
@@ -715,18 +752,3 @@ class EngineClient:
             raise EngineError(f"{what} failed on {len(failed)} server(s): "
                               + "; ".join(f"{u}: {r}" for u, r in failed))
         return replies
-
-
-API_KEY_FILE = "engine.token"  # in a run's keys directory, beside the CURVE keys
-
-
-def run_api_key(keys_dir: str | None) -> str | None:
-    """The engine API key of the run whose keys directory this is (None: no key, as in tests
-    that start engines without one)."""
-    if not keys_dir:
-        return None
-    path = os.path.join(keys_dir, API_KEY_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return f.read().strip() or None

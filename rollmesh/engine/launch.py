@@ -44,7 +44,7 @@ def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
                 max_running_requests: int | None = None,
                 extra_args: Sequence[str] = (), python: str = sys.executable,
                 api_key: str | None = None, tokenizer_path: str | None = None,
-                trust_remote_code: bool = False) -> list[str]:
+                trust_remote_code: bool = False, admin_api_key: str | None = None) -> list[str]:
     """`python -m sglang.launch_server` with the flags rollmesh relies on.
 
     --skip-server-warmup: the launcher waits for /health_generate itself.
@@ -61,8 +61,10 @@ def sglang_argv(model_path: str, host: str, port: int, *, tp_size: int = 1,
         argv += ["--max-running-requests", str(max_running_requests)]
     if random_seed is not None:
         argv += ["--random-seed", str(random_seed)]
-    if api_key:  # SGLang takes the key itself on its command line
+    if api_key:  # SGLang takes the keys themselves on its command line
         argv += ["--api-key", api_key]
+    if admin_api_key:  # the admin routes take this one only (rollmesh.engine.auth)
+        argv += ["--admin-api-key", admin_api_key]
     return argv + list(extra_args)
 
 
@@ -77,7 +79,8 @@ def builtin_argv(model_path: str, host: str, port: int, *, dtype: str = "auto",
                  seed: int | None = None, device: str = "auto",
                  python: str = sys.executable, api_key_file: str | None = None,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False,
-                 extra_args: Sequence[str] = ()) -> list[str]:
+                 extra_args: Sequence[str] = (),
+                 admin_api_key_file: str | None = None) -> list[str]:
     """`python -m rollmesh engine` with rollmesh's flags, then `extra_args` (the engine's own
     flags, as for SGLang: a later flag overrides an earlier one, so `--seed 7` wins)."""
     argv = [python, "-m", "rollmesh", "engine", "--model", model_path, "--host", host,
@@ -88,15 +91,20 @@ def builtin_argv(model_path: str, host: str, port: int, *, dtype: str = "auto",
         argv += ["--seed", str(seed)]
     if api_key_file:
         argv += ["--api-key-file", api_key_file]
+    if admin_api_key_file:
+        argv += ["--admin-api-key-file", admin_api_key_file]
     return argv + list(extra_args)
 
 
 def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int, *,
                   gpus: Sequence[int] = (), seed: int | None = None, weight_version: str = "0",
                   python: str = sys.executable, api_key: str | None = None,
-                  api_key_file: str | None = None, lora_dir: str | None = None) -> EngineLaunch:
+                  api_key_file: str | None = None, lora_dir: str | None = None,
+                  admin_api_key: str | None = None,
+                  admin_api_key_file: str | None = None) -> EngineLaunch:
     """The server the experiment asks for, on `host:port`, pinned to `gpus`; with the run's
-    API key (SGLang: `--api-key`; the built-in engine reads `api_key_file`). Under LoRA
+    API and admin keys (SGLang: `--api-key`, `--admin-api-key`; the built-in engine reads
+    `api_key_file`, `admin_api_key_file`: rollmesh.engine.auth). Under LoRA
     (`model.lora.rank > 0`) it starts through `rollmesh.engine.lora_init`, which writes the
     identity adapter to `lora_dir` first, and serves it as `policy` (SGLang's LoRA flags)."""
     dtype = model.dtype
@@ -107,7 +115,7 @@ def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int
                            max_running_requests=engine.max_running_requests,
                            weight_version=weight_version, dtype=dtype, random_seed=seed,
                            extra_args=engine.extra_args, python=python, api_key=api_key,
-                           tokenizer_path=model.tokenizer_path,
+                           admin_api_key=admin_api_key, tokenizer_path=model.tokenizer_path,
                            trust_remote_code=model.trust_remote_code)
     else:
         argv = builtin_argv(model.path, host, port, dtype=dtype, weight_version=weight_version,
@@ -115,7 +123,8 @@ def engine_launch(engine: EngineConfig, model: ModelConfig, host: str, port: int
                             device="cuda" if gpus else "auto", python=python,
                             api_key_file=api_key_file, tokenizer_path=model.tokenizer_path,
                             trust_remote_code=model.trust_remote_code,
-                            extra_args=engine.extra_args)
+                            extra_args=engine.extra_args,
+                            admin_api_key_file=admin_api_key_file)
         check_builtin_args(engine.extra_args)
     if model.lora.enabled:
         argv = lora_argv(argv, model, lora_dir, python)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmesh.config import ConfigError, load_cluster
+from rollmesh.engine.auth import EngineKeys
 from rollmesh.launcher.console import Console
 from rollmesh.launcher.launcher import Launcher
 from rollmesh.launcher.plan import (
@@ -127,7 +128,8 @@ def main(argv: list[str]) -> int:
                 warnings.append(str(e))
                 host.require_python = False  # type: ignore[attr-defined]
         print_plan(cluster, build_plan(cluster, hosts, str(run_dir),
-                                       engine_key="<the run's engine key>",
+                                       engine_keys=EngineKeys("<the run's engine key>",
+                                                              "<the run's admin key>"),
                                        launcher_before=launcher_affinity(cluster)), str(run_dir))
         if cluster.slurm is not None:
             print(slurm.plan_note(slurm.in_allocation()))

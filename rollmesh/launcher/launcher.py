@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -47,7 +46,8 @@ from typing import Any
 from rollmesh.config import (
     ROLE, ROLE_TABLE, START_ORDER, ClusterConfig, ConfigError, ExperimentConfig, to_dict, to_toml,
 )
-from rollmesh.engine.client import API_KEY_FILE, EngineClient
+from rollmesh.engine.auth import EngineKeys
+from rollmesh.engine.client import EngineClient
 from rollmesh.launcher.console import Console, LogStream
 from rollmesh.launcher.hosts import Host, SshHost
 from rollmesh.launcher.keys import files_for_host, make_keys
@@ -110,20 +110,18 @@ class Launcher:
         self.failed_log: Path | None = None  # the log of the role whose failure ended the run
         self.metrics_seen: tuple[int, int] | None = None  # metrics.jsonl's (size, mtime) shown
         self.hosts = _make_hosts(cluster)
-        # The engines' HTTP API key (the CURVE keys guard the ZeroMQ sockets; this guards the
-        # engines' routes, weight updates included): one per run, kept in its keys directory.
-        key_file = run_dir / "keys" / API_KEY_FILE
-        self.engine_key = (key_file.read_text().strip() if resume and key_file.exists()
-                           else secrets.token_urlsafe(32))
+        # The engines' HTTP keys, generation and admin (rollmesh.engine.auth; the CURVE keys
+        # guard the ZeroMQ sockets): one of each per run, kept in its keys directory.
+        self.engine_keys = EngineKeys.for_run(run_dir / "keys", resume)
         # launcher_cpus: main() pins the launcher once the plan is made; the processes here
         # without CPUs of their own get its affinity from before (not the launcher's CPUs)
         self.launcher_before = launcher_affinity(cluster)
-        self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()), self.engine_key,
+        self.plan = build_plan(cluster, self.hosts, str(run_dir.resolve()), self.engine_keys,
                                launcher_before=self.launcher_before)
         self.engines: list[EngineProc] = []
         # engine.router's router (rollmesh.engine.router), started once the engines are healthy
         self.router_plan: PlannedRouter | None = plan_router(
-            cluster, self.plan, str(run_dir.resolve()), self.engine_key)
+            cluster, self.plan, str(run_dir.resolve()), self.engine_keys)
         self.router = RouterProc() if self.router_plan is not None else None
         if self.router_plan is not None and self.router_plan.host.same_machine:
             from rollmesh.engine.router import RouterMissing, check_installed
@@ -173,11 +171,7 @@ class Launcher:
                                    f"{self.run_dir} (a run never writes over another's files)")
             self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # hosts.*.env, logs
             keys = make_keys(self.run_dir / "keys", self.plan, resume=False)
-        key_file = self.run_dir / "keys" / API_KEY_FILE
-        if not key_file.exists():
-            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.engine_key + "\n")
+        self.engine_keys.write(self.run_dir / "keys")
         # the resolved configs, the cluster file naming the experiment file beside it: what
         # `--resume` loads (overrides given then are applied on top and saved again)
         cluster = to_toml(self.cluster).replace(
@@ -340,7 +334,7 @@ class Launcher:
         assert self.router is not None and self.router_plan is not None
         r = self.router
         deadline = time.monotonic() + self.exp.engine.startup_timeout_s
-        async with EngineClient([self.router_plan.url], api_key=self.engine_key) as client:
+        async with EngineClient([self.router_plan.url], api_key=self.engine_keys.api) as client:
             while True:
                 if r.process.poll() is not None:
                     self.failed_log = r.log_path
@@ -382,7 +376,7 @@ class Launcher:
         urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in engines]
         if not urls:
             return
-        async with EngineClient(urls, api_key=self.engine_key) as client:
+        async with EngineClient(urls, api_key=self.engine_keys.api) as client:
             waiting = asyncio.create_task(client.wait_healthy(self.exp.engine.startup_timeout_s))
             while not waiting.done():
                 dead = [e for e in engines if e.process.poll() is not None]
@@ -634,7 +628,7 @@ class Launcher:
         MessageQueue shard, the trainer, each engine's weight version)."""
         urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
         return await take_snapshot(
-            self.sup.transport, self.plan, engine_urls=urls, engine_key=self.engine_key,
+            self.sup.transport, self.plan, engine_urls=urls, engine_key=self.engine_keys.api,
             batch_samples=self.exp.rollout.batch_groups * self.exp.data.group_size)
 
     async def shutdown(self) -> None:
@@ -666,7 +660,9 @@ class Launcher:
         out: dict[str, Any] = {"max_staleness": self.exp.staleness.max_staleness,
                                "staleness_measure": self.exp.staleness.measure}
         if any(p.name in self.children for p in shards(self.plan, "rollouter")):
-            out.update(await collect_accounting(self.sup.transport, self.plan))
+            urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
+            out.update(await collect_accounting(self.sup.transport, self.plan, urls,
+                                                self.engine_keys))
         return out
 
     # -- status ----------------------------------------------------------------------------
@@ -708,7 +704,7 @@ class Launcher:
     async def poll_engines(self) -> None:
         urls = [f"http://{e.planned.host.address}:{e.planned.proc.port}" for e in self.engines]
         load = []
-        async with EngineClient(urls, retries=0, api_key=self.engine_key) as client:
+        async with EngineClient(urls, retries=0, api_key=self.engine_keys.api) as client:
             for url, info in zip(urls, await client.server_info_each(timeout_s=2)):
                 state = ((info or {}).get("internal_states") or [{}])[0]
                 load.append({"url": url, "healthy": info is not None,

@@ -24,7 +24,7 @@ from rollmesh.config import (
     ROLE, AgentWorkerSettings, ClusterConfig, ConfigError, ExperimentConfig, MessageQueueSettings,
     Process, RewardWorkerSettings, RolloutSettings, SynchronizerSettings, TrainerSettings, to_dict,
 )
-from rollmesh.engine.client import API_KEY_FILE
+from rollmesh.engine.auth import ADMIN_KEY_FILE, API_KEY_FILE, EngineKeys
 from rollmesh.engine.launch import EngineLaunch, engine_launch
 from rollmesh.engine.router import RouterPorts, router_launch
 from rollmesh.launcher.host_kinds import make_host
@@ -83,7 +83,7 @@ def _make_hosts(cluster: ClusterConfig) -> dict[str, Host]:
 
 
 def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
-               engine_key: str | None = None,
+               engine_keys: EngineKeys | None = None,
                launcher_before: tuple[int, ...] = ()) -> list[Planned]:
     """Every process with the configuration it is handed: an engine's command line, each other
     role's settings (rollmesh.config). Ports: each process owns the block
@@ -94,10 +94,10 @@ def build_plan(cluster: ClusterConfig, hosts: dict[str, Host], run_dir: str,
         launcher_before if cluster.launcher_cpus and hosts[p.host].same_machine else ()))
         for p in cluster.processes()]
     wiring = _Wiring(cluster, plan, run_dir)
-    wiring.router = plan_router(cluster, plan, run_dir, engine_key)
+    wiring.router = plan_router(cluster, plan, run_dir, engine_keys)
     for p in plan:
         if p.proc.role == "engine":
-            _plan_engine(p, wiring.exp, run_dir, engine_key)
+            _plan_engine(p, wiring.exp, run_dir, engine_keys)
         else:
             p.config = to_dict(_SETTINGS[p.proc.role](wiring, p))
     return plan
@@ -162,7 +162,7 @@ class PlannedRouter:
 
 
 def plan_router(cluster: ClusterConfig, plan: list[Planned], run_dir: str,
-                engine_key: str | None) -> PlannedRouter | None:
+                engine_keys: EngineKeys | None) -> PlannedRouter | None:
     """`engine.router = "sglang-router"`: the router on engine[0]'s host, in engine[0]'s port
     block (its 2nd port for HTTP, its 3rd for the router's metrics listener): ports the plan
     already reserves and checks, on any host kind (a port picked free here would say nothing of
@@ -185,7 +185,8 @@ def plan_router(cluster: ClusterConfig, plan: list[Planned], run_dir: str,
     urls = [f"http://{p.host.address}:{p.port('http')}" for p in engines]
     launch = router_launch(urls, bind_host, RouterPorts(first.proc.port + 1, first.proc.port + 2),
                            policy=exp.engine.router_policy,
-                           api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None,
+                           api_key_file=f"{keys}/{API_KEY_FILE}"  # it proxies /generate only
+                           if engine_keys and engine_keys.api else None,
                            startup_timeout_s=exp.engine.startup_timeout_s,
                            log_level="warn", python=first.host.python())
     return PlannedRouter(first.host, launch)
@@ -196,13 +197,16 @@ def _bind_named(p: Planned, port: str) -> str:
 
 
 def _plan_engine(p: Planned, exp: ExperimentConfig, run_dir: str,
-                 engine_key: str | None) -> None:
+                 engine_keys: EngineKeys | None) -> None:
     bind_host = p.host.address if p.host.local else "0.0.0.0"
-    keys = f"{run_dir}/keys" if p.host.local else f"runs/{Path(run_dir).name}/keys"
+    key_dir = f"{run_dir}/keys" if p.host.local else f"runs/{Path(run_dir).name}/keys"
+    keys = engine_keys or EngineKeys()
     p.engine = engine_launch(exp.engine, exp.model, bind_host, p.port("http"), gpus=p.proc.gpus,
                              seed=exp.seed, weight_version="0", python=p.host.python(),
-                             api_key=engine_key,
-                             api_key_file=f"{keys}/{API_KEY_FILE}" if engine_key else None,
+                             api_key=keys.api, admin_api_key=keys.admin,
+                             api_key_file=f"{key_dir}/{API_KEY_FILE}" if keys.api else None,
+                             admin_api_key_file=f"{key_dir}/{ADMIN_KEY_FILE}" if keys.admin
+                             else None,
                              lora_dir=f"{run_dir if p.host.local else f'runs/{Path(run_dir).name}'}"
                                       f"/lora/initial-{p.port('http')}")
     if p.cpus:  # the prelude sets its affinity, then execs the server

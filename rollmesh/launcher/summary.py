@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from rollmesh.core.accounting import (
     QueueStatus, RolloutStatus, TrainerStatus, dropped_by_reason, identity, merge_values,
 )
+from rollmesh.engine.auth import EngineKeys
 from rollmesh.engine.client import EngineClient, version_number
 from rollmesh.launcher.plan import Planned, _connect
 from rollmesh.launcher.watchdog import Snapshot
@@ -111,10 +112,13 @@ def shard_balances(rollouters: list[RolloutStatus], queues: list[QueueStatus]
     }
 
 
-async def collect_accounting(transport: Transport, plan: list[Planned]) -> dict[str, Any]:
-    """The end of a run: pause every rollouter shard at once (abort), poll every rollouter's
-    and MessageQueue's stats until no rollouter holds a sample in transit to the queue
-    (`RolloutStatus.settled`), then the identity over the totals. Returns the identity's terms
+async def collect_accounting(transport: Transport, plan: list[Planned],
+                             engine_urls: Sequence[str] = (),
+                             engine_keys: EngineKeys | None = None) -> dict[str, Any]:
+    """The end of a run: pause every rollouter shard at once (abort: the engines' requests
+    are aborted meanwhile, `EngineClient.abort_while`, with the run's admin key), poll every
+    rollouter's and MessageQueue's stats until no rollouter holds a sample in transit to the
+    queue (`RolloutStatus.settled`), then the identity over the totals. Returns the identity's terms
     (`Identity.summary`), `rollouter` and `message_queue` (the shards' stats merged,
     `merge_values`), `rollouters` and `message_queues` (each shard's, in shard order),
     `shards` (how many of each) and `balances` (`shard_balances`); {} without a rollouter or a
@@ -132,7 +136,15 @@ async def collect_accounting(transport: Transport, plan: list[Planned]) -> dict[
                                                           for c in clients))]
 
     try:
-        await asyncio.gather(*(c.request(Pause(mode="abort"), timeout_s=60) for c in r_clients))
+        pausing = asyncio.gather(*(c.request(Pause(mode="abort"), timeout_s=60)
+                                   for c in r_clients))
+        if engine_urls:
+            keys = engine_keys or EngineKeys()
+            async with EngineClient(list(engine_urls), retries=0, api_key=keys.api,
+                                    admin_key=keys.admin) as engines:
+                await engines.abort_while(pausing)
+        else:
+            await pausing
         for _ in range(SETTLE_POLLS):  # let scored groups reach the queue: nothing in transit
             r, q = await asyncio.gather(stats(r_clients), stats(q_clients))
             if all(RolloutStatus.parse(v).settled for v in r):

@@ -5,6 +5,7 @@ arrow is a request that the callee answers, and nobody waits on a request to its
 
     trainer rank 0                synchronizer                 rollouter       MessageQueue
     SyncRequest(v+1) ---------->  Pause(mode) ---------------> (drain)
+                                  (abort mode: every engine's requests aborted meanwhile)
                                   <------------------------- Paused
     <-------------------------- SyncGo(v+1, pause_s)          "broadcast now"
     (rank 0: /update_weights_from_distributed fired at every engine, buckets broadcast over
@@ -75,7 +76,8 @@ from rollmesh.wire.messages import (
     WeightVersion,
 )
 from rollmesh.engine.answers import serves_other_version
-from rollmesh.engine.client import EngineClient, run_api_key
+from rollmesh.engine.auth import EngineKeys
+from rollmesh.engine.client import EngineClient
 from rollmesh.runtime.process import RoleContext
 from rollmesh.wire.transport import RpcClient, RpcServer
 
@@ -164,7 +166,7 @@ class Synchronizer:
             # a rewind's pause aborts what is out, so that the rollouter has every trajectory
             # in hand, with what it generated, when it decides what the lost weights made
             mode = "abort" if sync.rewind else self.exp.sync.pause_mode
-            paused: Paused = await self.rollouter.request(Pause(mode=mode), **self._patient())
+            paused: Paused = await self.pause(mode)
             sync.go = SyncGo(version=msg.version, pause_s=time.monotonic() - started,
                              cancel_queue=paused.cancel_queue,
                              rebuild_group=self.rebuild or msg.republish)
@@ -205,7 +207,7 @@ class Synchronizer:
                 return  # it already holds the version (a sync's retry sent it) or cannot tell
             if self.lock.locked():
                 return  # a sync is starting: it rebuilds the group and checks the versions
-            await self.rollouter.request(Pause(mode=self.exp.sync.pause_mode), **self._patient())
+            await self.pause(self.exp.sync.pause_mode)
             self.log.info("rollout_held", version=self.version, hold_s=HOLD_S,
                           reason="an engine restarted with the initial weights")
             deadline = time.monotonic() + HOLD_S
@@ -231,6 +233,14 @@ class Synchronizer:
         return [f"{s.url} at version {info.get('weight_version')}"
                 for s, info in zip(self.engines.servers, infos)
                 if info is not None and serves_other_version(info, version)]
+
+    async def pause(self, mode: str) -> Paused:
+        """Pause rollout; in abort mode the engines' requests are aborted here until the
+        rollouter has its trajectories back (`EngineClient.abort_while`: the workers cannot)."""
+        pending = self.rollouter.request(Pause(mode=mode), **self._patient())
+        if mode == "abort" and self.engines is not None:
+            return await self.engines.abort_while(pending)
+        return await pending
 
     def _patient(self) -> dict[str, Any]:
         """Pause and Resume are idempotent: ask again every PAUSE_RETRY_S (a rollouter that
@@ -360,7 +370,8 @@ async def main(ctx: RoleContext) -> None:
     mq = fanout(ctx, queue_addresses(settings), "message queue", timeout_s=30)
     engines = None
     if settings.engines:
-        engines = EngineClient(settings.engines, api_key=run_api_key(ctx.spec.keys_dir))
+        keys = EngineKeys.load(ctx.spec.keys_dir, admin=True)  # it aborts and resumes them
+        engines = EngineClient(settings.engines, api_key=keys.api, admin_key=keys.admin)
         await engines.__aenter__()
     sync = Synchronizer(ctx, exp, rollouter, mq, settings.version, engines)
 

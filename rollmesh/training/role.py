@@ -51,7 +51,7 @@ from rollmesh.config import parse_config, queue_addresses, to_dict
 from rollmesh.runtime.durable_log import write_atomic
 from rollmesh.runtime.log import get_logger
 from rollmesh.core.validate import invalid_group_reason
-from rollmesh.engine.client import run_api_key
+from rollmesh.engine.auth import EngineKeys
 from rollmesh.models.loading import resolve_device
 from rollmesh.core.evaluation import eval_metrics
 from rollmesh.mq.client import STREAM_AHEAD, BatchFeed, ShardedFeed
@@ -103,7 +103,7 @@ class Link:
         self.evals = Evaluations(ctx if state.exp.rollout.eval_every else None)
         self.prefix_cache = PrefixCacheFigures(ctx)
         self.sender = (WeightSender(t, to_dict(settings), state.exp.sync, state.device,
-                                    api_key=run_api_key(ctx.spec.keys_dir))
+                                    keys=EngineKeys.load(ctx.spec.keys_dir, admin=True))
                        if settings.synchronizer else None)
         self.server = RpcServer(t, settings.bind, {StatsRequest: self._stats}, name="trainer",
                                 allow={StatsRequest: None})  # any key of the run

@@ -87,7 +87,7 @@ from typing import Any
 import torch
 
 from rollmesh.engine.answers import serves_other_version
-from rollmesh.engine.client import EngineClient, EngineError
+from rollmesh.engine.client import EngineClient, EngineError, EngineKeys
 from rollmesh.runtime.log import get_logger
 from rollmesh.wire.messages import SyncDone, SyncGo, SyncRequest
 from rollmesh.training.ranks import full_tensor
@@ -155,7 +155,7 @@ class WeightSender:
     """Rank 0's connections for syncs: the synchronizer and the engines' weight-update group."""
 
     def __init__(self, transport: Transport, config: dict[str, Any], sync: Any,
-                 device: torch.device, api_key: str | None = None):
+                 device: torch.device, keys: EngineKeys = EngineKeys()):
         if not config.get("engines"):
             raise ValueError("trainer spec: `synchronizer` is set but `engines` (URLs) is not")
         self.sync = sync  # SyncConfig
@@ -167,9 +167,9 @@ class WeightSender:
         self.synchronizer = RpcClient(transport, config["synchronizer"], timeout_s=per_try,
                                       retries=max(0, math.ceil(sync.timeout_s / per_try) - 1),
                                       name="synchronizer")
+        self.auth = {"api_key": keys.api, "admin_key": keys.admin}  # it changes the weights
         self.engines = EngineClient(config["engines"], tp_sizes=config.get("engine_tp_sizes"),
-                                    control_timeout_s=sync.timeout_s, api_key=api_key)
-        self.api_key = api_key
+                                    control_timeout_s=sync.timeout_s, **self.auth)
         # The engines in the current weight-update group: those serving when it was built. An
         # engine that is down then (the launcher restarts it) is left out, so a sync does not
         # wait for it; back, it answers with an older version and is sent the weights again.
@@ -223,7 +223,7 @@ class WeightSender:
         if self.members is not None:
             await self.members.close()
         self.members = EngineClient([s.url for s in live], tp_sizes=[s.tp_size for s in live],
-                                    control_timeout_s=self.sync.timeout_s, api_key=self.api_key)
+                                    control_timeout_s=self.sync.timeout_s, **self.auth)
         await self.members.__aenter__()
         if len(live) < len(self.engines.servers):
             log.warning("weight_group_without", engines=[s.url for s in self.engines.servers

@@ -69,6 +69,89 @@ def test_pause_aborts_in_flight_and_resume_serves_again(engines):
 
 
 @pytest.mark.slow
+def test_abort_while_cuts_what_runs_and_what_starts_until_the_pause_is_answered(engines):
+    """The synchronizer's side of an abort-mode pause (the workers cannot abort: they hold the
+    engines' API key only): every engine's requests are aborted, answering their partial
+    output, and again every round until the pause is answered; a generation a worker sent
+    after the first round (its Cancel had not reached it) is cut too."""
+    async def main():
+        async with EngineClient([e.url for e in engines]) as client:
+            first = [asyncio.create_task(client.generate(PROMPT, LONG)) for _ in range(2)]
+            await until_running(engines, 2)
+            late: list = []
+
+            async def rollouter_pause():  # answered once every generation has come back
+                outs = await asyncio.gather(*first)
+                await asyncio.sleep(0.5)  # a round has gone by: this one starts after it
+                late.append(await client.generate(PROMPT, LONG))
+                return outs
+
+            start = time.monotonic()
+            outs = await asyncio.wait_for(client.abort_while(rollouter_pause(), every_s=0.2), 60)
+            took = time.monotonic() - start
+            after = await client.generate(PROMPT, {"max_new_tokens": 4, "ignore_eos": True})
+            return outs, late, took, after
+
+    outs, late, took, after = run(main())
+    for out in [*outs, *late]:
+        assert out.aborted and 0 < len(out.output_ids) < LONG["max_new_tokens"], out.raw
+        assert len(out.logprobs) == len(out.output_ids)
+    assert took < 10, took  # cut by the rounds, not run to their 3,000 tokens
+    assert after.finish_reason == "length" and len(after.output_ids) == 4  # no pause left
+
+
+@pytest.mark.slow
+def test_a_stopping_worker_drops_its_generations_without_the_abort_route(tmp_path):
+    """A worker that stops hands its trajectories back at once, though it may not abort on the
+    engines (its key is refused there): it stops waiting, the engine aborts the request whose
+    client went away, and the trajectory keeps the tokens it held before."""
+    from rollmesh.agents.loops import Interrupted, LoopContext
+    from rollmesh.config import RolloutConfig
+    from rollmesh.core.trajectory import new_trajectory
+    from rollmesh.engine.auth import EngineKeys
+
+    keys_dir = tmp_path / "keys"
+    keys_dir.mkdir()
+    EngineKeys("gen-key", "admin-key").write(keys_dir)
+    engine = Engine(tmp_path / "e.log", "--api-key-file", str(keys_dir / "engine.token"),
+                    "--admin-api-key-file", str(keys_dir / "engine-admin.token"))
+    try:
+        async def main():
+            worker = EngineKeys.load(str(keys_dir))  # an agent worker's: no admin key
+            assert worker == EngineKeys("gen-key", None)
+            async with EngineClient([engine.url], api_key=worker.api) as client:
+                ctx = LoopContext(client, None, RolloutConfig(), max_context=8192,
+                                  cancelling=asyncio.Event(), tools={})
+                ctx.per_token_versions = True  # (no version probe: not what this is about)
+                traj = new_trajectory("s-1", "g-1", 0, PROMPT, agent_loop="single_turn")
+                call = asyncio.create_task(ctx.generate(traj, 3000, {"ignore_eos": True}))
+                await until_running([engine], 1, api_key=worker.api)
+                rid = next(iter(ctx.active))
+                with pytest.raises(EngineRequestError, match="401"):
+                    await client._call(client.servers[0], "POST", "/abort_request",
+                                       {"rid": rid, "abort_all": False})
+                start = time.monotonic()
+                ctx.stopping.set()
+                ctx.drop_all()
+                with pytest.raises(Interrupted):
+                    await asyncio.wait_for(call, 10)
+                dropped_in = time.monotonic() - start
+                for _ in range(100):  # the engine notices the client went away
+                    info = (await client.server_info())[0]
+                    running = info["internal_states"][0]["running_requests"]
+                    if running == 0:
+                        break
+                    await asyncio.sleep(0.1)
+                return traj, dropped_in, running, ctx.active
+
+        traj, dropped_in, running, active = run(main())
+    finally:
+        engine.stop()
+    assert dropped_in < 2 and running == 0 and not active
+    assert traj.token_ids.tolist() == PROMPT  # what it held before; the partial is lost
+
+
+@pytest.mark.slow
 def test_a_bad_request_is_not_retried(engines):
     async def main():
         async with EngineClient([engines[0].url], retries=3, backoff_s=2.0) as client:

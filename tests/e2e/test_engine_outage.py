@@ -33,7 +33,7 @@ from rich.console import Console
 
 from rollmesh.observe.monitor import StatusBoard
 from rollmesh.observe.render import render
-from rollmesh.wire.messages import Metrics, Pause
+from rollmesh.wire.messages import Metrics
 from rollmesh.core.trajectory import append_tokens, new_trajectory
 from rollmesh.wire.transport import Transport
 from tests.engine.engine_harness import REPO, Engine, repo_env
@@ -321,7 +321,7 @@ def test_rollouter_admits_nothing_while_no_engine_is_healthy_and_resumes_after(t
             lambda s: s["rollouter"]["admitted_samples"] > failed["rollouter"]["admitted_samples"]
             and s["mq"]["depth_groups"] > 0, timeout_s=120, what="new prompts generated")
         # the accounting, once nothing is between the rollouter and the queue
-        await d.rollouter.request(Pause(mode="abort"))
+        await d.pause()
         settled = await d.wait_for(
             lambda s: (lambda a, b: a == b)(*accounting(s, 0))
             and s["rollouter"]["to_score"] == 0 and s["rollouter"]["ready_groups"] == 0,

@@ -202,7 +202,6 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
     200 ms instead: the same steps finish, nothing dropped, the identity holds."""
     from rollmesh.config import to_dict
     from rollmesh.observe.monitor import StatusBoard
-    from rollmesh.wire.messages import Pause
     from rollmesh.launcher.supervisor import Supervisor
     from rollmesh.wire.transport import free_port
     from tests.engine.engine_harness import Engine
@@ -255,7 +254,7 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
                     for _ in range(2):
                         await d.sync()
                         consumed += await take(2)
-                    await d.rollouter.request(Pause(mode="abort"))
+                    await d.pause()
                     stats = await d.wait_for(
                         lambda s: (lambda a, b: a == b)(*accounting(s, consumed)), timeout_s=60,
                         what="the accounting to settle")
@@ -282,7 +281,7 @@ def test_rollout_cut_off_from_its_worker_and_the_queue_resumes_by_itself(tmp_pat
                                  timeout_s=60, what="groups queued again")
                 queued_again = time.monotonic() - healed
                 consumed += await take(2)
-                await d.rollouter.request(Pause(mode="abort"))
+                await d.pause()
                 stats = await d.wait_for(
                     lambda s: (lambda a, b: a == b)(*accounting(s, consumed)), timeout_s=60,
                     what="the accounting to settle")

@@ -13,7 +13,7 @@ import structlog
 
 from rollmesh.engine.client import EngineClient
 from rollmesh.core.trajectory import oldest_version
-from rollmesh.wire.messages import Pause, Resume, WeightVersion
+from rollmesh.wire.messages import Resume, WeightVersion
 from rollmesh.rollout.journal import Journal
 from rollmesh.wire.transport import Transport
 from tests.helpers.rollout_stack import accounting, experiment, start_stack, stop_stack, write_dataset
@@ -40,7 +40,7 @@ def generated_versions(traj) -> set[int]:
 
 async def settle(d, consumed: int):
     """Pause, then wait until the two processes' counters add up (nothing in transit)."""
-    await d.rollouter.request(Pause(mode="abort"))
+    await d.pause()
     return await d.wait_for(
         lambda s: (lambda a, b: a == b)(*accounting(s, consumed))
         and s["rollouter"]["to_score"] == 0 and s["rollouter"]["ready_groups"] == 0,
@@ -315,7 +315,7 @@ def test_rollouter_killed_during_a_sync_comes_back_paused_until_its_resume(tmp_p
             await asyncio.sleep(0.01)
         else:
             raise AssertionError(f"never saw 6 requests running: {stack.engine.stats()}")
-        await d.rollouter.request(Pause(mode="abort"))  # the sync begins
+        await d.pause()  # the sync begins
         os.kill(stack.rollouter.process.pid, signal.SIGKILL)
         await asyncio.to_thread(stack.rollouter.process.wait)
         stack.rollouter = stack.sup.respawn(stack.rollouter)
@@ -363,7 +363,7 @@ def test_a_paused_journal_does_not_hold_a_new_launch_and_a_lost_resume_does_not_
         d = stack.driver
         first = await d.rollouter_stats()  # a new launch (`--resume`): nothing to wait for
         groups = await d.take(2)
-        await d.rollouter.request(Pause(mode="abort"))
+        await d.pause()
         os.kill(stack.rollouter.process.pid, signal.SIGKILL)
         await asyncio.to_thread(stack.rollouter.process.wait)
         stack.rollouter = stack.sup.respawn(stack.rollouter)

@@ -101,7 +101,7 @@ def test_a_killed_router_is_restarted_and_a_waiting_generation_goes_through_the_
     key = tmp_path / "run" / "keys" / "engine.token"  # the run's key, as the launch writes it
     key.parent.mkdir()
     fd = os.open(key, os.O_WRONLY | os.O_CREAT, 0o600)
-    os.write(fd, launcher.engine_key.encode())
+    os.write(fd, launcher.engine_keys.api.encode())
     os.close(fd)
     engine = Engine(tmp_path / "e.log", "--api-key-file", str(key))
     # the planned router (its host, the launch's command line) in front of the test engine
@@ -115,7 +115,7 @@ def test_a_killed_router_is_restarted_and_a_waiting_generation_goes_through_the_
         first = launcher.router.process
         first.kill()
         first.wait(10)
-        async with EngineClient([engine.url], api_key=launcher.engine_key, wait_s=60,
+        async with EngineClient([engine.url], api_key=launcher.engine_keys.api, wait_s=60,
                                 health_interval_s=0.3, backoff_s=0.05,
                                 router_url=launcher.router_plan.url) as client:
             task = asyncio.create_task(client.generate(PROMPT, SHORT))

@@ -115,3 +115,64 @@ def test_engine_http_needs_the_runs_api_key(tmp_path):
     key_file.chmod(0o644)
     with pytest.raises(RuntimeError, match="must not be readable by group or others"):
         Engine(tmp_path / "engine2.log", "--api-key-file", str(key_file))
+
+
+@pytest.mark.slow
+def test_a_generating_roles_engine_key_cannot_move_the_weights_or_the_version(tmp_path):
+    """Issue 35: every role that talked to the engines held the one engine token, so a
+    rollouter or an agent worker (whatever ran in it) could call /update_weight_version or
+    join a weight-update group of its own. With the run's two keys, as the launcher writes
+    them and each role loads its own, the agent worker's key generates and is refused every
+    admin route; the trainer's moves the version; the admin key does not open /generate."""
+    from rollmesh.engine.auth import EngineKeys
+    from rollmesh.engine.client import EngineClient, EngineRequestError
+    from tests.engine.engine_harness import Engine
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    EngineKeys.for_run(keys, resume=False).write(keys)
+    engine = Engine(tmp_path / "engine.log", "--weight-version", "0",
+                    "--api-key-file", str(keys / "engine.token"),
+                    "--admin-api-key-file", str(keys / "engine-admin.token"))
+    agent, trainer = EngineKeys.load(str(keys)), EngineKeys.load(str(keys), admin=True)
+    attacks = {
+        "/update_weight_version": {"new_version": "1000000", "abort_all_requests": False},
+        "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 1,
+                                       "rank_offset": 1, "world_size": 2,
+                                       "group_name": "evil", "backend": "gloo"},
+        "/update_weights_from_disk": {"model_path": "tiny:seed=9"},
+        "/abort_request": {"rid": "", "abort_all": True},
+        "/pause_generation": {"mode": "abort"},
+        "/release_memory_occupation": {},
+        "/load_lora_adapter": {"lora_name": "evil", "lora_path": "/tmp/evil"},
+        "/flush_cache": {},
+    }
+
+    async def main():
+        refused = {}
+        async with EngineClient([engine.url], api_key=agent.api, admin_key=agent.admin) as c:
+            out = await c.generate([1, 2, 3], {"max_new_tokens": 3, "ignore_eos": True})
+            for path, body in attacks.items():
+                try:
+                    await c._call(c.servers[0], "POST", path, body, 30)
+                    refused[path] = "served"
+                except EngineRequestError as e:
+                    refused[path] = e.status
+            version = (await c.server_info())[0]["weight_version"]
+        # the admin key alone opens no generation (as SGLang: each key its own routes)
+        async with EngineClient([engine.url], api_key=trainer.admin) as c:
+            with pytest.raises(EngineRequestError, match="401"):
+                await c.generate([1, 2, 3], {"max_new_tokens": 3})
+        async with EngineClient([engine.url], api_key=trainer.api,
+                                admin_key=trainer.admin) as c:
+            await c.update_weight_version("1")
+            after = (await c.server_info())[0]["weight_version"]
+        return out, refused, version, after
+
+    try:
+        out, refused, version, after = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert len(out.output_ids) == 3
+    assert refused == {path: 401 for path in attacks}, refused
+    assert version == "0" and after == "1"

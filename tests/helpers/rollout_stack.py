@@ -74,10 +74,19 @@ class Driver:
     async def mq_stats(self) -> dict[str, Any]:
         return (await self.mq.request(StatsRequest())).values
 
+    async def pause(self, mode: str = "abort") -> Paused:
+        """Pause rollout as the synchronizer does: in abort mode the engine's requests are
+        aborted until the rollouter answers (the workers cannot abort: rollmesh.engine.auth)."""
+        pending = self.rollouter.request(Pause(mode=mode))
+        if mode != "abort":
+            return await pending
+        async with EngineClient([self.engine_url]) as client:
+            return await client.abort_while(pending)
+
     async def sync(self, mode: str = "abort") -> Paused:
         """What the synchronizer does, with a version bump in place of a broadcast; in place,
         the engine is paused in place around it as the trainer's publisher does."""
-        paused = await self.rollouter.request(Pause(mode=mode))
+        paused = await self.pause(mode)
         self.version += 1
         async with EngineClient([self.engine_url]) as client:
             if mode == "in_place":

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
+from rollmesh.engine.auth import EngineKeys
 from rollmesh.config import ConfigError, HostConfig, load_cluster
 from rollmesh.runtime.cpus import (
     CpuListError, available_cpus, format_cpulist, parse_cpulist, pinned, thread_env,
@@ -168,7 +169,7 @@ def test_a_remote_host_is_not_checked_at_load(tmp_path):
 def plan_of(cluster, run_dir: Path):
     from rollmesh.launcher.plan import launcher_affinity
 
-    return build_plan(cluster, _make_hosts(cluster), str(run_dir), engine_key="k",
+    return build_plan(cluster, _make_hosts(cluster), str(run_dir), engine_keys=EngineKeys("k", "a"),
                       launcher_before=launcher_affinity(cluster))
 
 

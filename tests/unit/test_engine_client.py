@@ -19,9 +19,10 @@ PROMPT = [11, 12, 13, 14, 15]
 LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 1.0}
 
 
-async def until_running(engines, n: int, timeout_s: float = 30) -> None:
+async def until_running(engines, n: int, timeout_s: float = 30, api_key: str | None = None,
+                        ) -> None:
     """Wait until the engines report n requests running (no fixed sleeps: speed varies)."""
-    async with EngineClient([e.url for e in engines]) as probe:
+    async with EngineClient([e.url for e in engines], api_key=api_key) as probe:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             infos = await probe.server_info_each()
@@ -79,6 +80,17 @@ def test_launch_commands_for_both_kinds():
     builtin = engine_launch(EngineConfig(kind="builtin"), ModelConfig(path="tiny"), "127.0.0.1",
                             8000, python="py")
     assert builtin.argv[:6] == ["py", "-m", "rollmesh", "engine", "--model", "tiny"]
+    # the run's two keys (rollmesh.engine.auth): SGLang takes them, the built-in engine reads
+    # them from their files
+    keyed = engine_launch(EngineConfig(kind="sglang"), model, "h", 1, api_key="A",
+                          admin_api_key="Z").argv
+    assert keyed[keyed.index("--api-key") + 1] == "A"
+    assert keyed[keyed.index("--admin-api-key") + 1] == "Z"
+    keyed = engine_launch(EngineConfig(kind="builtin"), ModelConfig(path="tiny"), "h", 1,
+                          api_key_file="k/engine.token",
+                          admin_api_key_file="k/engine-admin.token").argv
+    assert keyed[keyed.index("--api-key-file") + 1] == "k/engine.token"
+    assert keyed[keyed.index("--admin-api-key-file") + 1] == "k/engine-admin.token"
     # nothing on a CPU host imports sglang
     out = subprocess.run([sys.executable, "-c",
                           "import sys, rollmesh.engine.launch, rollmesh.engine.client; "

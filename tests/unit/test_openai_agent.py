@@ -474,8 +474,8 @@ def accounted(r) -> bool:
 
 
 def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
-    """Rollouter Pause (abort mode) while both agents of a group are mid-call: the worker aborts
-    their generations, keeps the trajectories (Held) and the rollouter answers Paused without
+    """Rollouter Pause (abort mode) while both agents of a group are mid-call: the synchronizer
+    aborts their generations, the worker keeps the trajectories (Held) and the rollouter answers Paused without
     them, counting them as out; after the Resume each call goes on from its partial tokens under
     the new version and returns ONE completion with the whole answer."""
 
@@ -496,7 +496,8 @@ def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
                     break
                 await asyncio.sleep(0.01)
             assert frozen, "the two calls never reached the engine"
-            paused = await asyncio.wait_for(r.pause("abort"), 60)
+            async with EngineClient([engine.url]) as admin:  # the synchronizer's aborts
+                paused = await asyncio.wait_for(admin.abort_while(r.pause("abort")), 60)
             seen = {"paused": paused, "stats": r.stats(), "worker": worker.stats(),
                     "accounted": accounted(r)}
             await post(engine.url, "/update_weight_version",

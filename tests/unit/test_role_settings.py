@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rollmesh.engine.auth import EngineKeys
 from rollmesh.config import ConfigError, load_cluster, parse_config, to_dict
 from rollmesh.launcher.plan import _make_hosts, build_plan, print_plan
 from rollmesh.config.settings import (
@@ -52,7 +53,7 @@ pool = 3
 
 def plan_of(cluster, run_dir: Path):
     return {p.name: p for p in build_plan(cluster, _make_hosts(cluster), str(run_dir),
-                                          engine_key="k")}
+                                          engine_keys=EngineKeys("k", "a"))}
 
 
 def test_every_process_of_a_role_gets_its_table_and_the_plan_shows_what_changed(tmp_path,

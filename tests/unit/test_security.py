@@ -11,6 +11,8 @@
 (f) Every role process holds a key pair of its own, and each socket takes from each role only
     the messages that role may send (issue 35, item 3): the attacks a local process made on a
     run, now made with the keys of a role that may not.
+(g) The engines' HTTP takes two keys, as SGLang's --api-key and --admin-api-key: the roles that
+    generate hold the first only, and cannot move an engine's weights or version.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def test_launcher_writes_private_keys(tmp_path, monkeypatch):
     names = ["agent_worker-0", "agent_worker-1", "launcher", "message_queue-0", "monitor",
              "reward_worker-0", "rollouter-0", "synchronizer-0", "trainer-0"]
     assert files == ["clients/" + n + suffix for n in names for suffix in (".key", ".key_secret")
-                     ] + ["engine.token", "server.key", "server.key_secret"]
+                     ] + ["engine-admin.token", "engine.token", "server.key", "server.key_secret"]
     for p in key_dir.rglob("*"):
         assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
     # the run directory is the user's alone, and so is the resolved cluster file, which holds
@@ -412,9 +414,110 @@ def test_engine_http_binds_loopback_by_default():
     assert os.environ.get("ROLLMESH_ENGINE_HOST") is None
 
 
-# -- the engines' HTTP: the run's API key ----------------------------------------------------
+# -- (g) the engines' HTTP: two keys ----------------------------------------------------------
 
 
+def test_engine_routes_take_the_keys_sglang_gives_them():
+    """rollmesh.engine.auth.decide against SGLang 0.5.23's decide_request_auth, case by case:
+    an admin route takes the admin key only where one is set (the API key no longer opens it),
+    any other route the API key only (the admin key does not open /generate), probes none."""
+    from rollmesh.engine.auth import decide, is_admin, key_for
+
+    api, admin = "A", "Z"
+    bearer = {None: None, "api": f"Bearer {api}", "admin": f"Bearer {admin}",
+              "wrong": "Bearer nope", "scheme": f"Basic {api}"}
+    # (keys set, route) -> the headers that pass
+    expected = {
+        ("both", "/update_weight_version"): {"admin"},
+        ("both", "/abort_request"): {"admin"},
+        ("both", "/pause_generation"): {"admin"},
+        ("both", "/generate"): {"api"},
+        ("both", "/get_server_info"): {"api"},
+        ("both", "/health"): set(bearer),
+        ("api only", "/update_weight_version"): {"api"},
+        ("api only", "/generate"): {"api"},
+        ("admin only", "/update_weight_version"): {"admin"},
+        ("admin only", "/generate"): set(bearer),  # SGLang leaves normal routes open then
+        ("none", "/update_weight_version"): set(bearer),
+    }
+    keys = {"both": (api, admin), "api only": (api, None), "admin only": (None, admin),
+            "none": (None, None)}
+    for (which, path), passing in expected.items():
+        got = {h for h, value in bearer.items() if decide("POST", path, value, *keys[which])}
+        assert got == passing, (which, path, got)
+    assert decide("OPTIONS", "/update_weight_version", None, api, admin)  # as SGLang
+    assert is_admin("/dumper/start") and not is_admin("/v1/chat/completions")
+    # a client sends what each route takes: a trainer's holds both, a worker's the API key
+    assert key_for("/update_weights_from_distributed", api, admin) == admin
+    assert key_for("/generate", api, admin) == api
+    assert key_for("/update_weight_version", api, None) == api
+
+
+def test_every_weight_route_of_the_builtin_engine_is_an_admin_route():
+    """Whatever the built-in engine serves that changes its weights, version, adapter, memory
+    or what runs is an admin route (a route added later without it would be open to every
+    role that generates)."""
+    from rollmesh.engine import auth
+    from rollmesh.engine.builtin.server import EngineServer, _parser
+    from rollmesh.models.loading import build_tiny
+    from rollmesh.runtime.log import get_logger
+
+    model, tok = build_tiny("tiny")
+    args = _parser().parse_args(["--model", "tiny", "--port", "0"])
+    app = EngineServer(args, model, tok, get_logger("rollmesh.engine")).app()
+    paths = {r.resource.canonical for r in app.router.routes()}
+    changing = {p for p in paths if any(w in p for w in (
+        "weight", "lora", "memory", "abort", "pause", "continue", "flush"))}
+    changing -= {"/get_weight_version", "/weight_version"}  # reads
+    assert changing and all(auth.is_admin(p) for p in changing), changing - {
+        p for p in changing if auth.is_admin(p)}
+    assert not any(auth.is_admin(p) for p in paths - changing)
+
+
+def test_only_hosts_that_change_the_engines_get_their_admin_key(tmp_path):
+    """An SSH host is sent the engines' admin key only where it runs an engine, a trainer or
+    the synchronizer: a host of rollouters, agent or reward workers cannot send weights."""
+    from types import SimpleNamespace
+
+    from rollmesh.engine.auth import ADMIN_KEY_FILE, API_KEY_FILE, EngineKeys
+    from rollmesh.launcher.keys import files_for_host, make_keys
+
+    def planned(role: str, index: int, host: str):
+        return SimpleNamespace(proc=SimpleNamespace(role=role, index=index, host=host))
+
+    plan = [planned("engine", 0, "gpu"), planned("trainer", 0, "train"),
+            planned("synchronizer", 0, "head"), planned("rollouter", 0, "head"),
+            planned("agent_worker", 0, "cpu"), planned("reward_worker", 0, "cpu")]
+    keys = tmp_path / "keys"
+    make_keys(keys, plan, resume=False)
+    EngineKeys.for_run(keys, resume=False).write(keys)
+    given = {h: {f.name for f in files_for_host(keys, plan, h)}
+             for h in ("gpu", "train", "head", "cpu")}
+    for host in given:
+        assert API_KEY_FILE in given[host], host
+    assert {h for h in given if ADMIN_KEY_FILE in given[h]} == {"gpu", "train", "head"}
+    assert "agent_worker-0.key_secret" in given["cpu"]
+
+
+def test_the_engine_keys_of_a_run_are_private_and_a_resumed_run_keeps_them(tmp_path):
+    from rollmesh.engine.auth import ADMIN_KEY_FILE, API_KEY_FILE, EngineKeys
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    made = EngineKeys.for_run(keys, resume=False)
+    assert made.api and made.admin and made.api != made.admin
+    made.write(keys)
+    for name in (API_KEY_FILE, ADMIN_KEY_FILE):
+        assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600
+    assert EngineKeys.for_run(keys, resume=True) == made
+    assert EngineKeys.load(str(keys)) == EngineKeys(made.api, None)  # a generating role's
+    assert EngineKeys.load(str(keys), admin=True) == made
+    # a run made before there were two keys: its API key kept, an admin key made and written
+    (keys / ADMIN_KEY_FILE).unlink()
+    old = EngineKeys.for_run(keys, resume=True)
+    assert old.api == made.api and old.admin not in (None, made.admin)
+    old.write(keys)
+    assert EngineKeys.load(str(keys), admin=True) == old
 
 
 # -- (f) per-role authorisation ----------------------------------------------------------------

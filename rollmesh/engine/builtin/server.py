@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import os
 import time
@@ -43,6 +42,7 @@ import torch
 from aiohttp import web
 
 from rollmesh import __version__
+from rollmesh.engine import auth
 from rollmesh.engine.builtin import api
 from rollmesh.models import loading as models
 from rollmesh.engine.builtin import openai_api
@@ -78,25 +78,18 @@ async def _bad_requests(request: web.Request, handler: Any) -> web.StreamRespons
         return error_reply(str(e))
 
 
-# Paths SGLang lets through without a key (utils/auth.py `decide_request_auth`: matched by
-# prefix, for probes and scrapers): /health, /health_generate, /ready, /metrics...
-OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
-
-
-def _api_key_guard(key: str) -> Any:
-    """Every route but the /health* probes needs `Authorization: Bearer <key>` (SGLang's
-    --api-key convention): the engine's HTTP is reachable by anyone on the network, and its
-    weight routes would let them replace the model. A refusal is SGLang's 401
-    `{"error": "Unauthorized"}`."""
-    expected = key.encode()
+def _api_key_guard(key: str | None, admin_key: str | None = None) -> Any:
+    """SGLang's --api-key and --admin-api-key (rollmesh.engine.auth.decide): every route but
+    the /health* probes needs `Authorization: Bearer <key>`, the admin routes (weights, the
+    version, pause, abort, flush, memory, LoRA) the admin key where one is set: the engine's
+    HTTP is reachable by anyone on the network, and its weight routes would let them replace
+    the model. A refusal is SGLang's 401 `{"error": "Unauthorized"}`."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.method != "OPTIONS" and not request.path.startswith(OPEN_PATH_PREFIXES):
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if not (scheme.lower() == "bearer"
-                    and hmac.compare_digest(token.encode(), expected)):
-                return web.json_response({"error": "Unauthorized"}, status=401)
+        if not auth.decide(request.method, request.path, request.headers.get("Authorization"),
+                           key, admin_key):
+            return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     return guard
@@ -147,8 +140,9 @@ class EngineServer:
 
     def app(self) -> web.Application:
         middlewares = [_bad_requests]
-        if getattr(self.args, "api_key", None):
-            middlewares.insert(0, _api_key_guard(self.args.api_key))
+        keys = getattr(self.args, "api_key", None), getattr(self.args, "admin_api_key", None)
+        if any(keys):
+            middlewares.insert(0, _api_key_guard(*keys))
         app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
         r = app.router
         r.add_post("/generate", self.generate)
@@ -557,6 +551,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         args.api_key = read_api_key(args.api_key_file)
+        args.admin_api_key = read_api_key(getattr(args, "admin_api_key_file", None))
     except (OSError, ValueError) as e:
         log.error("engine_bad_api_key", error=str(e))
         return 2
