@@ -557,24 +557,24 @@ class EngineClient:
     async def abort_all(self) -> None:
         await self._all("POST", "/abort_request", {"rid": "", "abort_all": True})
 
-    async def abort_while(self, pending: Any, first_s: float = 0.02,
+    async def abort_while(self, pending: Any, first_s: float = 0.005,
                           every_s: float = 0.2) -> Any:
         """Await `pending` (a Pause sent to the rollouter in abort mode) while every engine's
-        requests are aborted, after `first_s` (the Cancels are out by then: most workers hear
-        of the sync before their generations end) and again every `every_s` until it is
-        answered. The rollouter cancels its workers' trajectories; a generation a worker sent
-        before its Cancel arrived is cut by the next round. The workers do not abort on the
-        engines themselves (they hold the API key only: rollmesh.engine.auth); an aborted
-        request answers its partial output, which its trajectory keeps. An engine that does
-        not answer is left out (down, or being restarted: its requests end with it)."""
+        requests are aborted: after `first_s`, then after twice as long each time up to
+        `every_s`, until it is answered. The rollouter cancels its workers' trajectories; a
+        generation a worker sent before its Cancel arrived is cut by a later round. The workers
+        do not abort on the engines themselves (they hold the API key only:
+        rollmesh.engine.auth); an aborted request answers its partial output, which its
+        trajectory keeps. An engine that does not answer is left out (down, or being
+        restarted: its requests end with it)."""
         task = asyncio.ensure_future(pending)
         try:
             wait_s = first_s
             while True:
                 done, _ = await asyncio.wait({task}, timeout=wait_s)
-                wait_s = every_s
                 if done:
                     return task.result()
+                wait_s = min(wait_s * 2, every_s)
                 servers = [s for s in self.servers if s.healthy]
                 answers = await asyncio.gather(
                     *(self._call(s, "POST", "/abort_request", {"rid": "", "abort_all": True},
