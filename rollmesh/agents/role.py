@@ -86,9 +86,9 @@ class AgentWorker:
     async def cancel(self, reason: str, *, final: bool = False) -> None:
         """Stop everything in flight (a sync's generations are aborted by the engines' admin
         key holder who paused rollout, `final` ones dropped here); each loop returns its
-        trajectory as it stands, but for loops that stay on this worker: once their generations are stopped, the rollouter is
-        told they are held (module docstring). `final`: the worker is stopping, every
-        trajectory goes back."""
+        trajectory as it stands, but for loops that stay on this worker: once their
+        generations are stopped, the rollouter is told they are held (module docstring).
+        `final`: the worker is stopping, every trajectory goes back."""
         self.loop_ctx.resumed.clear()  # before `cancelling`: no held call starts again
         if final:
             self.loop_ctx.stopping.set()

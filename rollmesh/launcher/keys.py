@@ -5,9 +5,10 @@ from, which `rollmesh stop` uses) and one for the monitor (`rollmesh.wire.transp
 A host reached over SSH is given the server pair, every public key and the secret keys of
 the role processes placed on it only: a compromised host cannot speak as a role it does not
 run (the trainer, the synchronizer). Likewise the engines' admin key (rollmesh.engine.auth)
-goes only to a host that runs an engine, a trainer or the synchronizer. On one machine, and on a Slurm cluster whose run directory
-is shared, every process can read every key: the identities there keep each role to its own
-messages (a bug, a hostile reward or agent process confined to its role), not a hostile user.
+goes only to a host that runs an engine, a trainer or the synchronizer. On one machine, and on
+a Slurm cluster whose run directory is shared, every process can read every key: the
+identities there keep each role to its own messages (a bug, a hostile reward or agent process
+confined to its role), not a hostile user.
 """
 
 from __future__ import annotations

@@ -475,9 +475,10 @@ def accounted(r) -> bool:
 
 def test_a_sync_during_a_call_is_invisible_to_the_agent(engine, tmp_path):
     """Rollouter Pause (abort mode) while both agents of a group are mid-call: the synchronizer
-    aborts their generations, the worker keeps the trajectories (Held) and the rollouter answers Paused without
-    them, counting them as out; after the Resume each call goes on from its partial tokens under
-    the new version and returns ONE completion with the whole answer."""
+    aborts their generations, the worker keeps the trajectories (Held) and the rollouter
+    answers Paused without them, counting them as out; after the Resume each call goes on from
+    its partial tokens under the new version and returns ONE completion with the whole
+    answer."""
 
     async def body():
         t, r, worker, client = await _stack(engine.url, tmp_path, "long_agent")
