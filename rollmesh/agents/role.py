@@ -32,7 +32,8 @@ from typing import Any
 
 from rollmesh.agents.loops import Interrupted, LoopContext, get_agent_loop, load_agent_loops
 from rollmesh.config import ExperimentConfig, parse_config
-from rollmesh.engine.client import EngineClient, run_api_key
+from rollmesh.engine.auth import EngineKeys
+from rollmesh.engine.client import EngineClient
 from rollmesh.models.lora import ADAPTER_NAME
 from rollmesh.config import AgentWorkerSettings
 from rollmesh.wire.messages import Assign, Cancel, Held, Resume, Returned, Trajectory
@@ -148,7 +149,7 @@ async def main(ctx: RoleContext) -> None:
     # engine.router: /generate goes through the router, the rest to each engine; without one,
     # engine.routing: a trajectory's requests go to its group's engine (affinity) or each to
     # the least loaded; every worker's client picks alike for a group id, without talking
-    async with EngineClient(settings.engines, api_key=run_api_key(ctx.spec.keys_dir),
+    async with EngineClient(settings.engines, api_key=EngineKeys.load(ctx.spec.keys_dir).api,
                             wait_s=exp.rollout.engine_wait_s, router_url=settings.router,
                             routing=exp.engine.routing,
                             # LoRA: every generation names the policy's adapter

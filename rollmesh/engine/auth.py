@@ -135,7 +135,3 @@ def _read(keys_dir: str | None, name: str) -> str | None:
     with open(path) as f:
         return f.read().strip() or None
 
-
-def run_api_key(keys_dir: str | None) -> str | None:
-    """The engine API key (generation) of the run whose keys directory this is."""
-    return _read(keys_dir, API_KEY_FILE)

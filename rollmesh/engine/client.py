@@ -56,8 +56,7 @@ from rollmesh.engine.answers import (  # the errors are the client's API too
     NoHealthyServer, count_of, engine_version, error_message, router_upstream_gone,
     version_number,
 )
-from rollmesh.engine.auth import (  # noqa: F401 - the keys are the client's API too
-    API_KEY_FILE, EngineKeys, key_for, run_api_key)
+from rollmesh.engine.auth import EngineKeys, key_for  # noqa: F401 - EngineKeys: the client's API
 from rollmesh.runtime.log import get_logger
 
 log = get_logger("rollmesh.engine.client")
@@ -548,11 +547,13 @@ class EngineClient:
         await self._call(server, "POST", "/abort_request", body, self.control_timeout_s)
         return True
 
-    async def _all(self, method: str, path: str, body: Any = None,
-                   only_healthy: bool = True) -> list[Any]:
+    async def _all(self, method: str, path: str, body: Any = None, only_healthy: bool = True,
+                   timeout_s: float | None = None, errors: bool = False) -> list[Any]:
+        """The call on every (healthy) server; `errors`: each one's exception in its place."""
         servers = [s for s in self.servers if s.healthy or not only_healthy]
-        return await asyncio.gather(*(self._call(s, method, path, body, self.control_timeout_s)
-                                      for s in servers))
+        return await asyncio.gather(*(self._call(s, method, path, body,
+                                                 timeout_s or self.control_timeout_s)
+                                      for s in servers), return_exceptions=errors)
 
     async def abort_all(self) -> None:
         await self._all("POST", "/abort_request", {"rid": "", "abort_all": True})
@@ -575,14 +576,12 @@ class EngineClient:
                 if done:
                     return task.result()
                 wait_s = min(wait_s * 2, every_s)
-                servers = [s for s in self.servers if s.healthy]
-                answers = await asyncio.gather(
-                    *(self._call(s, "POST", "/abort_request", {"rid": "", "abort_all": True},
-                                 min(self.control_timeout_s, 10.0)) for s in servers),
-                    return_exceptions=True)
-                for s, a in zip(servers, answers):
+                answers = await self._all("POST", "/abort_request",
+                                          {"rid": "", "abort_all": True},
+                                          timeout_s=min(self.control_timeout_s, 10.0), errors=True)
+                for a in answers:
                     if isinstance(a, BaseException):
-                        log.info("abort_all_failed", server=s.url, error=str(a)[:200])
+                        log.info("abort_all_failed", error=str(a)[:200])
         finally:
             if not task.done():
                 task.cancel()

@@ -44,7 +44,8 @@ from typing import Any
 
 from rollmesh.config import ExperimentConfig, parse_config, queue_addresses
 from rollmesh.rollout.data import PromptSource
-from rollmesh.engine.client import EngineClient, run_api_key
+from rollmesh.engine.auth import EngineKeys
+from rollmesh.engine.client import EngineClient
 from rollmesh.mq.client import put_ready
 from rollmesh.config import RolloutSettings
 from rollmesh.wire.messages import (
@@ -382,7 +383,7 @@ async def main(ctx: RoleContext) -> None:
     if r.core.eval.rows and ctx.publisher is not None:
         coros.append(announce_evals(ctx, r.core.eval))
     if settings.engines:  # no new prompt while no engine can generate it
-        coros.append(r.watch_engines(settings.engines, run_api_key(ctx.spec.keys_dir)))
+        coros.append(r.watch_engines(settings.engines, EngineKeys.load(ctx.spec.keys_dir).api))
     tasks = [asyncio.create_task(c) for c in coros]
     backstop = (asyncio.create_task(r.resume_if_forgotten(exp.sync.timeout_s + 10))
                 if r.paused else None)
