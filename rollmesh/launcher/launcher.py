@@ -38,6 +38,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,7 @@ class Launcher:
         # a trainer (re)started from a checkpoint trims metrics.jsonl to it: a remote one's
         # file is then copied whole instead of appended to
         self.mirror_whole = resume
+        self.mirror_lock = threading.Lock()  # the status loop's thread and the final mirror
         self.snapshots: list[Snapshot] = []
 
     # -- set-up --------------------------------------------------------------------------
@@ -743,22 +745,23 @@ class Launcher:
         trainer0 = next(p for p in self.plan if p.proc.role == "trainer")
         if trainer0.host.local:
             return
-        local = self.run_dir / "metrics.jsonl"
-        # after a trainer (re)start from a checkpoint its file was trimmed: copy it whole
-        replace = self.mirror_whole
-        offset = local.stat().st_size if local.exists() and not replace else 0
-        try:
-            new = trainer0.host.read_from(trainer0.config["metrics_path"], offset)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            log.warning("metrics_mirror_failed", host=trainer0.host.name, error=str(e))
-            return
-        whole = new[: new.rfind(b"\n") + 1]
-        if replace:
-            write_atomic(local, whole.decode(), fsync=False)
-            self.mirror_whole = False
-        elif whole:
-            with open(local, "ab") as f:
-                f.write(whole)
+        with self.mirror_lock:  # a cancelled status loop's thread may still be in here
+            local = self.run_dir / "metrics.jsonl"
+            # after a trainer (re)start from a checkpoint its file was trimmed: copy it whole
+            replace = self.mirror_whole
+            offset = local.stat().st_size if local.exists() and not replace else 0
+            try:
+                new = trainer0.host.read_from(trainer0.config["metrics_path"], offset)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                log.warning("metrics_mirror_failed", host=trainer0.host.name, error=str(e))
+                return
+            whole = new[: new.rfind(b"\n") + 1]
+            if replace:
+                write_atomic(local, whole.decode(), fsync=False)
+                self.mirror_whole = False
+            elif whole:
+                with open(local, "ab") as f:
+                    f.write(whole)
 
     def progress(self) -> None:
         """Hand the console where training stands (metrics.jsonl, when it changed)."""
